@@ -1,0 +1,195 @@
+"""The synchronous engine: requests in, one scheduler -> model -> sampler step at a time, deltas out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.config import EngineConfig
+from ferrum.engine.model_runner import ModelRunner
+from ferrum.engine.output_processor import OutputProcessor
+from ferrum.engine.outputs import RequestOutput
+from ferrum.engine.sampler import sample
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.scheduler import Scheduler
+from ferrum.engine.sequence import Sequence, SequenceStatus
+from ferrum.models.loader import load_model
+from ferrum.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the completion)."
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    requests_finished: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.startswith("cpu"):
+        return torch.float32  # exact, and CPU matmuls in reduced precision are not reliably faster
+    return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
+
+
+def kv_cache_budget(config: EngineConfig) -> int:
+    """Bytes for the KV cache: the configured size, else on CPU a fifth of
+    available memory capped at 2 GiB."""
+    if config.kv_cache_memory_gb is not None:
+        return int(config.kv_cache_memory_gb * 2**30)
+    available = _available_memory_bytes()
+    return min(2 * 2**30, available // 5)
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        folder = Path(config.model)
+        started = time.perf_counter()
+        self.tokenizer = tokenizer or Tokenizer.from_folder(folder)
+        from ferrum.models.config import load_model_config
+
+        model_config = load_model_config(folder)
+        dtype = resolve_dtype(config.dtype, model_config.dtype, config.device)
+        self.model, self.model_config = load_model(folder, dtype, config.device)
+        limit = model_config.max_position_embeddings
+        if model_config.sliding_window:
+            limit = min(limit, model_config.sliding_window)  # no sliding-window attention: stay exact
+        self.max_model_len = min(config.max_model_len or limit, limit)
+
+        bytes_per_token = ModelRunner.kv_bytes_per_token(self.model)
+        num_blocks = kv_cache_budget(config) // (bytes_per_token * config.block_size)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len} tokens; raise kv_cache_memory_gb "
+                f"or lower max_model_len"
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.sequences: dict[str, Sequence] = {}
+        self._preemptions = 0
+        self._finished = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        log.info(
+            "engine ready in %.1fs: %s %s on %s, %d KV blocks x %d tokens, max_model_len %d",
+            time.perf_counter() - started, model_config.architecture, dtype, config.device,
+            num_blocks, config.block_size, self.max_model_len,
+        )
+
+    # -- requests -------------------------------------------------------
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens + max_tokens > self.max_model_len or num_prompt_tokens < 1:
+            raise PromptTooLongError(num_prompt_tokens, max_tokens, self.max_model_len)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        self.check_length(len(prompt_token_ids), params.max_tokens)
+        seq = Sequence(request_id, list(prompt_token_ids), params, time.monotonic())
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed % 2**64)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        self._prompt_tokens += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return OutputProcessor.delta(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step -------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self._preemptions += plan.num_preempted
+        if plan.empty:
+            return []
+        logits, seqs = self.runner.execute(list(plan.scheduled))
+        if seqs:
+            self.outputs.append(seqs, sample(logits, seqs))
+            self._generation_tokens += len(seqs)
+        deltas = []
+        for seq in seqs:
+            delta = OutputProcessor.delta(seq)
+            if delta is not None:
+                deltas.append(delta)
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                self.sequences.pop(seq.request_id, None)
+                self._finished += 1
+        return deltas
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.block_manager.num_used,
+            kv_blocks_total=self.block_manager.num_blocks,
+            num_preemptions=self._preemptions,
+            requests_finished=self._finished,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+        )
+
+    # -- offline use ------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Runs prompts to completion; returns the output token ids of each."""
+        ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, params)
+        while self.has_work:
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]

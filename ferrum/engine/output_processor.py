@@ -1,0 +1,85 @@
+"""After sampling: append tokens, detokenize, check stop conditions, build deltas."""
+
+from __future__ import annotations
+
+from ferrum.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
+from ferrum.engine.sampler import SampleResult
+from ferrum.engine.sequence import Sequence, SequenceStatus
+from ferrum.tokenizer import Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+
+    def append(self, seqs: list[Sequence], result: SampleResult) -> None:
+        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+            self._append_token(seq, token, lp)
+
+    def _append_token(self, seq: Sequence, token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> None:
+        p = seq.params
+        seq.output_token_ids.append(token)
+        if lp is not None:
+            top = tuple(TopLogprob(i, self.tokenizer.id_to_token_text(i), v) for i, v in lp[1])
+            seq.pending_logprobs.append(TokenLogprob(token, self.tokenizer.id_to_token_text(token), lp[0], top))
+
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self._finish(seq, "stop")
+            return
+        if seq.decoder is None:
+            seq.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=p.skip_special_tokens)
+        new_text = seq.decoder.step(token)
+        if new_text:
+            seq.output_text += new_text
+            if p.stop and self._truncate_at_stop(seq, len(new_text)):
+                self._finish(seq, "stop")
+                return
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence, new_len: int) -> bool:
+        text, p = seq.output_text, seq.params
+        longest = max(len(s) for s in p.stop)
+        search_from = max(0, len(text) - new_len - longest + 1)
+        hits = [(text.find(s, search_from), s) for s in p.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        seq.output_text = text[: index + len(stop)] if p.include_stop_str_in_output else text[:index]
+        return True
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason  # type: ignore[assignment]
+
+    @staticmethod
+    def delta(seq: Sequence) -> RequestOutput | None:
+        """What is new for the client since the last delta; None when nothing is."""
+        text_end = len(seq.output_text)
+        if not seq.is_finished and seq.params.stop:
+            # hold back what could still turn out to be the start of a stop string
+            text_end -= max(len(s) for s in seq.params.stop) - 1
+        text_end = max(text_end, seq.num_text_sent)
+        new_text = seq.output_text[seq.num_text_sent : text_end]
+        new_tokens = tuple(seq.output_token_ids[seq.num_tokens_sent :])
+        if not new_text and not new_tokens and not seq.is_finished:
+            return None
+        logprobs = tuple(seq.pending_logprobs) if seq.params.logprobs is not None else None
+        seq.pending_logprobs = []
+        seq.num_text_sent = text_end
+        seq.num_tokens_sent = len(seq.output_token_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_text=new_text,
+            new_token_ids=new_tokens,
+            new_logprobs=logprobs,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+        )

@@ -1,0 +1,117 @@
+"""Turns a step's logits into one token per sequence, with logprobs when asked.
+
+Logprobs are those of the model's raw distribution (before penalties and
+temperature), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferrum.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    # per sequence: (chosen logprob, [(top id, top logprob), ...]) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    """logits: [B, V] float32, one row per sequence in `seqs`."""
+    params = [s.params for s in seqs]
+    want_logprobs = any(p.logprobs is not None for p in params)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+    logits = _apply_penalties(logits, seqs)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    token_ids = torch.empty(len(seqs), dtype=torch.long)
+    if greedy_rows:
+        idx = torch.tensor(greedy_rows)
+        token_ids[idx] = logits[idx].argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        idx = torch.tensor(sampled_rows)
+        probs = _filtered_probs(logits[idx], [params[i] for i in sampled_rows])
+        token_ids[idx] = _draw(probs, [seqs[i].generator for i in sampled_rows])
+
+    chosen = token_ids.tolist()
+    logprob_out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
+    if raw_logprobs is not None:
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            row = raw_logprobs[i]
+            top: list[tuple[int, float]] = []
+            if p.logprobs > 0:
+                values, ids = row.topk(p.logprobs)
+                top = list(zip(ids.tolist(), values.tolist()))
+            logprob_out[i] = (float(row[chosen[i]]), top)
+    return SampleResult(chosen, logprob_out)
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    rows = [
+        i
+        for i, s in enumerate(seqs)
+        if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+    ]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in rows:
+        p, seq = seqs[i].params, seqs[i]
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(seq.prompt_token_ids + seq.output_token_ids, dtype=torch.long).unique()
+            seen = seen[seen < vocab]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long)
+            out = out[out < vocab]
+            counts = torch.zeros(vocab, dtype=logits.dtype).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    top_ks = [p.top_k for p in params]
+    if any(k > 0 for k in top_ks):
+        vocab = logits.shape[1]
+        ks = torch.tensor([k if k > 0 else vocab for k in top_ks]).clamp(max=vocab)
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+        kth = sorted_logits.gather(1, (ks - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    top_ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+    if bool((top_ps < 1.0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the mass before it already reaches top_p (always keep the first)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_ps.unsqueeze(1)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    if bool((min_ps > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        idx = torch.tensor(unseeded)
+        out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=g).item()
+    return out

@@ -1,0 +1,73 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is two tensors of shape [num_slots, num_kv_heads, head_dim]
+(num_slots = num_blocks * block_size); a token's slot is
+block_table[pos // block_size] * block_size + pos % block_size.
+
+A step's tokens are packed: first one token per decoding sequence, then the new
+tokens of each prefilling sequence (whole prompts or chunks of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    start: int  # first row of this sequence's tokens in the packed batch
+    length: int  # new tokens this step
+    past: int  # tokens already in the cache before this step
+    context_slots: torch.Tensor | None  # [past + length] slots, None when past == 0
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [num_decode, max_context] slots to read, padded
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] True where a slot is real
+    prefills: tuple[PrefillSegment, ...]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D]. Writes k, v to the cache and returns [T, H, D]."""
+    k_cache.index_copy_(0, batch.slot_mapping, k)
+    v_cache.index_copy_(0, batch.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+
+    n = batch.num_decode
+    if n:
+        qd = q[:n].unsqueeze(2)  # [n, H, 1, D]
+        kd = k_cache[batch.decode_slots].transpose(1, 2)  # [n, KV, L, D]
+        vd = v_cache[batch.decode_slots].transpose(1, 2)
+        out[:n] = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=gqa
+        ).squeeze(2)
+
+    for seg in batch.prefills:
+        rows = slice(seg.start, seg.start + seg.length)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seg.context_slots is None:
+            ks = k[rows].transpose(0, 1).unsqueeze(0)
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        else:
+            ks = k_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)  # [1, KV, past+n, D]
+            vs = v_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)
+            # query i sits at position past+i and sees keys 0..past+i
+            mask = torch.ones(seg.length, seg.past + seg.length, dtype=torch.bool, device=q.device).tril(seg.past)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    return out

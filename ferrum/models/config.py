@@ -1,0 +1,136 @@
+"""The model's shape and numerics, read from an HF `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ModelConfigError(ValueError):
+    """config.json is missing, unreadable, or describes something Ferrum cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    mlp_bias: bool
+    dtype: torch.dtype  # the checkpoint's dtype
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _rope_from(raw: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ModelConfigError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _int_list(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def load_model_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelConfigError(f"{path}: not found; a model folder needs config.json") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"{path}: cannot be read as JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object")
+    raw = {**raw.get("text_config", {}), **raw} if "text_config" in raw else raw
+
+    from ferrum.models.registry import resolve_architecture  # avoid an import cycle
+
+    architecture = resolve_architecture(raw, path)
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from(raw),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            dtype=_DTYPES.get(str(dtype_name), torch.float32),
+            sliding_window=int(sliding) if sliding else None,
+            eos_token_ids=_int_list(raw.get("eos_token_id")),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+    except KeyError as exc:
+        raise ModelConfigError(f"{path}: missing required field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ModelConfigError(f"{path}: bad value: {exc}") from None

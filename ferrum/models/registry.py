@@ -1,0 +1,40 @@
+"""Which HF architectures Ferrum runs, and the model class for each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Every entry is a Llama-family decoder; the differences are flags in ModelConfig
+# (q/k/v bias for Qwen2, per-head q/k norm for Qwen3).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def resolve_architecture(raw_config: dict[str, Any], path: Path) -> str:
+    names = list(raw_config.get("architectures") or [])
+    if not names and raw_config.get("model_type") in _MODEL_TYPES:
+        names = [_MODEL_TYPES[raw_config["model_type"]]]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    found = ", ".join(names) or f"model_type={raw_config.get('model_type')!r}"
+    raise UnsupportedArchitectureError(
+        f"{path}: architecture {found} is not supported; "
+        f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
