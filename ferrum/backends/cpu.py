@@ -1,0 +1,223 @@
+"""The torch CPU backend, with capabilities probed from the machine it runs on.
+
+Limits are derived from total memory (the machine's, or the cgroup's if lower) with one simple
+formula, so they stay the same from call to call:
+
+    kv_token_budget     = (total_memory_bytes * KV_CACHE_MEMORY_FRACTION) // ASSUMED_KV_BYTES_PER_TOKEN
+    max_sequence_length = clamp(kv_token_budget, 1, MAX_SEQUENCE_LENGTH_CAP)
+    max_batch_size      = clamp(kv_token_budget // TOKENS_PER_BATCH_SLOT, 1, MAX_BATCH_SIZE_CAP)
+
+i.e. a quarter of RAM is set aside for the paged KV cache at a nominal 128 KiB per token (a
+small model's fp32 KV entries), and every slot of a full batch gets at least 1024 tokens of it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ferrum.backends.base import ComputeBackend
+from ferrum.backends.capabilities import BackendCapabilities
+
+KV_CACHE_MEMORY_FRACTION = 0.25
+ASSUMED_KV_BYTES_PER_TOKEN = 128 * 1024
+TOKENS_PER_BATCH_SLOT = 1024
+MAX_SEQUENCE_LENGTH_CAP = 131_072
+MAX_BATCH_SIZE_CAP = 256
+CPU_MEMORY_ALIGNMENT = 64  # one cache line
+
+PROBED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+REPORTED_CPU_FLAGS: tuple[str, ...] = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "amx_fp16",
+)
+
+MEMINFO_PATH = Path("/proc/meminfo")
+CPUINFO_PATH = Path("/proc/cpuinfo")
+STATM_PATH = Path("/proc/self/statm")
+CGROUP_DIR = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class SystemMemory:
+    total_bytes: int
+    available_bytes: int
+
+
+def read_meminfo(path: Path = MEMINFO_PATH) -> SystemMemory | None:
+    """Total and available memory from /proc/meminfo; None if it is missing or unreadable."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    kibibytes: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            kibibytes[key.strip()] = int(parts[0])
+    if "MemTotal" not in kibibytes:
+        return None
+    available = kibibytes.get("MemAvailable", kibibytes.get("MemFree", 0))
+    return SystemMemory(total_bytes=kibibytes["MemTotal"] * 1024, available_bytes=available * 1024)
+
+
+def read_sysconf_memory() -> SystemMemory | None:
+    """Total and available memory from os.sysconf; None where the platform lacks those names."""
+    try:
+        page_size = os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * page_size
+        available = os.sysconf("SC_AVPHYS_PAGES") * page_size
+    except (ValueError, OSError, AttributeError):
+        return None
+    return SystemMemory(total_bytes=total, available_bytes=available) if total > 0 else None
+
+
+def apply_cgroup_limit(memory: SystemMemory, cgroup_dir: Path = CGROUP_DIR) -> SystemMemory:
+    """Lower `memory` to a cgroup v2 memory limit (memory.max, memory.current) when one is set."""
+    try:
+        limit_text = (cgroup_dir / "memory.max").read_text().strip()
+    except OSError:
+        return memory
+    if not limit_text.isdigit():  # "max": no limit
+        return memory
+    limit = int(limit_text)
+    try:
+        in_use = int((cgroup_dir / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        in_use = 0
+    total = min(memory.total_bytes, limit)
+    available = max(0, min(memory.available_bytes, limit - in_use, total))
+    return SystemMemory(total_bytes=total, available_bytes=available)
+
+
+def probe_system_memory() -> SystemMemory:
+    """This machine's memory: /proc/meminfo, else os.sysconf, lowered to any cgroup limit."""
+    memory = read_meminfo() or read_sysconf_memory()
+    if memory is None:
+        raise RuntimeError("cannot determine system memory: no /proc/meminfo and no os.sysconf page counts")
+    memory = apply_cgroup_limit(memory)
+    return SystemMemory(memory.total_bytes, min(memory.available_bytes, memory.total_bytes))
+
+
+def process_resident_bytes(statm_path: Path = STATM_PATH) -> int:
+    """This process's resident set size; falls back to the peak RSS where /proc is missing."""
+    try:
+        resident_pages = int(statm_path.read_text().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kibibytes on Linux
+
+
+def usable_core_count() -> int:
+    """Cores this process may run on (its affinity mask), not all cores of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def read_cpu_flags(path: Path = CPUINFO_PATH) -> frozenset[str]:
+    """The feature flags of the first processor in /proc/cpuinfo; empty if unavailable."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def matmul_works(dtype: torch.dtype) -> bool:
+    """Whether a tiny matmul in `dtype` runs on this CPU and gives the right answer."""
+    try:
+        ones = torch.ones(4, 4, dtype=dtype)
+        product = ones @ ones
+        return bool((product.to(torch.float32) == 4.0).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def limits_from_memory(total_memory_bytes: int) -> tuple[int, int]:
+    """(max_batch_size, max_sequence_length) by the formula in this module's docstring."""
+    kv_token_budget = int(total_memory_bytes * KV_CACHE_MEMORY_FRACTION) // ASSUMED_KV_BYTES_PER_TOKEN
+    max_sequence_length = min(max(kv_token_budget, 1), MAX_SEQUENCE_LENGTH_CAP)
+    max_batch_size = min(max(kv_token_budget // TOKENS_PER_BATCH_SLOT, 1), MAX_BATCH_SIZE_CAP)
+    return max_batch_size, max_sequence_length
+
+
+class CPUBackend(ComputeBackend):
+    """Runs on the host CPU through torch. Dtypes and CPU features are probed once, at construction;
+    memory is read again on every `capabilities()` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._supported_dtypes = frozenset(dtype for dtype in PROBED_DTYPES if matmul_works(dtype))
+        self._core_count = usable_core_count()
+        self._cpu_capability = torch.backends.cpu.get_cpu_capability()
+        cpu_flags = read_cpu_flags()
+        self._reported_cpu_flags = tuple(flag for flag in REPORTED_CPU_FLAGS if flag in cpu_flags)
+
+    @property
+    def name(self) -> str:
+        return "cpu"
+
+    @property
+    def kind(self) -> str:
+        return "cpu"
+
+    @property
+    def core_count(self) -> int:
+        return self._core_count
+
+    def capabilities(self) -> BackendCapabilities:
+        memory = probe_system_memory()
+        max_batch_size, max_sequence_length = limits_from_memory(memory.total_bytes)
+        return BackendCapabilities(
+            supported_dtypes=self._supported_dtypes,
+            devices=("cpu",),
+            max_batch_size=max_batch_size,
+            max_sequence_length=max_sequence_length,
+            supports_fp16=torch.float16 in self._supported_dtypes,
+            supports_bf16=torch.bfloat16 in self._supported_dtypes,
+            supports_int8=torch.int8 in self._supported_dtypes,
+            flash_attention=False,
+            paged_attention=True,  # the engine pages its KV cache on every backend
+            cuda_graphs=False,
+            memory_alignment=CPU_MEMORY_ALIGNMENT,
+            total_memory_bytes=memory.total_bytes,
+            free_memory_bytes=memory.available_bytes,
+            extras={
+                "cores": self._core_count,
+                "cpu_capability": self._cpu_capability,
+                "cpu_flags": self._reported_cpu_flags,
+            },
+        )
+
+    def version(self) -> str:
+        return f"torch {torch.__version__}"
+
+    def memory_in_use_bytes(self) -> int:
+        return process_resident_bytes()
+
+    async def _prepare_device(self, device: str) -> None:
+        torch.set_num_threads(self._core_count)
+
+    async def synchronize(self, device: str) -> None:
+        """CPU work is synchronous, so there is nothing to wait for; only the device is checked."""
+        if not self.supports_device(device):
+            raise ValueError(f"backend cpu does not serve device {device!r}")
