@@ -50,8 +50,8 @@ def paged_attention(
     n = batch.num_decode
     if n:
         qd = q[:n].unsqueeze(2)  # [n, H, 1, D]
-        kd = k_cache[batch.decode_slots].transpose(1, 2)  # [n, KV, L, D]
-        vd = v_cache[batch.decode_slots].transpose(1, 2)
+        kd = _gather(k_cache, batch.decode_slots).transpose(1, 2)  # [n, KV, L, D]
+        vd = _gather(v_cache, batch.decode_slots).transpose(1, 2)
         out[:n] = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=gqa
         ).squeeze(2)
@@ -64,10 +64,15 @@ def paged_attention(
             vs = v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            ks = k_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)  # [1, KV, past+n, D]
-            vs = v_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)
+            ks = _gather(k_cache, seg.context_slots).transpose(0, 1).unsqueeze(0)  # [1, KV, past+n, D]
+            vs = _gather(v_cache, seg.context_slots).transpose(0, 1).unsqueeze(0)
             # query i sits at position past+i and sees keys 0..past+i
             mask = torch.ones(seg.length, seg.past + seg.length, dtype=torch.bool, device=q.device).tril(seg.past)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slots of any shape; index_select is far faster than advanced indexing on CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])

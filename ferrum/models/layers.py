@@ -53,13 +53,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_table", emb.cos(), persistent=False)
         self.register_buffer("sin_table", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, KV, D], positions: [T]
-        cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads."""
+        cos = self.cos_table.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin_table.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,14 @@ from torch import nn
 
 from ferrum.models.attention import AttentionBatch, paged_attention
 from ferrum.models.config import ModelConfig
-from ferrum.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from ferrum.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -26,34 +27,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = rotary
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, batch: AttentionBatch
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, cache[0], cache[1], batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, batch: AttentionBatch
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, batch)
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -61,9 +57,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -78,8 +74,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, cache, batch)
+            x = layer(x, rope, cache, batch)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors import SafetensorError
 
 from ferrum.models.config import ModelConfig, load_model_config
+from ferrum.models.layers import RotaryEmbedding
 from ferrum.models.llama import LlamaForCausalLM
 
 
@@ -101,20 +102,11 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu") -> t
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
-    # buffers (rope tables) were on meta: rebuild them for real
-    _rebuild_buffers(model, config, device)
+    # the rope tables were built on meta: build them for real, in float32
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
     load_weights(model, folder)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval()
     return model, config
 
-
-def _rebuild_buffers(model: LlamaForCausalLM, config: ModelConfig, device: str) -> None:
-    from ferrum.models.layers import RotaryEmbedding
-
-    fresh = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
-    rotary = model.layers[0].self_attn.rotary if len(model.layers) else None
-    if rotary is not None:
-        rotary.cos_table = fresh.cos_table
-        rotary.sin_table = fresh.sin_table
