@@ -18,6 +18,7 @@ from ferrum.engine.sampler import sample
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Sequence, SequenceStatus
+from ferrum.models.config import load_model_config
 from ferrum.models.loader import load_model
 from ferrum.tokenizer import Tokenizer
 
@@ -80,10 +81,8 @@ class LLMEngine:
         self.config = config
         folder = Path(config.model)
         started = time.perf_counter()
+        model_config = load_model_config(folder)  # first: names an unsupported architecture early
         self.tokenizer = tokenizer or Tokenizer.from_folder(folder)
-        from ferrum.models.config import load_model_config
-
-        model_config = load_model_config(folder)
         dtype = resolve_dtype(config.dtype, model_config.dtype, config.device)
         self.model, self.model_config = load_model(folder, dtype, config.device)
         limit = model_config.max_position_embeddings

@@ -34,7 +34,10 @@ async def build_engine(config: ServerConfig) -> AsyncEngine:
         )
     engine_config = config.engine_config(device)
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(None, LLMEngine, engine_config)
+    try:
+        engine = await loop.run_in_executor(None, LLMEngine, engine_config)
+    except (OSError, ValueError) as exc:  # unreadable or invalid model files: the message names the file
+        raise StartupError(f"cannot load the model from {folder}: {exc}") from exc
     return AsyncEngine(engine)
 
 
