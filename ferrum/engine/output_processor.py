@@ -25,19 +25,24 @@ class OutputProcessor:
             top = tuple(TopLogprob(i, self.tokenizer.id_to_token_text(i), v) for i, v in lp[1])
             seq.pending_logprobs.append(TokenLogprob(token, self.tokenizer.id_to_token_text(token), lp[0], top))
 
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self._finish(seq, "stop")
-            return
         if seq.decoder is None:
             seq.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=p.skip_special_tokens)
-        new_text = seq.decoder.step(token)
-        if new_text:
-            seq.output_text += new_text
-            if p.stop and self._truncate_at_stop(seq, len(new_text)):
-                self._finish(seq, "stop")
-                return
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self._add_text(seq, seq.decoder.flush())  # the stop token's own text is not output
+            self._finish(seq, "stop")
+            return
+        if self._add_text(seq, seq.decoder.step(token)):
+            self._finish(seq, "stop")
+            return
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length")
+            self._finish(seq, "stop" if self._add_text(seq, seq.decoder.flush()) else "length")
+
+    def _add_text(self, seq: Sequence, text: str) -> bool:
+        """Appends decoded text; True when a stop string turned up (the text is then cut there)."""
+        if not text:
+            return False
+        seq.output_text += text
+        return bool(seq.params.stop) and self._truncate_at_stop(seq, len(text))
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, new_len: int) -> bool:
