@@ -1,0 +1,409 @@
+"""The OpenAI-compatible wire format: request bodies (validated) and response bodies (serialized).
+
+Request models check shapes only, with messages that name the field; value ranges are checked by
+SamplingParams, and features the server lacks are refused by `unsupported()`, both as 400 errors.
+Unknown fields are ignored, and a missing `model` means the served model (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from ferrum.engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+MAX_N = 128
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- requests -----------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints accept for sampling and stopping."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("must be a string or a list of strings")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def common_unsupported(self) -> tuple[str, str] | None:
+        """(message, param) for a feature the server does not have, else None."""
+        if self.best_of is not None and self.best_of != self.n:
+            return (
+                f"best_of must equal n (got best_of={self.best_of}, n={self.n}); best_of > n is unsupported",
+                "best_of",
+            )
+        if self.logit_bias:
+            return "logit_bias is not supported", "logit_bias"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options is only allowed when stream is true", "stream_options"
+        return None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Raises SamplingParamsError for out-of-range values."""
+        given: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        values = {k: v for k, v in given.items() if v is not None}
+        return SamplingParams(
+            max_tokens=max_tokens,
+            stop=self.stop_strings(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            **values,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        shape = "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(shape)
+        if not value:
+            raise ValueError("must not be empty")
+        if all(isinstance(p, str) for p in value) or all(_is_int(t) for t in value):
+            return value
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
+            if not all(value):
+                raise ValueError("token-id lists must not be empty")
+            return value
+        raise ValueError(shape)
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """One entry per prompt: texts, or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, str) for x in p):
+            return [x for x in p if isinstance(x, str)]
+        if all(_is_int(x) for x in p):
+            return [[x for x in p if isinstance(x, int)]]
+        return [x for x in p if isinstance(x, list)]
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.suffix is not None:
+            return "suffix is not supported", "suffix"
+        if self.echo and self.logprobs is not None:
+            return "echo together with logprobs is not supported (prompt logprobs are not computed)", "echo"
+        return self.common_unsupported()
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of content parts")
+        for i, part in enumerate(value):
+            if not isinstance(part, dict):
+                raise ValueError(f"part {i} must be an object like {{'type': 'text', 'text': '...'}}")
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"part {i} has type {kind!r}; only 'text' content parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} needs a string 'text'")
+        return value
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content as one string."""
+        out: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            out["content"] = "\n".join(part.text for part in self.content)
+        else:
+            out["content"] = self.content
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "self"})
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs requires logprobs to be true", "top_logprobs"
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= SamplingParams.MAX_LOGPROBS:
+            return (
+                f"top_logprobs must be between 0 and {SamplingParams.MAX_LOGPROBS}, got {self.top_logprobs}",
+                "top_logprobs",
+            )
+        if self.response_format is not None and self.response_format.type != "text":
+            return (
+                f"response_format type {self.response_format.type!r} is not supported; only 'text' is",
+                "response_format",
+            )
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice other than 'none' or 'auto' is not supported", "tool_choice"
+        reserved = _RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or {})
+        if reserved:
+            return f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs"
+        return self.common_unsupported()
+
+
+# -- responses ----------------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """A streamed piece of the message; absent fields are left out, not sent as null."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="plain")
+    def _without_nulls(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ferrum"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
