@@ -678,7 +678,7 @@ def test_incremental_decoder_flushes_a_split_character(tok: Tokenizer) -> None:
 
 def test_incremental_decoder_without_decode_stream(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     class Broken:
-        def __init__(self, skip_special_tokens: bool) -> None:
+        def __init__(self, ids: list[int] | None = None, skip_special_tokens: bool = False) -> None:
             pass
 
         def step(self, tokenizer: object, token_id: int) -> str:
@@ -689,6 +689,228 @@ def test_incremental_decoder_without_decode_stream(tok: Tokenizer, monkeypatch: 
     pieces, tail = streamed(tok.incremental_decoder(), ids)
     assert "".join(pieces) + tail == tok.decode(ids)
     assert not any("\ufffd" in piece for piece in pieces)
+
+
+# --- incremental decoding after the prompt ------------------------------------------------------
+
+SP_WORDS = "The capital of France is Paris . , ! ? a an the in on to and Hello world café".split()
+# The last units are not in the vocab: they are encoded as byte-fallback tokens.
+SP_UNITS = [*SP_WORDS, "你", "好", "日本", "👋🏽", "Ω", "ñ", "🇫🇷"]
+SP_KINDS = ("metaspace", "metaspace_bytes", "llama")
+
+
+def sentencepiece_tokenizer_json(path: Path, kind: str) -> None:
+    """A small SentencePiece-style tokenizer.json: a Unigram model with byte fallback, "▁" for spaces.
+
+    kind "metaspace": Metaspace pre-tokenizer and decoder (byte tokens decode as their names);
+    "metaspace_bytes": the same with a ByteFallback decoder first; "llama": as Llama 2 and Mistral
+    tokenizer.json files have it, a Prepend("▁") + Replace normalizer and a
+    Replace / ByteFallback / Fuse / Strip decoder, which drops the first char of the text.
+    """
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{b:02X}>", 0.0) for b in range(256)]
+    pieces += [("▁" + w, -5.0) for w in SP_WORDS] + [(w, -6.0) for w in SP_WORDS] + [("▁", -3.0)]
+    pieces += [(c, -10.0) for c in sorted(set("".join(SP_WORDS)))]
+    raw = RawTokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    if kind == "llama":
+        raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        raw.decoder = decoders.Sequence(
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+    else:
+        raw.pre_tokenizer = pre_tokenizers.Metaspace()
+        metaspace = decoders.Metaspace()
+        with_bytes = decoders.Sequence([decoders.ByteFallback(), metaspace])
+        raw.decoder = with_bytes if kind == "metaspace_bytes" else metaspace
+    raw.add_special_tokens(["<unk>", "<s>", "</s>"])
+    raw.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
+    tokenizers_by_kind = {}
+    for kind in SP_KINDS:
+        folder = tmp_path_factory.mktemp(kind)
+        sentencepiece_tokenizer_json(folder / "tokenizer.json", kind)
+        config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        tokenizers_by_kind[kind] = Tokenizer.from_folder(folder)
+    return tokenizers_by_kind
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    size = 0
+    while size < min(len(a), len(b)) and a[size] == b[size]:
+        size += 1
+    return size
+
+
+def check_after_prompt(tok: Tokenizer, prompt: list[int], generated: list[int], skip: bool) -> bool:
+    """Stream `generated` after `prompt`; check the text is what `generated` adds to decode(prompt).
+
+    That is decode(P + G)[len(decode(P)):] when decode(P) is a prefix of decode(P + G) (returns True
+    then). Otherwise the prompt ends inside a character that G completes or changes: the output is
+    decode(P + G) past the part it shares with decode(P). Pieces are never taken back.
+    """
+    decoder = tok.incremental_decoder(skip_special_tokens=skip, prompt_token_ids=prompt)
+    pieces, tail = streamed(decoder, generated)
+    before, whole = tok.decode(prompt, skip), tok.decode(prompt + generated, skip)
+    applies = whole.startswith(before)
+    expected = whole[len(before) :] if applies else whole[common_prefix_len(before, whole) :]
+    assert "".join(pieces) + tail == expected, (prompt, generated, skip)
+    assert len(decoder.context_ids) <= 24 and tuple(prompt[len(prompt) - len(decoder.context_ids) :]) == (
+        decoder.context_ids
+    )
+    return applies
+
+
+@pytest.mark.parametrize("kind", SP_KINDS)
+def test_first_generated_token_keeps_its_space(sp: dict[str, Tokenizer], kind: str) -> None:
+    tok = sp[kind]
+    ids = tok.encode("The capital of France is Paris. 你好")
+    paris = ids.index(tok.token_to_id("▁Paris"))
+    prompt, generated = ids[:paris], ids[paris:]
+    assert prompt[0] == tok.bos_token_id and tok.decode(prompt) == "The capital of France is"
+    added = tok.decode(ids)[len(tok.decode(prompt)) :]
+    assert added.startswith(" Paris.")
+    # Without the prompt "▁Paris" is the first token of the text and its space is dropped (the old bug).
+    pieces, tail = streamed(tok.incremental_decoder(), generated)
+    assert pieces[0] == "Paris"
+    assert "".join(pieces) + tail == tok.decode(generated) == added[1:]
+    # After the prompt it keeps it: the text is what the tokens add to the prompt's.
+    pieces, tail = streamed(tok.incremental_decoder(prompt_token_ids=prompt), generated)
+    assert pieces[:2] == [" Paris", "."]
+    assert "".join(pieces) + tail == added
+    assert tok.decode(prompt) + "".join(pieces) + tail == tok.decode(ids)
+    if kind != "metaspace":  # byte fallback: "你好" is six byte tokens, shown once each character is whole
+        assert added == " Paris. 你好" and tail == ""
+        assert [piece for piece in pieces if piece] == [" Paris", ".", " ", "你", "好"]
+
+
+@pytest.mark.parametrize("model", ["demo", "metaspace"])
+def test_incremental_decoder_after_random_prompts(
+    tok: Tokenizer, sp: dict[str, Tokenizer], model: str
+) -> None:
+    """Random ids on decoders whose text only grows (byte-level BPE, Metaspace): the invariant holds for
+    any prompt and generated ids. Half the ids are special or split a character, so that prompts end
+    inside characters and between special tokens."""
+    tokenizer = tok if model == "demo" else sp[model]
+    vocab = range(tokenizer.vocab_size)
+    odd = [i for i in vocab if "\ufffd" in tokenizer.decode([i], skip_special_tokens=False)]
+    odd += sorted(tokenizer.special_token_ids)
+    rng = random.Random(7)
+
+    def pick() -> int:
+        return rng.choice(odd) if rng.random() < 0.5 else rng.randrange(tokenizer.vocab_size)
+
+    applied = 0
+    for _ in range(400):
+        prompt = [pick() for _ in range(rng.choice([0, 1, 3, 8, 30]))]
+        generated = [pick() for _ in range(rng.randint(0, 8))]
+        for skip in (True, False):
+            applied += check_after_prompt(tokenizer, prompt, generated, skip)
+    assert applied > 400  # most cases are under the invariant (not prompts that end mid-character)
+    if model == "demo":
+        assert applied < 800  # and some are not
+
+
+@pytest.mark.parametrize("kind", SP_KINDS)
+def test_incremental_decoder_after_prompt_split_anywhere(sp: dict[str, Tokenizer], kind: str) -> None:
+    """Real text cut at any id, inside byte-fallback characters too; pieces are never half a character.
+    (Random ids are no test for byte fallback: a run of byte tokens decodes as a whole, so appending
+    an invalid byte turns text already shown into U+FFFD, and no stream can take it back.)"""
+    tokenizer = sp[kind]
+    rng = random.Random(8)
+    for _ in range(300):
+        text = "".join(rng.choice(["", " ", "  "]) + rng.choice(SP_UNITS) for _ in range(rng.randint(1, 10)))
+        ids = tokenizer.encode(text) + ([2] if rng.random() < 0.3 else [])
+        cut = rng.randint(0, len(ids))
+        for skip in (True, False):
+            check_after_prompt(tokenizer, ids[:cut], ids[cut:], skip)
+            pieces, _ = streamed(tokenizer.incremental_decoder(skip, prompt_token_ids=ids[:cut]), ids[cut:])
+            assert not any("\ufffd" in piece for piece in pieces), (text, cut)
+
+
+def test_prompt_ending_inside_a_character(tok: Tokenizer, sp: dict[str, Tokenizer]) -> None:
+    ids = tok.encode("ok 👋")
+    prompt = ids[:-1]
+    assert tok.decode(prompt) == "ok \ufffd"
+    pieces, tail = streamed(tok.incremental_decoder(prompt_token_ids=prompt), ids[-1:])
+    assert (pieces, tail) == (["👋"], "")  # the emoji the last byte completes, whole
+    a = tok.encode("a")
+    assert tok.decode(prompt + a) == "ok \ufffda"
+    pieces, tail = streamed(tok.incremental_decoder(prompt_token_ids=prompt), a)
+    assert "".join(pieces) + tail == "a"  # the prompt's broken character is not output again
+    pieces, tail = streamed(tok.incremental_decoder(prompt_token_ids=prompt), [])
+    assert (pieces, tail) == ([], "")
+
+    llama = sp["llama"]
+    ids = llama.encode("Paris 你")
+    assert llama.decode(ids[:-1]) == "Paris \ufffd\ufffd"  # two of the three byte tokens
+    for cut in (1, 2, 3):  # the prompt ends after 2, 1 or 0 of its bytes
+        pieces, tail = streamed(llama.incremental_decoder(prompt_token_ids=ids[:-cut]), ids[-cut:])
+        assert ([piece for piece in pieces if piece], tail) == (["你"], "")
+        check_after_prompt(llama, ids[:-cut], ids[-cut:], skip=True)
+
+
+def test_long_prompt_keeps_only_a_tail(tok: Tokenizer, sp: dict[str, Tokenizer]) -> None:
+    prompt = tok.encode("The capital of France is Paris. " * 200 + "And of Italy it is")
+    generated = tok.encode(" Rome.", add_special_tokens=False)
+    decoder = tok.incremental_decoder(prompt_token_ids=prompt)
+    assert decoder.context_ids == tuple(prompt[-6:])
+    assert "".join(decoder.step(token_id) for token_id in generated) + decoder.flush() == " Rome."
+
+    # Six ids would start inside a byte-fallback character ("你好Ω": 3 + 3 + 2 byte tokens); the
+    # context grows to start on a whole one, or "日", continuing the same run of bytes, would come out
+    # as U+FFFD.
+    llama = sp["llama"]
+    ids = llama.encode("Paris 你好Ω日")
+    prompt, generated = ids[:-3], ids[-3:]
+    assert llama.decode(prompt[-6:]).startswith("\ufffd")
+    decoder = llama.incremental_decoder(prompt_token_ids=prompt)
+    assert decoder.context_ids == tuple(prompt[-8:])
+    assert "".join(decoder.step(token_id) for token_id in generated) + decoder.flush() == "日"
+    assert check_after_prompt(llama, prompt, generated, skip=True)
+
+
+def test_incremental_decoder_after_prompt_without_decode_stream(
+    tok: Tokenizer, sp: dict[str, Tokenizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode-everything fallback and a DecodeStream without `ids` (tokenizers < 0.22) agree."""
+    from tokenizers.decoders import DecodeStream
+
+    def without_ids(skip_special_tokens: bool = False, **kwargs: Any) -> DecodeStream:
+        if kwargs:
+            raise TypeError("DecodeStream() got an unexpected keyword argument")
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    class Broken:
+        def __init__(self, ids: list[int] | None = None, skip_special_tokens: bool = False) -> None:
+            pass
+
+        def step(self, tokenizer: object, token_id: int) -> str:
+            raise RuntimeError("invalid prefix")
+
+    rng = random.Random(9)
+    for stand_in in (without_ids, Broken):
+        monkeypatch.setattr("ferrum.tokenizer.incremental.DecodeStream", stand_in)
+        llama_texts = ["The capital of France is Paris. 你好 👋🏽 café"]
+        for tokenizer, texts in ((tok, STREAM_TEXTS), (sp["llama"], llama_texts)):
+            for text in texts:
+                ids = tokenizer.encode(text)
+                for cut in sorted({0, 1, len(ids) // 2, len(ids) - 1, *rng.sample(range(len(ids)), 3)}):
+                    for skip in (True, False):
+                        check_after_prompt(tokenizer, ids[:cut], ids[cut:], skip)
+        ids = sp["metaspace"].encode("The capital of France is Paris.")
+        pieces, _ = streamed(sp["metaspace"].incremental_decoder(prompt_token_ids=ids[:6]), ids[6:])
+        assert pieces[0] == " Paris"
 
 
 # --- clean_up_tokenization_spaces (a non-BPE tokenizer) ------------------------------------------

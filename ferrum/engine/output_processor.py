@@ -26,7 +26,9 @@ class OutputProcessor:
             seq.pending_logprobs.append(TokenLogprob(token, self.tokenizer.id_to_token_text(token), lp[0], top))
 
         if seq.decoder is None:
-            seq.decoder = self.tokenizer.incremental_decoder(skip_special_tokens=p.skip_special_tokens)
+            seq.decoder = self.tokenizer.incremental_decoder(
+                skip_special_tokens=p.skip_special_tokens, prompt_token_ids=seq.prompt_token_ids
+            )
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self._add_text(seq, seq.decoder.flush())  # the stop token's own text is not output
             self._finish(seq, "stop")

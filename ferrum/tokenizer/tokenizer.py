@@ -84,12 +84,18 @@ class Tokenizer:
         """The token's text as a user sees it (for logprobs); "\ufffd" for a byte of a split character."""
         return self.decode([token_id], skip_special_tokens=False)
 
-    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+    def incremental_decoder(
+        self, skip_special_tokens: bool = True, prompt_token_ids: Sequence[int] | None = None
+    ) -> IncrementalDecoder:
+        """A streaming decoder for generated ids. Pass the prompt's ids so that the text of each
+        generated id is what it adds after the prompt (e.g. " Paris", not "Paris", for a SentencePiece
+        "▁Paris"): only a short tail of them is used, as context that is never output."""
         return IncrementalDecoder(
             self._backend,
             skip_special_tokens=skip_special_tokens,
             special_token_ids=self._backend_special_ids,
             clean_up_spaces=self._clean_up_spaces,
+            prompt_token_ids=prompt_token_ids,
         )
 
     # --- chat -----------------------------------------------------------------------------------
