@@ -10,6 +10,8 @@ asyncio.Queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +35,9 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrum-engine")
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # by engine id
+        self._engine_ids: dict[str, str] = {}  # caller's request id -> engine id of its live request
+        self._counter = itertools.count()
         self._new: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
@@ -65,13 +69,17 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         self.engine.check_length(len(prompt_token_ids), params.max_tokens)
-        if request_id in self._queues:
+        if request_id in self._engine_ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._error}")
+        # The engine sees a unique id: a caller may reuse its id as soon as its stream ends, while
+        # the old request's abort and last outputs are still on their way.
+        engine_id = f"{request_id}#{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._new.append((request_id, list(prompt_token_ids), params))
+        self._engine_ids[request_id] = engine_id
+        self._queues[engine_id] = queue
+        self._new.append((engine_id, list(prompt_token_ids), params))
         self._wake.set()
         finished = False
         try:
@@ -79,19 +87,22 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield dataclasses.replace(item, request_id=request_id)
                 if item.finished:
                     finished = True
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._queues.pop(engine_id, None)
+            self._engine_ids.pop(request_id, None)
             if not finished:
-                self._aborts.append(request_id)
+                self._aborts.append(engine_id)
                 self._wake.set()
 
     async def abort(self, request_id: str) -> None:
-        self._aborts.append(request_id)
-        self._wake.set()
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self._aborts.append(engine_id)
+            self._wake.set()
 
     # -- the loop ---------------------------------------------------------
     async def _run(self) -> None:
@@ -129,6 +140,8 @@ class AsyncEngine:
                     RequestOutput(request_id, "", (), None, True, "abort", len(prompt), 0)
                 )
         for request_id in aborts:
-            self.engine.abort_request(request_id)
+            aborted = self.engine.abort_request(request_id)
+            if aborted is not None:  # the final "abort" delta ends the stream of a caller still reading
+                rejected.append(aborted)
         outputs = self.engine.step() if self.engine.has_work else []
         return rejected + outputs, self.engine.stats()
