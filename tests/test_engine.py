@@ -214,7 +214,7 @@ SMALL_BLOCKS = 4
 def small(engine: LLMEngine) -> LLMEngine:
     """A KV cache of exactly 4 blocks of 16 tokens: one max_model_len=64 sequence fits, few more;
     and at most 12 tokens a step."""
-    bytes_per_block = ModelRunner.kv_bytes_per_token(engine.model) * 16
+    bytes_per_block = ModelRunner.kv_bytes_per_token(engine.model_config, torch.float32) * 16
     gb = (SMALL_BLOCKS + 0.5) * bytes_per_block / 2**30
     e = LLMEngine(
         # a small token budget too: recomputing a preempted sequence is itself a chunked prefill

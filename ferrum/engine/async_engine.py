@@ -58,6 +58,9 @@ class AsyncEngine:
                 pass
             self._loop_task = None
         self._executor.shutdown(wait=True)
+        self._error = self._error or EngineDeadError("the engine was shut down")
+        for queue in self._queues.values():  # wake every caller still reading
+            queue.put_nowait(EngineDeadError("the engine was shut down"))
 
     def is_ready(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done() and self._error is None

@@ -84,13 +84,16 @@ class LLMEngine:
         model_config = load_model_config(folder)  # first: names an unsupported architecture early
         self.tokenizer = tokenizer or Tokenizer.from_folder(folder)
         dtype = resolve_dtype(config.dtype, model_config.dtype, config.device)
-        self.model, self.model_config = load_model(folder, dtype, config.device)
         limit = model_config.max_position_embeddings
         if model_config.sliding_window:
             limit = min(limit, model_config.sliding_window)  # no sliding-window attention: stay exact
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} is longer than the model supports ({limit} tokens)"
+            )
+        self.max_model_len = config.max_model_len or limit
 
-        bytes_per_token = ModelRunner.kv_bytes_per_token(self.model)
+        bytes_per_token = ModelRunner.kv_bytes_per_token(model_config, dtype)
         num_blocks = kv_cache_budget(config) // (bytes_per_token * config.block_size)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -98,6 +101,7 @@ class LLMEngine:
                 f"sequence of max_model_len={self.max_model_len} tokens; raise kv_cache_memory_gb "
                 f"or lower max_model_len"
             )
+        self.model, self.model_config = load_model(folder, dtype, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)

@@ -7,6 +7,7 @@ import torch
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.models.attention import AttentionBatch, PrefillSegment
+from ferrum.models.config import ModelConfig
 from ferrum.models.llama import KVCache, LlamaForCausalLM
 
 
@@ -27,10 +28,8 @@ class ModelRunner:
         ]
 
     @staticmethod
-    def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
-        cfg = model.config
-        itemsize = next(model.parameters()).element_size()
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
