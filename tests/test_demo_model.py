@@ -52,7 +52,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     # a small KV cache keeps memory and start-up low; 1024 tokens is plenty for these prompts
-    return LLMEngine(EngineConfig(model=str(MODEL), kv_cache_memory_gb=0.1, max_model_len=1024))
+    return LLMEngine(EngineConfig(model=str(MODEL), dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024))
 
 
 @pytest.fixture(scope="module")

@@ -196,13 +196,13 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(MODEL), kv_cache_memory_gb=0.1, max_model_len=1024))
+    return LLMEngine(EngineConfig(model=str(MODEL), dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024))
 
 
 @pytest.fixture(scope="module")
 def chunked(engine: LLMEngine) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model=str(MODEL), kv_cache_memory_gb=0.1, max_model_len=1024, max_num_batched_tokens=16),
+        EngineConfig(model=str(MODEL), dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024, max_num_batched_tokens=16),
         tokenizer=engine.tokenizer,
     )
 
@@ -220,6 +220,7 @@ def small(engine: LLMEngine) -> LLMEngine:
         # a small token budget too: recomputing a preempted sequence is itself a chunked prefill
         EngineConfig(
             model=str(MODEL),
+            dtype="float32",
             kv_cache_memory_gb=gb,
             max_model_len=64,
             block_size=16,

@@ -5,35 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from tests.live_server import MODEL_DIR, live_server
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "models" / "SmolLM2-135M-Instruct"
-STARTUP_TIMEOUT_S = 180
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -42,50 +28,11 @@ def base_url() -> Iterator[str]:
         pytest.skip(
             f"demo model not prepared at {MODEL_DIR} (run `make serve` or scripts/prepare_demo_model.py)"
         )
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile("w+", prefix="ferrum-serve-", suffix=".log", delete=False)
-    cmd = [
-        sys.executable,
-        "-m",
-        "ferrum.cli",
-        "serve",
-        "--model",
-        str(MODEL_DIR),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--backend",
-        "cpu",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log.read()[-4000:]}")
-            time.sleep(0.5)
+    # float32: several tests compare batched outputs with one-at-a-time outputs token for token,
+    # which only float32 guarantees on CPU (bf16 matmul results depend on the batch's shape).
+    # The default bf16 path is served in tests/test_startup.py.
+    with live_server("--model", str(MODEL_DIR), "--backend", "cpu", "--dtype", "float32") as url:
         yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-        os.unlink(log.name)
 
 
 @pytest.fixture(scope="module")

@@ -121,3 +121,20 @@ def test_corrupt_weights_name_the_file(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "model.safetensors" in result.stderr
+
+
+def test_default_config_serves_the_demo_model_in_its_default_dtype() -> None:
+    """What `make serve` runs (config/default.yaml, dtype auto: bf16 where the CPU has bf16 units)."""
+    openai = pytest.importorskip("openai")
+    from tests.live_server import live_server
+
+    with live_server("--config", "config/default.yaml") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=24,
+        )
+        assert "Paris" in (reply.choices[0].message.content or "")
+        assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"

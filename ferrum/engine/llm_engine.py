@@ -52,7 +52,10 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: str) -> torc
     if name != "auto":
         return getattr(torch, name)
     if device.startswith("cpu"):
-        return torch.float32  # exact, and CPU matmuls in reduced precision are not reliably faster
+        from ferrum.backends.cpu_kernels import has_native_bf16
+
+        # bf16 where the CPU has bf16 matmul units (AMX / AVX512-BF16), else float32
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
 
 

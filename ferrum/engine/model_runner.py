@@ -13,11 +13,16 @@ from ferrum.models.llama import KVCache, LlamaForCausalLM
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str) -> None:
-        self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        if self.device.type == "cpu" and next(model.parameters()).dtype == torch.bfloat16:
+            from ferrum.backends.cpu_kernels import has_native_bf16, pack_linears
+
+            if has_native_bf16():
+                pack_linears(model)
+        self.model = model
         cfg = model.config
-        dtype = next(model.parameters()).dtype
+        dtype = model.embed_tokens.weight.dtype
         slots = num_blocks * block_size
         self.kv_caches: list[KVCache] = [
             (
