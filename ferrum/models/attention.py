@@ -45,16 +45,17 @@ def paged_attention(
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
-    out = torch.empty_like(q)
-
     n = batch.num_decode
     if n:
         qd = q[:n].unsqueeze(2)  # [n, H, 1, D]
         kd = _gather(k_cache, batch.decode_slots).transpose(1, 2)  # [n, KV, L, D]
         vd = _gather(v_cache, batch.decode_slots).transpose(1, 2)
-        out[:n] = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=gqa
-        ).squeeze(2)
+        decoded = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=gqa)
+        if not batch.prefills:
+            return decoded.squeeze(2)
+    out = torch.empty_like(q)
+    if n:
+        out[:n] = decoded.squeeze(2)
 
     for seg in batch.prefills:
         rows = slice(seg.start, seg.start + seg.length)

@@ -18,10 +18,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

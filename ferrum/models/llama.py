@@ -29,13 +29,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k heads rotated together: one set of ops for both
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, cache[0], cache[1], batch)
         return self.o_proj(out.reshape(-1, self.q_size))
 
