@@ -1,0 +1,532 @@
+"""`WeightLoader`: tensors from any `WeightSource`, asynchronously.
+
+    async with WeightLoader(config) as loader:
+        tensors = await loader.load_tensors(specs)        # {spec.name: tensor}
+
+How a group of specs of one stored object is served (`load_tensors` groups them so that each object
+is opened / fetched once, and works on all groups at once):
+
+    File        memory-mapped in a thread (formats.open_local); a folder means its model.safetensors
+                (or its index); an `*.index.json` sends each tensor to its shard
+    Memory      read from the bytes (copied out once)
+    HuggingFace hub.hub_fetch (huggingface_hub's cache), then as a File
+    Url / S3    SafeTensors: streamed: download.Downloader.open(obj) fetches the file into the cache
+                while each tensor is made as soon as `wait_range` says its bytes are in; the download's
+                verification (`result()`) is awaited before anything is returned.
+                Other formats: Downloader.fetch, then as a File.
+
+Transformations, the shape / dtype check and the move to `spec.device` run in threads, as does
+every blocking read: the event loop never blocks on I/O. Plain specs (no transformations, on the
+CPU) of a local file are made in the same thread call that opens it: views of the mmap, no copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+import torch
+
+from ferrum.weights.errors import (
+    CorruptWeightsError,
+    SourceNotFoundError,
+    TensorNotFoundError,
+    UnsupportedError,
+    WeightError,
+)
+from ferrum.weights.formats import (
+    OpenedWeights,
+    find_model_file,
+    format_from_name,
+    is_index_name,
+    metadata_from_header,
+    open_bytes,
+    open_local,
+    parse_index,
+    tensor_from_bytes,
+)
+from ferrum.weights.safetensors_header import SafetensorsHeader, header_length, parse_header
+from ferrum.weights.sources import (
+    S3,
+    File,
+    HuggingFace,
+    Memory,
+    RawLayout,
+    Url,
+    WeightFormat,
+    WeightSource,
+    object_of,
+    sibling,
+)
+from ferrum.weights.spec import (
+    TensorSpec,
+    WeightLoaderCapabilities,
+    WeightLoaderConfig,
+    WeightMetadata,
+    specs_by_name,
+)
+from ferrum.weights.transforms import apply_transformations, check_result
+
+if TYPE_CHECKING:
+    from ferrum.weights.download import Downloader
+    from ferrum.weights.remote import RemoteObject
+
+__all__ = ["WeightLoader"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Tensors = dict[str, torch.Tensor]
+
+_READABLE = frozenset({WeightFormat.SAFETENSORS, WeightFormat.PYTORCH, WeightFormat.NUMPY, WeightFormat.RAW})
+_TRANSFORMATIONS = frozenset({"Transpose", "Reshape", "Cast", "Scale", "Slice"})
+
+
+async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Results in order; on the first failure the others are cancelled and that error is raised
+    (a plain exception, not an ExceptionGroup)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    if not tasks:
+        return []
+    try:
+        done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _finish(reader: OpenedWeights, spec: TensorSpec) -> torch.Tensor:
+    """The spec's tensor from an opened object: read, transform, check, move. Blocking."""
+    tensor = reader.tensor(spec.stored_name, spec)
+    return _transformed(tensor, spec, where=reader.name)
+
+
+def _transformed(tensor: torch.Tensor, spec: TensorSpec, *, where: str) -> torch.Tensor:
+    tensor = apply_transformations(tensor, spec.transformations, where=where, name=spec.name)
+    check_result(
+        tensor, spec.shape, spec.dtype, where=where, name=spec.name, transformations=spec.transformations
+    )
+    return tensor if spec.device == "cpu" else tensor.to(spec.device)
+
+
+def _is_plain(spec: TensorSpec) -> bool:
+    return not spec.transformations and spec.device == "cpu"
+
+
+def _format_hint_of(source: WeightSource) -> WeightFormat | None:
+    """The format the source says or its file name suggests (None: known only from the bytes)."""
+    if isinstance(source.format, RawLayout):
+        return WeightFormat.RAW
+    return source.format or format_from_name(source.filename if not isinstance(source, Memory) else "")
+
+
+def _is_index(source: WeightSource) -> bool:
+    return (
+        not isinstance(source, Memory)
+        and source.format in (None, WeightFormat.SAFETENSORS, WeightFormat.PYTORCH)
+        and is_index_name(source.filename)
+    )
+
+
+class WeightLoader:
+    """Loads tensors from `WeightSource`s (see the module docstring). One loader shares its downloader
+    (and so the in-flight downloads) between all its calls; close it (`aclose`, `async with`) to
+    release the downloader's temporary directory when the cache is disabled."""
+
+    def __init__(self, config: WeightLoaderConfig | None = None) -> None:
+        self.config = config or WeightLoaderConfig()
+        self._downloader: Downloader | None = None
+
+    def __repr__(self) -> str:
+        return f"WeightLoader(cache_dir={str(self.config.cache_dir)!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._downloader is not None:
+            self._downloader.close()
+            self._downloader = None
+
+    # ------------------------------------------------------------------------------------- public
+
+    def capabilities(self) -> WeightLoaderCapabilities:
+        return WeightLoaderCapabilities(
+            formats=_READABLE,
+            sources=frozenset(cls.kind for cls in (File, Url, HuggingFace, S3, Memory)),
+            max_tensor_size_bytes=None,
+            streaming=True,
+            concurrent=True,
+            transformations=_TRANSFORMATIONS,
+        )
+
+    async def load_tensor(self, spec: TensorSpec) -> torch.Tensor:
+        return (await self.load_tensors([spec]))[spec.name]
+
+    async def load_tensors(self, specs: Iterable[TensorSpec]) -> Tensors:
+        """{spec.name: tensor} for all `specs` (names must be unique), in the order given. Every
+        transformation is checked for support before any I/O (Quantize is refused then)."""
+        by_name = specs_by_name(specs)
+        for spec in by_name.values():
+            for step in spec.transformations:
+                step.ensure_supported(where=spec.source.display, name=spec.name)
+        groups: dict[WeightSource, list[TensorSpec]] = {}
+        for spec in by_name.values():
+            groups.setdefault(object_of(spec.source), []).append(spec)
+        parts = await _all(self._load_group(source, group) for source, group in groups.items())
+        merged: Tensors = {}
+        for part in parts:
+            merged.update(part)
+        return {name: merged[name] for name in by_name}
+
+    async def get_metadata(self, source: WeightSource) -> WeightMetadata:
+        """What the object holds. SafeTensors over HTTP / S3 / the Hub: read from the header alone
+        (8 bytes, then the header); a sharded index: the union of its shards' headers; other remote
+        formats are fetched into the cache first."""
+        source = object_of(source)
+        if isinstance(source, File):
+            return await asyncio.to_thread(_local_metadata, source)
+        if _is_index(source):
+            return await self._index_metadata(source)
+        if isinstance(source, Memory):
+            return await asyncio.to_thread(
+                lambda: open_bytes(source.data, source.format, name=source.display).metadata()
+            )
+        if isinstance(source, HuggingFace) and _format_hint_of(source) is WeightFormat.SAFETENSORS:
+            from ferrum.weights.hub import hub_metadata
+
+            return await hub_metadata(source, self.config)
+        if isinstance(source, (Url, S3)) and _format_hint_of(source) is WeightFormat.SAFETENSORS:
+            return await self._remote_header_metadata(source)
+        path = await self._fetch(source)
+        return await asyncio.to_thread(
+            _metadata_of_local, path, source.format, source.display, source.filename
+        )
+
+    async def is_available(self, source: WeightSource) -> bool:
+        """Whether the object exists and can be reached now (a local file or folder with weights; a
+        remote object answering its metadata request; a Hub file cached or on the Hub). Never raises
+        a WeightError: a missing, refused or unreachable source is False."""
+        source = object_of(source)
+        try:
+            if isinstance(source, Memory):
+                return True
+            if isinstance(source, File):
+                return await asyncio.to_thread(lambda: _local_file(source).path.is_file())
+            if isinstance(source, HuggingFace):
+                return await self._hub_available(source)
+            obj = self._remote_object(source)
+            try:
+                await obj.info()
+            finally:
+                await _close(obj)
+            return True
+        except WeightError as exc:
+            log.debug("%s: not available: %s", source.display, exc)
+            return False
+
+    async def preload(self, source: WeightSource) -> Path:
+        """Fetch the object into its cache (for an index: with all its shards) and return the local
+        path (a local File: its own path). A Memory source has nothing to preload."""
+        source = object_of(source)
+        if isinstance(source, Memory):
+            raise UnsupportedError(source.display, "a Memory source is already in memory: nothing to preload")
+        if isinstance(source, File):
+            source = await asyncio.to_thread(_existing_local_file, source)
+        if _is_index(source):
+            path, shards = await self._index(source)
+            await _all(self.preload(sibling(source, shard)) for shard in dict.fromkeys(shards.values()))
+            return path
+        if isinstance(source, File):
+            return source.path
+        return await self._fetch(source)
+
+    # ------------------------------------------------------------------------------------- groups
+
+    async def _load_group(self, source: WeightSource, specs: Sequence[TensorSpec]) -> Tensors:
+        if isinstance(source, File) and not _is_index(source):
+            file = source
+            try:
+                return await self._load_opened(lambda: _open_file(file), specs)
+            except _FolderIndex as folder:
+                source = folder.index
+        if _is_index(source):
+            return await self._load_indexed(source, specs)
+        if isinstance(source, Memory):
+            return await self._load_opened(
+                lambda: open_bytes(source.data, source.format, name=source.display), specs
+            )
+        if isinstance(source, (Url, S3)) and _format_hint_of(source) is WeightFormat.SAFETENSORS:
+            return await self._load_streaming(source, specs)
+        path = await self._fetch(source)
+        return await self._load_opened(
+            lambda: open_local(path, source.format, name=source.display, filename=source.filename), specs
+        )
+
+    async def _load_opened(self, opener: Callable[[], OpenedWeights], specs: Sequence[TensorSpec]) -> Tensors:
+        """Open in a thread and make the plain specs there too; the others each in a thread of their own."""
+
+        def open_and_make_plain() -> tuple[OpenedWeights, Tensors]:
+            reader = opener()
+            return reader, {spec.name: _finish(reader, spec) for spec in specs if _is_plain(spec)}
+
+        reader, out = await asyncio.to_thread(open_and_make_plain)
+        try:
+            rest = [spec for spec in specs if not _is_plain(spec)]
+            made = await _all(asyncio.to_thread(_finish, reader, spec) for spec in rest)
+            out.update(zip((spec.name for spec in rest), made, strict=True))
+            return out
+        finally:
+            reader.close()
+
+    async def _load_indexed(self, index: WeightSource, specs: Sequence[TensorSpec]) -> Tensors:
+        """Each spec from the shard the index names for it; the shards' groups are loaded at once."""
+        _, shards = await self._index(index)
+        by_shard: dict[str, list[TensorSpec]] = {}
+        for spec in specs:
+            shard = shards.get(spec.stored_name)
+            if shard is None:
+                raise TensorNotFoundError(index.display, f"the index has no tensor {spec.stored_name!r}")
+            by_shard.setdefault(shard, []).append(spec)
+        try:
+            parts = await _all(
+                self._load_group(sibling(index, shard), group) for shard, group in by_shard.items()
+            )
+        except TensorNotFoundError as exc:
+            raise CorruptWeightsError(
+                index.display, f"a shard lacks a tensor the index puts in it: {exc}"
+            ) from None
+        return {name: t for part in parts for name, t in part.items()}
+
+    async def _index(self, index: WeightSource) -> tuple[Path, dict[str, str]]:
+        """The index's local path (a remote one is fetched into the cache) and its tensor -> shard map."""
+        path = index.path if isinstance(index, File) else await self._fetch(index)
+        shards = await asyncio.to_thread(_read_index, path, index.display)
+        return path, shards
+
+    async def _index_metadata(self, index: WeightSource) -> WeightMetadata:
+        _, shards = await self._index(index)
+        files = list(dict.fromkeys(shards.values()))
+        metas = await _all(self.get_metadata(sibling(index, shard)) for shard in files)
+        return _merged_metadata(index.display, shards, metas)
+
+    # ------------------------------------------------------------------------------------- remote
+
+    def _get_downloader(self) -> Downloader:
+        if self._downloader is None:
+            from ferrum.weights.download import Downloader
+
+            self._downloader = Downloader(self.config)
+        return self._downloader
+
+    def _remote_object(self, source: Url | S3) -> RemoteObject:
+        if isinstance(source, Url):
+            from ferrum.weights.http import HttpObject
+
+            return HttpObject(source.url, source.headers, self.config)
+        from ferrum.weights.s3 import S3Object
+
+        return S3Object(source, self.config)
+
+    def _expected_sha256(self, source: Url | S3) -> str | None:
+        if isinstance(source, Url) and source.sha256:
+            return source.sha256
+        sums = self.config.expected_sha256
+        return sums.get(source.url) if isinstance(source, Url) else sums.get(source.display)
+
+    async def _fetch(self, source: WeightSource) -> Path:
+        """A verified local copy of a remote object (huggingface_hub's cache, or ours)."""
+        if isinstance(source, HuggingFace):
+            from ferrum.weights.hub import hub_fetch
+
+            return await hub_fetch(source, self.config)
+        if isinstance(source, (Url, S3)):
+            obj = self._remote_object(source)
+            try:
+                return await self._get_downloader().fetch(obj, self._expected_sha256(source))
+            finally:
+                await _close(obj)
+        if isinstance(source, File):
+            return source.path
+        raise UnsupportedError(source.display, "a Memory source has no file to fetch")
+
+    async def _load_streaming(self, source: Url | S3, specs: Sequence[TensorSpec]) -> Tensors:
+        """Make each tensor as soon as its bytes are in the cache's partial file, while the rest of
+        the file downloads; return once the whole download is verified."""
+        obj = self._remote_object(source)
+        try:
+            download = await self._get_downloader().open(obj, self._expected_sha256(source))
+            async with download:
+                size = download.size
+
+                async def read(start: int, end: int) -> bytes:
+                    try:
+                        return await download.read(start, end)
+                    except WeightError:
+                        await download.result()  # a failed download: raise its own error (IntegrityError...)
+                        raise
+
+                n = header_length(await read(0, min(8, size)), file_size=size, name=source.display)
+                raw = await read(8, 8 + n)
+                header = await asyncio.to_thread(
+                    parse_header, raw, data_size=size - 8 - n, name=source.display
+                )
+                for spec in specs:
+                    if spec.stored_name not in header.tensors:
+                        raise TensorNotFoundError(source.display, f"no tensor {spec.stored_name!r}")
+                reader_name = source.display
+
+                async def one(spec: TensorSpec) -> torch.Tensor:
+                    data = await read(*header.file_range(spec.stored_name))
+                    return await asyncio.to_thread(_streamed_tensor, data, header, spec, reader_name)
+
+                made = await _all(one(spec) for spec in specs)
+                await download.result()  # size / checksum verified, or IntegrityError
+                return dict(zip((spec.name for spec in specs), made, strict=True))
+        finally:
+            await _close(obj)
+
+    async def _remote_header_metadata(self, source: Url | S3) -> WeightMetadata:
+        """Two ranged reads, both from byte 0 (a server that ignores Range still answers those)."""
+        obj = self._remote_object(source)
+        try:
+            size = (await obj.info()).size
+            n = header_length(await obj.read_range(0, min(8, size)), file_size=size, name=source.display)
+            raw = await obj.read_range(0, 8 + n)
+        finally:
+            await _close(obj)
+        return await asyncio.to_thread(_header_metadata, raw[8:], size - 8 - n, source.display)
+
+    async def _hub_available(self, source: HuggingFace) -> bool:
+        import huggingface_hub
+
+        from ferrum.weights.hub_env import hub_settings
+
+        settings = hub_settings(source.cache_dir)
+
+        def check() -> bool:
+            cached = huggingface_hub.try_to_load_from_cache(
+                source.repo_id, source.filename, cache_dir=settings.cache_dir, revision=source.revision
+            )
+            if isinstance(cached, str):
+                return True
+            if settings.offline:
+                return False
+            api = huggingface_hub.HfApi(endpoint=settings.endpoint)
+            return bool(api.file_exists(source.repo_id, source.filename, revision=source.revision))
+
+        try:
+            return await asyncio.to_thread(check)
+        except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors: not reachable means not available
+            log.debug("%s: not available: %s", source.display, exc)
+            return False
+
+
+# ----------------------------------------------------------------------------------------- local files
+# Each of these runs in one thread call: a local source costs one hop off the event loop.
+
+
+class _FolderIndex(Exception):
+    """Raised in a thread when a File folder turns out to hold a sharded index (loaded asynchronously)."""
+
+    def __init__(self, index: File) -> None:
+        super().__init__(index.display)
+        self.index = index
+
+
+def _local_file(source: File) -> File:
+    """A folder's weights file (model.safetensors.index.json / model.safetensors); else `source`."""
+    if source.path.is_dir():
+        return File(find_model_file(source.path), format=source.format)
+    return source
+
+
+def _existing_local_file(source: File) -> File:
+    target = _local_file(source)
+    if not target.path.is_file():
+        raise SourceNotFoundError(target.display, "no such file")
+    return target
+
+
+def _open_file(source: File) -> OpenedWeights:
+    target = _local_file(source)
+    if _is_index(target):
+        raise _FolderIndex(target)
+    return open_local(target.path, target.format, name=target.display)
+
+
+def _local_metadata(source: File) -> WeightMetadata:
+    target = _local_file(source)
+    if not _is_index(target):
+        return _metadata_of_local(target.path, target.format, target.display, None)
+    shards = _read_index(target.path, target.display)
+    files = list(dict.fromkeys(shards.values()))
+    metas = [
+        _metadata_of_local(target.path.parent / shard, None, str(target.path.parent / shard), None)
+        for shard in files
+    ]
+    return _merged_metadata(target.display, shards, metas)
+
+
+def _merged_metadata(index: str, shards: dict[str, str], metas: Sequence[WeightMetadata]) -> WeightMetadata:
+    """One metadata for a sharded checkpoint, checked to hold every tensor its index names."""
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for meta in metas:
+        tensors.update(meta.tensors)
+    missing = [t for t in shards if t not in tensors]
+    if missing:
+        raise CorruptWeightsError(
+            index, f"the index puts tensor {missing[0]!r} in {shards[missing[0]]}, which does not hold it"
+        )
+    return WeightMetadata.of(tensors, metas[0].format, {"shards": str(len(metas))})
+
+
+def _streamed_tensor(data: bytes, header: SafetensorsHeader, spec: TensorSpec, name: str) -> torch.Tensor:
+    """The tensor of `data` (its bytes, just downloaded), transformed and checked. Blocking."""
+    entry = header.tensors[spec.stored_name]
+    return _transformed(tensor_from_bytes(data, entry, name=name), spec, where=name)
+
+
+def _metadata_of_local(path: Path, hint: Any, name: str, filename: str | None) -> WeightMetadata:
+    reader = open_local(path, hint, name=name, filename=filename)
+    try:
+        return reader.metadata()
+    finally:
+        reader.close()
+
+
+def _header_metadata(raw: bytes, data_size: int, name: str) -> WeightMetadata:
+    return metadata_from_header(parse_header(raw, data_size=data_size, name=name))
+
+
+def _read_index(path: Path, name: str) -> dict[str, str]:
+    return parse_index(_read_local(path, name), name=name)
+
+
+def _read_local(path: Path, name: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise SourceNotFoundError(name, "no such file") from None
+    except OSError as exc:
+        raise WeightError(name, f"cannot read: {exc.strerror or exc}") from None
+
+
+async def _close(obj: object) -> None:
+    aclose = getattr(obj, "aclose", None)
+    if aclose is not None:
+        await aclose()
