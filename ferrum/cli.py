@@ -1,4 +1,4 @@
-"""`ferrum` command line: serve."""
+"""`ferrum` command line: serve, pull."""
 
 from __future__ import annotations
 
@@ -11,15 +11,29 @@ from ferrum.backends.selection import BackendSelectionError
 from ferrum.config import ConfigError, load_config
 from ferrum.models.config import ModelConfigError
 from ferrum.models.loader import WeightsError
-from ferrum.server.launch import StartupError, serve
+from ferrum.server.launch import StartupError, resolve_model, serve
+from ferrum.weights.errors import WeightError
+from ferrum.weights.uri import ModelLocationError
 
-USER_ERRORS = (ConfigError, BackendSelectionError, StartupError, ModelConfigError, WeightsError)
+USER_ERRORS = (
+    ConfigError,
+    BackendSelectionError,
+    StartupError,
+    ModelConfigError,
+    WeightsError,
+    WeightError,
+    ModelLocationError,
+)
+MODEL_HELP = (
+    "model location: a local folder, hf://org/name[@revision], s3://bucket/prefix or https://host/folder/"
+)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("--config", help="YAML config file (default: none; flags and defaults only)")
-    p.add_argument("--model", help="path of an HF model folder")
+    p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument("--cache-dir", dest="cache_dir", help="where remote models are cached (weights.cache_dir)")
     p.add_argument("--served-model-name", dest="served_model_name", help="model id clients use")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -31,25 +45,38 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
 
 
+def _pull_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pull", help="fetch a model into the cache ahead of serving; prints its local folder")
+    p.add_argument("model", nargs="?", help=MODEL_HELP + " (default: the config file's model)")
+    p.add_argument("--config", help="YAML config file: its model and weights sections")
+    p.add_argument("--cache-dir", dest="cache_dir", help="where remote models are cached (weights.cache_dir)")
+    p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ferrum", description="Ferrum LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _pull_parser(sub)
     args = parser.parse_args(argv)
 
-    if args.command == "serve":
-        overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-        try:
-            config = load_config(args.config, overrides)
-            logging.basicConfig(
-                level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-            )
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        config = load_config(args.config, overrides)
+        _logging(config.log_level)
+        if args.command == "serve":
             asyncio.run(serve(config))
-        except USER_ERRORS as exc:
-            print(f"ferrum: error: {exc}", file=sys.stderr)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            pass
+        elif args.command == "pull":
+            print(asyncio.run(resolve_model(config)), flush=True)
+    except USER_ERRORS as exc:
+        print(f"ferrum: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Start-up: pick a backend, load the model, start the engine, serve HTTP."""
+"""Start-up: pick a backend, fetch the model if it is remote, load it, start the engine, serve HTTP."""
 
 from __future__ import annotations
 
@@ -14,25 +14,41 @@ from ferrum.backends.selection import select_backend
 from ferrum.config import ConfigError, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.llm_engine import LLMEngine
+from ferrum.weights.uri import LocalModel, parse_model_location, resolve_model_folder
 
 log = logging.getLogger("ferrum")
+
+
+NO_FOLDER_HINT = " (the folder does not exist; `make serve` prepares the demo model)"
 
 
 class StartupError(RuntimeError):
     """Start-up cannot go on; the message is for the user, no traceback needed."""
 
 
+async def resolve_model(config: ServerConfig) -> Path:
+    """The local folder of `config.model`: a local folder as it is (checked), a remote model fetched
+    into the cache (or found there). Raises StartupError, or a WeightError naming what is missing."""
+    location = parse_model_location(config.model)
+    if isinstance(location, LocalModel):
+        folder = location.path
+        if not (folder / "config.json").is_file():
+            hint = "" if folder.exists() else NO_FOLDER_HINT
+            raise StartupError(f"model folder {folder} has no config.json{hint}")
+        return folder
+    started = time.perf_counter()
+    log.info("model %s: fetching into the cache (or finding it there)", location.display)
+    folder = await resolve_model_folder(location, config.weights)
+    log.info("model %s is in %s (%.1fs)", location.display, folder, time.perf_counter() - started)
+    return folder
+
+
 async def build_engine(config: ServerConfig) -> AsyncEngine:
     registry = await create_default_registry()
     backend, device = await select_backend(registry, config.backend, config.requirements)
     log.info("backend %s (%s) on %s", backend.name, backend.version(), device)
-    folder = Path(config.model)
-    if not (folder / "config.json").is_file():
-        raise StartupError(
-            f"model folder {folder} has no config.json"
-            + ("" if folder.exists() else " (the folder does not exist; `make serve` prepares the demo model)")
-        )
-    engine_config = config.engine_config(device)
+    folder = await resolve_model(config)
+    engine_config = config.engine_config(device, folder)
     loop = asyncio.get_running_loop()
     try:
         engine = await loop.run_in_executor(None, LLMEngine, engine_config)
@@ -59,4 +75,4 @@ async def serve(config: ServerConfig) -> None:
         await engine.shutdown()
 
 
-__all__ = ["ConfigError", "StartupError", "build_engine", "serve"]
+__all__ = ["ConfigError", "StartupError", "build_engine", "resolve_model", "serve"]

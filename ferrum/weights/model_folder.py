@@ -1,0 +1,213 @@
+"""A remote model folder (HTTP or S3) made local: `<cache_dir>/models/<name>/`.
+
+The files (see `model_files`) are fetched by the `Downloader` into the download cache, where each
+blob is verified before it is committed; the model folder holds relative symbolic links to those
+blobs (a hard link, then a copy, where links cannot be made) and, written last, a manifest
+`.ferrum-model.json` with the location's identity and each file's size. A folder whose manifest
+matches and whose files are all there with those sizes is a cache hit: no network at all.
+The folder is built under a temporary name and renamed into place, so a reader never sees half a
+folder; when the download cache evicts a blob, the folder is no longer complete and is rebuilt
+by the next resolve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from ferrum.weights.download import Downloader
+from ferrum.weights.errors import SourceNotFoundError, WeightError
+from ferrum.weights.model_files import (
+    INDEX_FILE,
+    OPTIONAL_FILES,
+    REQUIRED_FILES,
+    SINGLE_WEIGHTS_FILE,
+    shards_of_index,
+)
+from ferrum.weights.remote import RemoteObject
+from ferrum.weights.spec import WeightLoaderConfig
+
+__all__ = ["MANIFEST", "RemoteFolder", "materialize", "models_dir"]
+
+MANIFEST = ".ferrum-model.json"
+_SHARDS_AT_ONCE = 2  # each shard is already fetched in concurrent chunks
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RemoteFolder:
+    """A folder of files on a remote source."""
+
+    name: str  # the folder's name under <cache_dir>/models/ (a safe, unique file name)
+    display: str  # for messages: the folder URL, s3://bucket/prefix/
+    identity: str  # what the manifest records: a changed location never matches an old folder
+    open_object: Callable[[str], RemoteObject]  # file name (relative) -> its remote object
+    sha256: Mapping[str, str] = field(default_factory=dict)  # file name -> the sha256 it must have
+
+
+def models_dir(config: WeightLoaderConfig) -> Path:
+    return config.cache_dir / "models"
+
+
+async def materialize(folder: RemoteFolder, config: WeightLoaderConfig) -> Path:
+    """The local model folder of `folder`: the cached one when complete, else fetched and built."""
+    target = models_dir(config) / folder.name
+    if await asyncio.to_thread(_complete, target, folder.identity):
+        return target
+    downloader = Downloader(config)
+    try:
+        blobs = await _fetch_files(folder, downloader)
+    finally:
+        downloader.close()
+    return await asyncio.to_thread(_publish, target, blobs, folder.identity)
+
+
+async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Like gather, but the first failure cancels the rest (no download left running unattended)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _fetch(folder: RemoteFolder, downloader: Downloader, name: str, *, required: bool) -> Path | None:
+    obj = folder.open_object(name)
+    try:
+        return await downloader.fetch(obj, folder.sha256.get(name))
+    except SourceNotFoundError:
+        if required:
+            raise
+        return None
+    finally:
+        close = getattr(obj, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _fetch_files(folder: RemoteFolder, downloader: Downloader) -> dict[str, Path]:
+    first, *rest = REQUIRED_FILES  # config.json alone first: when it is missing, that is the error to see
+    blobs: dict[str, Path] = {}
+    first_path = await _fetch(folder, downloader, first, required=True)
+    assert first_path is not None
+    blobs[first] = first_path
+    names = [*rest, *OPTIONAL_FILES, INDEX_FILE]
+    found = await _all(_fetch(folder, downloader, n, required=n in REQUIRED_FILES) for n in names)
+    blobs.update({name: path for name, path in zip(names, found) if path is not None})
+    index = blobs.get(INDEX_FILE)
+    if index is not None:
+        shards = shards_of_index(
+            await asyncio.to_thread(index.read_bytes), name=f"{folder.display}{INDEX_FILE}"
+        )
+    else:
+        shards = [SINGLE_WEIGHTS_FILE]
+    limit = asyncio.Semaphore(_SHARDS_AT_ONCE)
+
+    async def shard(name: str) -> Path | None:
+        async with limit:
+            try:
+                return await _fetch(folder, downloader, name, required=True)
+            except SourceNotFoundError as exc:
+                if index is not None:
+                    raise SourceNotFoundError(
+                        exc.where, f"{exc.message} (a shard {INDEX_FILE} lists)"
+                    ) from exc
+                raise SourceNotFoundError(
+                    folder.display,
+                    f"no weights: neither {INDEX_FILE} nor {SINGLE_WEIGHTS_FILE} found ({exc})",
+                ) from exc
+
+    for name, path in zip(shards, await _all(shard(s) for s in shards)):
+        assert path is not None
+        blobs[name] = path
+    return blobs
+
+
+def _read_manifest(folder: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _complete(folder: Path, identity: str) -> bool:
+    """Whether `folder` holds every file its manifest lists, at its size (blocking). Marks the blobs
+    as used for the download cache's LRU eviction."""
+    manifest = _read_manifest(folder)
+    if (
+        manifest is None
+        or manifest.get("identity") != identity
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        return False
+    files: dict[str, object] = manifest["files"]  # type: ignore[assignment]
+    for name, size in files.items():
+        try:
+            if (folder / name).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    for name in files:
+        try:
+            os.utime(folder / name)  # follows the link: the blob's mtime is its last use
+        except OSError:
+            pass
+    return True
+
+
+def _link(blob: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.symlink(os.path.relpath(blob, dest.parent), dest)
+        return
+    except OSError:
+        pass
+    try:
+        os.link(blob, dest)
+    except OSError:
+        shutil.copyfile(blob, dest)
+
+
+def _publish(target: Path, blobs: Mapping[str, Path], identity: str) -> Path:
+    """Builds the folder under a temporary name, then renames it into place (blocking)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp.mkdir()
+    try:
+        for name, blob in blobs.items():
+            _link(blob.resolve(), tmp / name)
+        manifest = {
+            "identity": identity,
+            "files": {name: blob.stat().st_size for name, blob in blobs.items()},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if target.exists() or target.is_symlink():
+            old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.old")
+            try:
+                os.rename(target, old)
+            except FileNotFoundError:
+                old = None
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError as exc:  # another process published it first
+            if _complete(target, identity):
+                return target
+            raise WeightError(str(target), f"cannot put the model folder in place: {exc}") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,407 @@
+"""Model locations, and the local model folder each one resolves to.
+
+    hf://org/name[@revision]       the Hugging Face Hub (revision: a branch, tag or commit)
+    s3://bucket[/prefix]           S3; region, endpoint and credentials from the AWS environment
+    https://host/path/ (http://)   a folder URL: its files are fetched by name
+    a path (or file:///path)       a local model folder, used where it is
+
+or a mapping, as YAML gives it:
+
+    {source: hf, repo: org/name, revision: v1.0}
+    {source: s3, bucket: b, prefix: models/x, region: eu-west-1, endpoint: http://...}
+    {source: url, url: https://host/x/, sha256: {model.safetensors: <hex>}, headers: {...}}
+    {source: local, path: models/x}
+
+`sha256` (s3 and url) pins files by name. `resolve_model_folder` returns a local folder holding
+config.json, tokenizer.json, the optional tokenizer/generation files and the weights (see
+`model_files`): for the Hub, huggingface_hub's snapshot folder (its cache: HF_HOME, HF_HUB_OFFLINE,
+see `hub`); for S3 and URLs, `<cache_dir>/models/<name>` (see `model_folder`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from ferrum.weights.errors import SourceNotFoundError, WeightError
+from ferrum.weights.model_files import (
+    INDEX_FILE,
+    OPTIONAL_FILES,
+    REQUIRED_FILES,
+    SINGLE_WEIGHTS_FILE,
+    shards_of_index,
+)
+from ferrum.weights.sources import S3, HuggingFace, Url, normalize_sha256
+
+if TYPE_CHECKING:  # the remote machinery (aiohttp, boto3, huggingface_hub) is imported when first needed
+    from ferrum.weights.http import HttpObject
+    from ferrum.weights.s3 import S3Object
+    from ferrum.weights.spec import WeightLoaderConfig
+
+__all__ = [
+    "HubModel",
+    "LocalModel",
+    "ModelLocation",
+    "ModelLocationError",
+    "S3Model",
+    "UrlModel",
+    "model_display_name",
+    "parse_model_location",
+    "resolve_model_folder",
+]
+
+
+class ModelLocationError(ValueError):
+    """A model location that cannot be understood (bad scheme, repo id, bucket, mapping keys)."""
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    path: Path
+
+    @property
+    def display(self) -> str:
+        return str(self.path)
+
+
+@dataclass(frozen=True)
+class HubModel:
+    repo_id: str
+    revision: str | None = None
+
+    @property
+    def display(self) -> str:
+        return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+
+
+@dataclass(frozen=True)
+class S3Model:
+    bucket: str
+    prefix: str = ""  # "" or ending in "/"
+    region: str | None = None
+    endpoint: str | None = None
+    sha256: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def display(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+@dataclass(frozen=True)
+class UrlModel:
+    url: str  # a folder URL: its path ends in "/"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    sha256: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def display(self) -> str:
+        return Url(self.url).display
+
+    def file_url(self, name: str) -> str:
+        parts = urllib.parse.urlsplit(self.url)
+        path = parts.path + urllib.parse.quote(name)
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+ModelLocation: TypeAlias = LocalModel | HubModel | S3Model | UrlModel
+_LOCATION_TYPES = (LocalModel, HubModel, S3Model, UrlModel)
+_MAPPING_KEYS: Mapping[str, frozenset[str]] = {
+    "hf": frozenset({"repo", "revision"}),
+    "s3": frozenset({"bucket", "prefix", "region", "endpoint", "sha256"}),
+    "url": frozenset({"url", "headers", "sha256"}),
+    "local": frozenset({"path"}),
+}
+_SOURCE_ALIASES = {"huggingface": "hf", "hub": "hf", "http": "url", "https": "url", "file": "local"}
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+
+def _hub(repo_id: str, revision: str | None, text: str) -> HubModel:
+    try:
+        HuggingFace(repo_id, "config.json", revision)  # checks the repo id and the revision
+    except ValueError as exc:
+        raise ModelLocationError(f"model location {text}: {exc}") from None
+    return HubModel(repo_id, revision)
+
+
+def _s3(
+    bucket: str, prefix: str, region: str | None, endpoint: str | None, sha256: Mapping[str, str], text: str
+) -> S3Model:
+    prefix = prefix.strip("/")
+    prefix = f"{prefix}/" if prefix else ""
+    try:
+        S3(bucket, prefix + "config.json", region, endpoint)  # checks bucket, region and endpoint
+    except ValueError as exc:
+        raise ModelLocationError(f"model location {text}: {exc}") from None
+    return S3Model(bucket, prefix, region, endpoint, sha256)
+
+
+def _url(url: str, headers: Mapping[str, str], sha256: Mapping[str, str], text: str) -> UrlModel:
+    try:
+        Url(url, headers)  # checks the scheme, the host and the headers
+    except (TypeError, ValueError, WeightError) as exc:
+        raise ModelLocationError(f"model location {text}: {exc}") from None
+    parts = urllib.parse.urlsplit(url)
+    if posixpath.basename(parts.path).endswith((".safetensors", ".json", ".bin")):
+        raise ModelLocationError(
+            f"model location {text}: a URL location is the model's folder (ending in '/'), whose "
+            "config.json, tokenizer.json and weights are fetched by name; not a single file"
+        )
+    path = parts.path if parts.path.endswith("/") else parts.path + "/"
+    folder = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+    return UrlModel(folder, MappingProxyType(dict(headers)), sha256)
+
+
+def _sha256_map(value: Any, text: str) -> Mapping[str, str]:
+    if value is None:
+        return MappingProxyType({})
+    if not isinstance(value, Mapping):
+        raise ModelLocationError(
+            f"model location {text}: sha256 must be a mapping of file name to hex digest"
+        )
+    pins: dict[str, str] = {}
+    for name, digest in value.items():
+        if not isinstance(digest, str):
+            raise ModelLocationError(
+                f"model location {text}: sha256 of {name} must be a string of 64 hex digits "
+                f"(quote it in YAML), got {digest!r}"
+            )
+        try:
+            pins[str(name)] = normalize_sha256(f"sha256 of {name}", digest)
+        except ValueError as exc:
+            raise ModelLocationError(f"model location {text}: {exc}") from None
+    return MappingProxyType(pins)
+
+
+def _optional_str(raw: Mapping[str, Any], key: str, text: str) -> str | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ModelLocationError(f"model location {text}: {key} must be a string, got {value!r}")
+    return str(value)
+
+
+def _from_mapping(raw: Mapping[str, Any]) -> ModelLocation:
+    text = f"{{source: {raw.get('source')!r}, ...}}"
+    source = str(raw.get("source", "")).lower()
+    source = _SOURCE_ALIASES.get(source, source)
+    if source not in _MAPPING_KEYS:
+        raise ModelLocationError(f"model location {dict(raw)!r}: `source` must be one of hf, s3, url, local")
+    unknown = sorted(set(raw) - _MAPPING_KEYS[source] - {"source"})
+    if unknown:
+        raise ModelLocationError(
+            f"model location {text}: unknown key(s) {', '.join(unknown)}; valid keys: "
+            f"source, {', '.join(sorted(_MAPPING_KEYS[source]))}"
+        )
+    need = {"hf": "repo", "s3": "bucket", "url": "url", "local": "path"}[source]
+    main = _optional_str(raw, need, text)
+    if not main:
+        raise ModelLocationError(f"model location {text}: `{need}` is required")
+    if source == "hf":
+        return _hub(main, _optional_str(raw, "revision", text), text)
+    if source == "s3":
+        return _s3(
+            main,
+            _optional_str(raw, "prefix", text) or "",
+            _optional_str(raw, "region", text),
+            _optional_str(raw, "endpoint", text),
+            _sha256_map(raw.get("sha256"), text),
+            text,
+        )
+    if source == "url":
+        headers = raw.get("headers") or {}
+        if not isinstance(headers, Mapping):
+            raise ModelLocationError(f"model location {text}: headers must be a mapping")
+        return _url(
+            main, {str(k): str(v) for k, v in headers.items()}, _sha256_map(raw.get("sha256"), text), text
+        )
+    return LocalModel(Path(main).expanduser())
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def parse_model_location(value: str | os.PathLike[str] | Mapping[str, Any] | ModelLocation) -> ModelLocation:
+    """A ModelLocation from a string, a path or a mapping (ModelLocationError when it is not one)."""
+    if isinstance(value, _LOCATION_TYPES):
+        return value
+    if isinstance(value, Mapping):
+        return _from_mapping(value)
+    if isinstance(value, os.PathLike):
+        return LocalModel(Path(value).expanduser())
+    if not isinstance(value, str) or not value.strip():
+        raise ModelLocationError(f"model location must be a non-empty string or a mapping, got {value!r}")
+    value = value.strip()
+    text = repr(value)  # for messages
+    match = _SCHEME.match(value)
+    if match is None:
+        return LocalModel(Path(value).expanduser())
+    scheme, rest = match.group(1).lower(), value[match.end() :]
+    if scheme == "hf":
+        repo, _, revision = rest.strip("/").partition("@")
+        return _hub(repo.strip("/"), revision or None, text)
+    if scheme == "s3":
+        bucket, _, prefix = rest.partition("/")
+        return _s3(bucket, prefix, None, None, {}, text)
+    if scheme in ("http", "https"):
+        return _url(value, {}, {}, text)
+    if scheme == "file":
+        return LocalModel(Path(urllib.parse.unquote(urllib.parse.urlsplit(value).path)))
+    raise ModelLocationError(
+        f"model location {text}: unsupported scheme {scheme}://; use hf://org/name[@revision], "
+        "s3://bucket/prefix, https://host/folder/ or a local path"
+    )
+
+
+def model_display_name(value: str | os.PathLike[str] | Mapping[str, Any] | ModelLocation) -> str:
+    """The model's name for clients when none is configured: the folder's / repo's / prefix's last part."""
+    location = parse_model_location(value)
+    if isinstance(location, LocalModel):
+        return location.path.name or str(location.path)
+    if isinstance(location, HubModel):
+        return location.repo_id.rsplit("/", 1)[-1]
+    if isinstance(location, S3Model):
+        return location.prefix.rstrip("/").rsplit("/", 1)[-1] or location.bucket
+    return posixpath.basename(urllib.parse.urlsplit(location.url).path.rstrip("/")) or (
+        urllib.parse.urlsplit(location.url).hostname or "model"
+    )
+
+
+# ---------------------------------------------------------------------------------------- resolving
+
+
+def _folder_name(kind: str, readable: str, identity: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", readable).strip("-._")[:80] or "model"
+    return f"{kind}--{safe}--{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def _pins(sha256: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(sha256.items()))
+
+
+def _check_local(location: LocalModel) -> Path:
+    folder = location.path
+    if (folder / "config.json").is_file():
+        return folder
+    hint = ""
+    if not folder.exists():
+        hint = " (the folder does not exist"
+        if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", str(folder)):
+            hint += f"; for the Hugging Face Hub write hf://{folder}"
+        hint += ")"
+    raise SourceNotFoundError(str(folder), f"not a model folder: no config.json{hint}")
+
+
+async def _resolve_hub(location: HubModel, config: WeightLoaderConfig) -> Path:
+    """Two snapshot passes at one commit: the small files (and the index, if any), then the shards."""
+    from ferrum.weights.hub import hub_snapshot
+
+    first = await hub_snapshot(
+        location.repo_id,
+        location.revision,
+        [*REQUIRED_FILES, *OPTIONAL_FILES, INDEX_FILE, SINGLE_WEIGHTS_FILE],
+        config,
+    )
+    commit = first.name
+    where = location.display
+    for name in REQUIRED_FILES:
+        if not (first / name).is_file():
+            raise SourceNotFoundError(
+                where,
+                f"the repository has no {name} at revision {location.revision or 'main'!r} (commit {commit})",
+            )
+    index = first / INDEX_FILE
+    if index.is_file():
+        shards = shards_of_index(index.read_bytes(), name=f"{where}/{INDEX_FILE}")
+        folder = await hub_snapshot(location.repo_id, commit, shards, config)
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise SourceNotFoundError(
+                where,
+                f"{INDEX_FILE} lists shards the repository does not have at "
+                f"commit {commit}: {', '.join(missing)}",
+            )
+        return folder
+    if (first / SINGLE_WEIGHTS_FILE).is_file():
+        return first
+    folder = await hub_snapshot(location.repo_id, commit, ["*.safetensors"], config)
+    if not any(folder.glob("*.safetensors")):
+        raise SourceNotFoundError(
+            where,
+            f"no SafeTensors weights at revision {location.revision or 'main'!r} "
+            f"(commit {commit}): no {INDEX_FILE}, {SINGLE_WEIGHTS_FILE} or *.safetensors",
+        )
+    return folder
+
+
+async def _resolve_s3(location: S3Model, config: WeightLoaderConfig) -> Path:
+    from ferrum.weights.model_folder import RemoteFolder, materialize
+    from ferrum.weights.s3 import S3Object
+
+    identity = (
+        f"s3 {location.endpoint or ''}|{location.region or ''}|{location.bucket}/{location.prefix}|"
+        + _pins(location.sha256)
+    )
+
+    def open_object(name: str) -> S3Object:
+        return S3Object(
+            S3(location.bucket, location.prefix + name, location.region, location.endpoint), config
+        )
+
+    folder = RemoteFolder(
+        name=_folder_name("s3", f"{location.bucket}-{location.prefix}", identity),
+        display=location.display,
+        identity=identity,
+        open_object=open_object,
+        sha256=location.sha256,
+    )
+    return await materialize(folder, config)
+
+
+async def _resolve_url(location: UrlModel, config: WeightLoaderConfig) -> Path:
+    import aiohttp
+
+    from ferrum.weights.http import HttpObject
+    from ferrum.weights.model_folder import RemoteFolder, materialize
+
+    parts = urllib.parse.urlsplit(location.url)
+    identity = f"url {location.url}|" + _pins(location.sha256)
+    async with aiohttp.ClientSession(auto_decompress=False, trust_env=True) as session:
+
+        def open_object(name: str) -> HttpObject:
+            return HttpObject(location.file_url(name), location.headers, config, session=session)
+
+        folder = RemoteFolder(
+            name=_folder_name("url", f"{parts.netloc}{parts.path}", identity),
+            display=location.display,
+            identity=identity,
+            open_object=open_object,
+            sha256=location.sha256,
+        )
+        return await materialize(folder, config)
+
+
+async def resolve_model_folder(
+    location: str | os.PathLike[str] | Mapping[str, Any] | ModelLocation, config: WeightLoaderConfig
+) -> Path:
+    """A local folder with the model's config, tokenizer files and weights (see the module docstring).
+    Raises ModelLocationError for a location it cannot parse, WeightError subclasses (naming the
+    repository / URL / key) when the model cannot be fetched."""
+    parsed = parse_model_location(location)
+    if isinstance(parsed, LocalModel):
+        return _check_local(parsed)
+    if isinstance(parsed, HubModel):
+        return await _resolve_hub(parsed, config)
+    if isinstance(parsed, S3Model):
+        return await _resolve_s3(parsed, config)
+    return await _resolve_url(parsed, config)
