@@ -10,13 +10,16 @@ import torch
 from safetensors import safe_open
 from safetensors import SafetensorError
 
+from ferrum.weights.errors import CorruptWeightsError, WeightError
+from ferrum.weights.safetensors_header import read_header
+
 from ferrum.models.config import ModelConfig, load_model_config
 from ferrum.models.layers import RotaryEmbedding
 from ferrum.models.llama import LlamaForCausalLM
 
 
-class WeightsError(ValueError):
-    """Weights missing, corrupt or not matching the model's config; names the file."""
+class WeightsError(WeightError, ValueError):
+    """Weights missing or not matching the model's config; names the file."""
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -25,11 +28,11 @@ def safetensors_files(folder: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise WeightsError(f"{index}: not a valid safetensors index ({exc})") from None
+            raise CorruptWeightsError(str(index), f"not a valid safetensors index ({exc})") from None
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise WeightsError(f"{index}: shards listed but missing: {', '.join(missing)}")
+            raise WeightsError(str(index), f"shards listed but missing: {', '.join(missing)}")
         return files
     single = folder / "model.safetensors"
     if single.is_file():
@@ -37,17 +40,18 @@ def safetensors_files(folder: Path) -> list[Path]:
     found = sorted(folder.glob("*.safetensors"))
     if found:
         return found
-    raise WeightsError(f"{folder}: no model.safetensors, model.safetensors.index.json or *.safetensors found")
+    raise WeightsError(str(folder), "no model.safetensors, model.safetensors.index.json or *.safetensors found")
 
 
 def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
     for path in safetensors_files(folder):
+        read_header(path)  # untrusted input: sizes, offsets and dtypes checked before mapping it
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name), path
         except SafetensorError as exc:
-            raise WeightsError(f"{path}: corrupt or unreadable safetensors file: {exc}") from None
+            raise CorruptWeightsError(str(path), f"corrupt or unreadable safetensors file: {exc}") from None
 
 
 def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
@@ -68,15 +72,15 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
             param = params.get(target)
             if param is None:
-                raise WeightsError(f"{path}: tensor {hf_name!r} does not belong to {model.config.architecture}")
+                raise WeightsError(str(path), f"tensor {hf_name!r} does not belong to {model.config.architecture}")
             dest = param.data
             if shard is not None:
                 offsets = model.shard_offsets(target.split(".")[-2])
                 dest = dest[offsets[shard] : offsets[shard + 1]]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise WeightsError(
-                    f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"config.json implies {tuple(dest.shape)}"
+                    str(path),
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(dest.shape)}",
                 )
             dest.copy_(tensor)
             loaded.add(target if shard is None else f"{target}#{shard}")
@@ -93,7 +97,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     missing = sorted(required - loaded)
     if missing:
         shown = ", ".join(m.replace("#", " shard ") for m in missing[:5])
-        raise WeightsError(f"{folder}: {len(missing)} weights missing from the checkpoint, e.g. {shown}")
+        raise WeightsError(str(folder), f"{len(missing)} weights missing from the checkpoint, e.g. {shown}")
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
