@@ -25,7 +25,7 @@ import huggingface_hub
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import build_hf_headers
 
-from ferrum.weights.errors import SourceNotFoundError, SourceUnavailableError, WeightError
+from ferrum.weights.errors import SourceNotFoundError, SourceUnavailableError, UnsupportedError, WeightError
 from ferrum.weights.formats import metadata_from_header
 from ferrum.weights.http import HttpObject
 from ferrum.weights.hub_env import HubSettings, hub_settings
@@ -169,8 +169,15 @@ async def hub_metadata(source: HuggingFace, config: WeightLoaderConfig) -> Weigh
     settings = hub_settings(source.cache_dir)
     target = HubTarget(source.repo_id, source.revision, source.filename)
     where = target.where
-    if not source.filename.endswith(".safetensors") and source.format not in (None, WeightFormat.SAFETENSORS):
-        raise WeightError(where, "hub_metadata reads SafeTensors headers only; fetch the file to read others")
+    named = (
+        source.format
+        if source.format is not None
+        else (WeightFormat.SAFETENSORS if source.filename.endswith(".safetensors") else None)
+    )
+    if named is not WeightFormat.SAFETENSORS:
+        raise UnsupportedError(
+            where, "hub_metadata reads SafeTensors headers only; fetch the file to read others"
+        )
     cached = huggingface_hub.try_to_load_from_cache(
         source.repo_id, source.filename, cache_dir=settings.cache_dir, revision=source.revision
     )
