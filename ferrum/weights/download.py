@@ -18,9 +18,12 @@ Which cached file is "the same object" (no download):
 Downloading: chunks of `config.chunk_size` (one chunk from byte 0 when the object does not accept
 Range requests), at most `config.max_concurrent_downloads` in flight, in order, except that chunks a
 `wait_range` caller needs jump the queue. Each chunk is written at its offset into
-`partial/<key>.partial`; the side file lists the chunks on disk (after an fdatasync), so a new call
-or process resumes from them (same size and identity required, else it starts over). Within one
-call, `read_range` retries a cut connection from the last byte received.
+`partial/<key>.partial`: piece by piece as the body arrives when the source has `read_range_into`
+(HTTP), else whole from `read_range`; a chunk counts as arrived once all its bytes are written. A
+background fdatasync every `_FLUSH_BYTES` written keeps the syncs below short; the side file lists the
+chunks on disk (after an fdatasync), so a new call or process resumes from them (same size and
+identity required, else it starts over). Within one call, a cut connection is retried from the last
+byte received.
 
 Verification when all chunks are in: sha256 when known, else the MD5 of a plain S3 ETag, else the
 size only (logged); the digest is computed while the download runs, reading the file back in order.
@@ -38,6 +41,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +62,7 @@ __all__ = ["Download", "Downloader"]
 log = logging.getLogger(__name__)
 
 _HASH_BLOCK = 4 * 1024 * 1024
+_FLUSH_BYTES = 32 * 1024 * 1024  # written bytes that start a background fdatasync
 
 T = TypeVar("T")
 
@@ -250,6 +255,10 @@ class _Transfer:
         self._save_lock = asyncio.Lock()
         self._dirty = False
         self._io: set[asyncio.Future[Any]] = set()
+        self._unsynced = 0  # bytes written since the last background flush started
+        self._flusher: asyncio.Future[Any] | None = None
+        self._flush_error: BaseException | None = None
+        self._sync_lock = threading.Lock()  # one fdatasync at a time, its error recorded under it
 
     # -- handles -------------------------------------------------------------------------------------
 
@@ -417,6 +426,9 @@ class _Transfer:
             raise
         progress.close(ok=True)
         assert self.fd is not None
+        while self._flusher is not None:
+            await asyncio.wait({self._flusher})
+        self._check_flushed()
         self.path = await self._in_thread(self.cache.commit, self.key, self.fd)
         self.committed = True
         await asyncio.to_thread(self.cache.make_room, self.key, 0)
@@ -437,25 +449,80 @@ class _Transfer:
         start = index * self.chunk_size
         return min(start + self.chunk_size, self.size) - start
 
+    def _write_piece(self, offset: int, data: bytes) -> None:
+        """Write one piece of the body at its offset, at once (a page-cache write: quicker than a hop
+        to a thread). Raises `WeightError`, not `OSError`, so that the source does not retry it."""
+        fd = self.fd
+        if fd is None:
+            raise self.error or WeightError(self.name, "the download's file is closed")
+        self._check_flushed()
+        try:
+            _pwrite_all(fd, data, offset)
+        except OSError as exc:
+            raise WeightError(self.name, f"cannot write {self.path}: {exc.strerror or exc}") from exc
+        self._unsynced += len(data)
+        if self._unsynced >= _FLUSH_BYTES and self._flusher is None:
+            self._start_flush(fd)
+
+    def _start_flush(self, fd: int) -> None:
+        """Start writing the file's dirty pages to disk in a thread, so that the fsync before the side
+        file and before commit finds little left to do."""
+        self._unsynced = 0
+        flusher = asyncio.ensure_future(asyncio.to_thread(self._sync, fd))
+        self._flusher = flusher
+        self._io.add(flusher)
+        flusher.add_done_callback(self._flushed)
+
+    def _sync(self, fd: int) -> None:
+        """fdatasync in a thread; a failure is kept (a later fdatasync of the same file would not
+        report it again) and raised by the next write, side file save or commit."""
+        with self._sync_lock:
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                if self._flush_error is None:
+                    self._flush_error = exc
+
+    def _flushed(self, flusher: asyncio.Future[Any]) -> None:
+        self._io.discard(flusher)
+        self._flusher = None
+        if not flusher.cancelled():
+            flusher.exception()  # retrieved (errors are kept by _sync)
+
+    def _check_flushed(self) -> None:
+        exc = self._flush_error
+        if exc is not None:
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise WeightError(self.name, f"cannot write {self.path}: {detail}") from exc
+
+    async def _fetch_chunk(self, start: int, end: int) -> None:
+        data = await self.obj.read_range(start, end)
+        if len(data) != end - start:
+            raise WeightError(self.name, f"read_range({start}, {end}) returned {len(data)} bytes")
+        assert self.fd is not None
+        try:
+            await self._in_thread(_pwrite_all, self.fd, data, start)
+        except OSError as exc:
+            raise WeightError(self.name, f"cannot write {self.path}: {exc.strerror or exc}") from exc
+
     async def _worker(self, progress: Progress) -> None:
+        # Sources that can stream a range (`read_range_into`) have each piece written at its offset as
+        # it arrives; others return the whole chunk from `read_range`.
+        stream = getattr(self.obj, "read_range_into", None)
         while self.pending:
             index = self.pending.popleft()
             start = index * self.chunk_size
             end = start + self._length(index)
             try:
-                data = await self.obj.read_range(start, end)
+                if stream is not None:
+                    await stream(start, end, self._write_piece)
+                else:
+                    await self._fetch_chunk(start, end)
             except BaseException:
                 self.pending.appendleft(index)
                 raise
-            if len(data) != end - start:
-                raise WeightError(self.name, f"read_range({start}, {end}) returned {len(data)} bytes")
-            assert self.fd is not None
-            try:
-                await self._in_thread(_pwrite_all, self.fd, data, start)
-            except OSError as exc:
-                raise WeightError(self.name, f"cannot write {self.path}: {exc.strerror or exc}") from exc
             self.done.add(index)
-            progress.update(len(data))
+            progress.update(end - start)
             await self._notify()
             await self._record()
 
@@ -470,7 +537,8 @@ class _Transfer:
             fd = self.fd
 
             def save() -> None:
-                os.fdatasync(fd)  # the chunks' bytes are on disk before the side file says so
+                self._sync(fd)  # the chunks' bytes are on disk before the side file says so
+                self._check_flushed()
                 self.cache.save_progress(self.key, snapshot)
 
             await self._in_thread(save)

@@ -4,6 +4,8 @@
   or leaves the size or Range support unknown, a `GET` with `Range: bytes=0-0` tells them instead.
 - `read_range(start, end)`: `GET` with `Range: bytes=start-(end-1)`, expecting 206 and a matching
   Content-Range. A cut connection resumes from the last byte received (see `read_range_resuming`).
+- `read_range_into(start, end, sink)`: the same request and retries, but each body piece goes to
+  `sink(offset, piece)` as it arrives (the Downloader writes it at its offset: no chunk buffer).
 - A server that ignores Range answers 200 with the whole object. That is accepted when reading from
   byte 0 (the rest of the body is not read), or when the object is at most `SMALL_OBJECT_BYTES`
   (the body is read and sliced); any other range of a bigger object raises `UnsupportedError` (it
@@ -21,9 +23,10 @@ passed in instead (it is then left open).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
@@ -35,6 +38,7 @@ from ferrum.weights.errors import SourceUnavailableError, UnsupportedError, Weig
 from ferrum.weights.remote import (
     ObjectInfo,
     RetryPolicy,
+    check_range,
     is_transient_status,
     parse_retry_after,
     read_range_resuming,
@@ -47,6 +51,8 @@ if TYPE_CHECKING:
     from ferrum.weights.spec import WeightLoaderConfig
 
 __all__ = ["SMALL_OBJECT_BYTES", "HttpObject"]
+
+log = logging.getLogger(__name__)
 
 SMALL_OBJECT_BYTES = 32 * 1024 * 1024
 _READ_PIECE = 1024 * 1024
@@ -101,6 +107,32 @@ class HttpObject:
             await self._read_into(start, end, buf)
 
         return await read_range_resuming(self.name, self._retry, start, end, read_into)
+
+    async def read_range_into(self, start: int, end: int, sink: Callable[[int, bytes], None]) -> None:
+        """Stream bytes [start, end) to `sink(offset, piece)` as they arrive (no buffering), with the
+        retries of `read_range`: a cut connection resumes from the last byte handed to `sink`. A
+        server ignoring Range makes the pieces start again from `start` (same offsets rewritten).
+        Errors raised by `sink` go through unchanged (not retried)."""
+        if self._size is not None and end > self._size:
+            raise ValueError(f"{self.name}: byte range [{start}, {end}) is past the end ({self._size} bytes)")
+        check_range(self.name, start, end)
+        if start == end:
+            return
+        received = [0]
+
+        async def attempt() -> None:
+            before = received[0]
+            await self._stream_into(start, end, received, sink)
+            if received[0] != end - start:
+                raise SourceUnavailableError(
+                    self.name,
+                    f"bytes {start}-{end - 1}: got {received[0]} bytes of {end - start} (response ended early)",
+                )
+            if before:
+                log.info("%s: bytes %d-%d completed after resuming at byte %d",
+                         self.name, start, end - 1, start + before)
+
+        await retrying(self.name, self._retry, attempt, f"reading bytes {start}-{end - 1}")
 
     # -- session -------------------------------------------------------------------------------------
 
@@ -202,30 +234,78 @@ class HttpObject:
 
     # -- ranges ------------------------------------------------------------------------------------------
 
+    def _check_partial(self, response: aiohttp.ClientResponse, pos: int) -> None:
+        first, _, total = self._content_range(response)
+        if first != pos:
+            raise WeightError(self.name, f"asked for bytes from {pos}, the server answered from byte {first}")
+        if self._size is not None and total != self._size:
+            raise WeightError(self.name, f"the object changed while being read: size {total}, was {self._size}")
+
+    def _check_whole(self, response: aiohttp.ClientResponse, start: int, pos: int, end: int) -> None:
+        length = response.content_length
+        if start != 0 and (length is None or length > SMALL_OBJECT_BYTES):
+            raise UnsupportedError(
+                self.name,
+                f"the server ignores Range requests (answered 200 to bytes {pos}-{end - 1}) and the "
+                f"object is {'of unknown size' if length is None else f'{length} bytes'}: reading a "
+                f"range other than from byte 0 would mean downloading it all each time",
+            )
+
+    async def _stream_into(
+        self, start: int, end: int, received: list[int], sink: Callable[[int, bytes], None]
+    ) -> None:
+        """One GET of bytes [start + received[0], end), each body piece handed to `sink` at its offset
+        as it arrives; `received[0]` counts the bytes handed over from `start`."""
+        pos = start + received[0]
+        async with self._request("GET", {"Range": f"bytes={pos}-{end - 1}"}) as response:
+            self._check_encoding(response)
+            if response.status == 206:
+                self._check_partial(response, pos)
+                skip = 0
+            elif response.status == 200:
+                self._check_whole(response, start, pos, end)
+                received[0] = 0  # the body starts at byte 0: from `start` again
+                skip = start
+            else:
+                raise self._status_error(response)
+            content = response.content
+            want = end - start
+            while received[0] < want:
+                try:
+                    piece = await content.readany()
+                except TimeoutError as exc:
+                    raise SourceUnavailableError(
+                        self.name, f"body stalled: no data for {self._timeout_s:g} s after {received[0]} bytes"
+                    ) from exc
+                except (aiohttp.ClientError, OSError) as exc:
+                    detail = str(exc) or type(exc).__name__
+                    raise SourceUnavailableError(
+                        self.name, f"connection lost after {received[0]} bytes: {detail}"
+                    ) from exc
+                if not piece:
+                    return
+                if skip:
+                    if len(piece) <= skip:
+                        skip -= len(piece)
+                        continue
+                    piece, skip = piece[skip:], 0
+                left = want - received[0]
+                if len(piece) > left:
+                    piece = piece[:left]
+                sink(start + received[0], piece)
+                received[0] += len(piece)
+            if response.status == 200:
+                response.close()  # the rest of the body is not needed
+
     async def _read_into(self, start: int, end: int, buf: bytearray) -> None:
         pos = start + len(buf)
         async with self._request("GET", {"Range": f"bytes={pos}-{end - 1}"}) as response:
             self._check_encoding(response)
             if response.status == 206:
-                first, _, total = self._content_range(response)
-                if first != pos:
-                    raise WeightError(
-                        self.name, f"asked for bytes from {pos}, the server answered from byte {first}"
-                    )
-                if self._size is not None and total != self._size:
-                    raise WeightError(
-                        self.name, f"the object changed while being read: size {total}, was {self._size}"
-                    )
+                self._check_partial(response, pos)
                 await self._stream(response, buf, end - start, skip=0)
             elif response.status == 200:
-                length = response.content_length
-                if start != 0 and (length is None or length > SMALL_OBJECT_BYTES):
-                    raise UnsupportedError(
-                        self.name,
-                        f"the server ignores Range requests (answered 200 to bytes {pos}-{end - 1}) and the "
-                        f"object is {'of unknown size' if length is None else f'{length} bytes'}: reading a "
-                        f"range other than from byte 0 would mean downloading it all each time",
-                    )
+                self._check_whole(response, start, pos, end)
                 buf.clear()  # the body starts at byte 0: read it from `start` again
                 await self._stream(response, buf, end - start, skip=start)
                 response.close()  # the rest of the body is not needed
