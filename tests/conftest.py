@@ -86,3 +86,30 @@ def s3_proxy(moto_endpoint: str) -> Iterator[FaultServer]:
         yield server
     finally:
         server.stop()
+
+
+# -- the demo model, offline ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the module: on 2 shared cores, 2 threads make each matmul wait on a
+    descheduled thread (about 10x slower); 1 thread is fast and steady."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    """The demo model in float32 (exact against HF), with a small KV cache and 1024-token context."""
+    from ferrum.engine.config import EngineConfig
+    from ferrum.engine.llm_engine import LLMEngine
+    from tests.live_server import MODEL_DIR
+
+    return LLMEngine(
+        EngineConfig(model=str(MODEL_DIR), dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024)
+    )

@@ -22,6 +22,7 @@ from ferrum.engine.sequence import Sequence  # noqa: E402
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
     pytest.mark.slow,
     pytest.mark.skipif(not (MODEL / "model.safetensors").is_file(), reason="demo model not present"),
 ]
@@ -37,22 +38,6 @@ MAX_NEW = 32
 # Max abs error allowed between Ferrum's and HF's fp32 last-position logits on the
 # demo model (30 layers, logits of magnitude ~10-30). Observed: a few 1e-5.
 LOGITS_ATOL = 1e-3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The test machine has 2 cores shared with other work; with 2 intra-op threads a
-    # busy neighbour makes every matmul wait on a descheduled thread (10x slower).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    # a small KV cache keeps memory and start-up low; 1024 tokens is plenty for these prompts
-    return LLMEngine(EngineConfig(model=str(MODEL), dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024))
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Sequence, SequenceStatus
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 needs_model = pytest.mark.skipif(not (MODEL / "model.safetensors").is_file(), reason="demo model not present")
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
@@ -183,20 +184,6 @@ def test_scheduler_preempts_the_latest_admitted_and_requeues_it_first() -> None:
 
 # --- engines on the demo model -------------------------------------------------------------
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # 2 cores shared with other work: 2 intra-op threads make each matmul wait on a
-    # descheduled thread (about 10x slower); 1 thread is fast and steady.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(MODEL), dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024))
 
 
 @pytest.fixture(scope="module")
