@@ -14,35 +14,20 @@ Behaviour worth knowing:
   "cmpl-<id>" or "chatcmpl-<id>". Two running requests may not share an id (400).
 """
 
-from __future__ import annotations
-
-import asyncio
 import dataclasses
-import json
-import logging
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
-from typing import Any, TypeVar
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.datastructures import MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
-from ferrum.engine.async_engine import AsyncEngine, PromptTooLongError
-from ferrum.engine.outputs import FinishReason, RequestOutput, TokenLogprob
-from ferrum.engine.sampling_params import SamplingParams
-from ferrum.server.errors import (
-    APIError,
-    bad_request,
-    from_validation_error,
-    install_error_handlers,
-    internal_error,
-)
+from ferrum.engine.async_engine import AsyncEngine
+from ferrum.server.body import parse_body
+from ferrum.server.errors import APIError, bad_request, install_error_handlers
+from ferrum.server.jobs import ChoiceResult, Job, collect, engine_error, run_jobs, unless_disconnected
+from ferrum.server.logprobs import chat_logprobs, completion_logprobs
 from ferrum.server.metrics import ServerMetrics
 from ferrum.server.protocol import (
     ChatChoice,
@@ -50,13 +35,9 @@ from ferrum.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
-    ChatTopLogprob,
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -65,276 +46,9 @@ from ferrum.server.protocol import (
     SamplingFields,
     Usage,
 )
+from ferrum.server.request_id import RequestIdMiddleware
+from ferrum.server.sse import SSEResponse, sse_events
 from ferrum.tokenizer import ChatTemplateError
-
-log = logging.getLogger(__name__)
-
-RequestT = TypeVar("RequestT", bound=BaseModel)
-T = TypeVar("T")
-_MAX_REQUEST_ID_LEN = 128
-_LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf
-
-
-# -- request ids -------------------------------------------------------------------------------------
-
-
-class RequestIdMiddleware:
-    """Puts the request id in scope["state"]["request_id"] and on every response as X-Request-Id."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1").strip()
-        usable = 0 < len(given) <= _MAX_REQUEST_ID_LEN and given.isprintable()
-        request_id = given if usable else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["x-request-id"] = request_id
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-# -- body parsing -------------------------------------------------------------------------------------
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
-    """The body as `model`, whatever the Content-Type; any problem is a one-line 400."""
-    raw = await request.body()
-    if not raw.strip():
-        raise bad_request("The request body is empty; expected a JSON object.")
-    try:
-        data = json.loads(raw, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object.")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
-# -- running engine requests ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One engine request: one choice of the response."""
-
-    index: int
-    prompt_index: int
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-@dataclasses.dataclass
-class ChoiceResult:
-    text: str = ""
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: FinishReason | None = None
-
-
-async def _next_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-    return await gen.__anext__()
-
-
-def _settle(task: asyncio.Task[RequestOutput]) -> None:
-    """Marks a finished task's exception as seen so asyncio does not warn about it."""
-    if task.done() and not task.cancelled():
-        task.exception()
-
-
-async def run_jobs(
-    engine: AsyncEngine, jobs: Sequence[Job], metrics: ServerMetrics, arrived: float
-) -> AsyncGenerator[tuple[Job, RequestOutput], None]:
-    """The outputs of all jobs as they come. However the consumer stops (return, error, aclose,
-    cancellation), every engine generator is closed, which aborts the unfinished requests."""
-    gens = [engine.generate(job.request_id, job.prompt_ids, job.params) for job in jobs]
-    pending: dict[asyncio.Task[RequestOutput], int] = {}
-    first_token_seen = [False] * len(jobs)
-
-    def observe(i: int, out: RequestOutput) -> None:
-        if out.new_token_ids and not first_token_seen[i]:
-            first_token_seen[i] = True
-            metrics.observe_first_token(time.monotonic() - arrived)
-        if out.finished:
-            metrics.observe_finished(time.monotonic() - arrived, out.finish_reason or "stop")
-
-    try:
-        if len(gens) == 1:
-            async for out in gens[0]:
-                observe(0, out)
-                yield jobs[0], out
-            return
-        pending = {asyncio.create_task(_next_output(g)): i for i, g in enumerate(gens)}
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=lambda t: pending[t]):
-                i = pending.pop(task)
-                try:
-                    out = task.result()
-                except StopAsyncIteration:
-                    continue
-                observe(i, out)
-                if not out.finished:
-                    pending[asyncio.create_task(_next_output(gens[i]))] = i
-                yield jobs[i], out
-    finally:
-        with anyio.CancelScope(shield=True):
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending)
-            for task in pending:
-                _settle(task)
-            for gen in gens:
-                try:
-                    await gen.aclose()  # type: ignore[attr-defined]
-                except Exception:
-                    log.exception("closing an engine request failed")
-
-
-async def collect(
-    engine: AsyncEngine, jobs: Sequence[Job], metrics: ServerMetrics, arrived: float
-) -> list[ChoiceResult]:
-    results = [ChoiceResult() for _ in jobs]
-    for job, result in zip(jobs, results, strict=True):
-        if job.params.logprobs is not None:
-            result.logprobs = []
-    async with aclosing(run_jobs(engine, jobs, metrics, arrived)) as outputs:
-        async for job, out in outputs:
-            r = results[job.index]
-            r.text += out.new_text
-            r.num_prompt_tokens = out.num_prompt_tokens
-            r.num_output_tokens = out.num_output_tokens
-            if r.logprobs is not None and out.new_logprobs:
-                r.logprobs.extend(out.new_logprobs)
-            if out.finished:
-                r.finish_reason = out.finish_reason
-    return results
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Runs `work`; cancels it (aborting its engine requests) and returns None if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait({task})
-    if task.cancelled():
-        return None
-    return task.result()
-
-
-def engine_error(exc: BaseException, param: str) -> APIError:
-    if isinstance(exc, PromptTooLongError):
-        return bad_request(str(exc), param=param, code="context_length_exceeded")
-    log.error("request failed", exc_info=exc)
-    return internal_error()
-
-
-# -- SSE ------------------------------------------------------------------------------------------------
-
-
-class SSEResponse(StreamingResponse):
-    """A stream whose body generator is always closed, however the response ends, and which runs
-    `on_close` last. Starlette cancels the body on disconnect; closing it makes sure."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._content = content
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                with anyio.CancelScope(shield=True):
-                    await self._content.aclose()
-            finally:
-                self._on_close()
-
-
-async def sse_events(chunks: AsyncGenerator[BaseModel, None], error_param: str) -> AsyncGenerator[str, None]:
-    try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json()}\n\n"
-    except Exception as exc:
-        error = exc if isinstance(exc, APIError) else engine_error(exc, error_param)
-        yield f"data: {json.dumps(error.body())}\n\n"
-    yield "data: [DONE]\n\n"
-
-
-# -- logprobs in the two wire formats -------------------------------------------------------------
-
-
-def _finite(value: float) -> float:
-    return value if value >= _LOGPROB_FLOOR else _LOGPROB_FLOOR  # also maps NaN to the floor
-
-
-def completion_logprobs(lps: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    for lp in lps:
-        top = {t.token: _finite(t.logprob) for t in lp.top}
-        top.setdefault(lp.token, _finite(lp.logprob))
-        out.tokens.append(lp.token)
-        out.token_logprobs.append(_finite(lp.logprob))
-        out.top_logprobs.append(top)
-        out.text_offset.append(text_offset)
-        text_offset += len(lp.token)
-    return out
-
-
-def chat_logprobs(lps: Sequence[TokenLogprob]) -> ChatLogprobs:
-    return ChatLogprobs(
-        content=[
-            ChatTokenLogprob(
-                token=lp.token,
-                logprob=_finite(lp.logprob),
-                bytes=list(lp.token.encode("utf-8")),
-                top_logprobs=[
-                    ChatTopLogprob(
-                        token=t.token, logprob=_finite(t.logprob), bytes=list(t.token.encode("utf-8"))
-                    )
-                    for t in lp.top
-                ],
-            )
-            for lp in lps
-        ]
-    )
-
-
-# -- the server -----------------------------------------------------------------------------------------
 
 
 class Server:

@@ -1,0 +1,48 @@
+"""Server-sent events: the streaming response and the event stream of a chunk generator."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+
+import anyio
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from ferrum.server.errors import APIError
+from ferrum.server.jobs import engine_error
+
+
+class SSEResponse(StreamingResponse):
+    """A stream whose body generator is always closed, however the response ends, and which runs
+    `on_close` last. Starlette cancels the body on disconnect; closing it makes sure."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._content.aclose()
+            finally:
+                self._on_close()
+
+
+async def sse_events(chunks: AsyncGenerator[BaseModel, None], error_param: str) -> AsyncGenerator[str, None]:
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+    except Exception as exc:
+        error = exc if isinstance(exc, APIError) else engine_error(exc, error_param)
+        yield f"data: {json.dumps(error.body())}\n\n"
+    yield "data: [DONE]\n\n"
