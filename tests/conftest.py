@@ -113,3 +113,16 @@ def engine() -> Any:
     return LLMEngine(
         EngineConfig(model=str(MODEL_DIR), dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024)
     )
+
+
+def weights_config(tmp_path: Any, **overrides: object) -> Any:
+    """A WeightLoaderConfig for download tests: cache under tmp_path, small chunks, short time-outs,
+    no progress output."""
+    from ferrum.weights.spec import WeightLoaderConfig
+
+    settings: dict[str, object] = {
+        "cache_dir": tmp_path / "cache", "chunk_size": 64 * 1024, "max_concurrent_downloads": 4,
+        "timeout_s": 2.0, "max_retries": 3, "progress": "off",
+    }
+    settings.update(overrides)
+    return WeightLoaderConfig(**settings)  # type: ignore[arg-type]

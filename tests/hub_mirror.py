@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from tests.live_server import stop_process_group
 
 LFS_THRESHOLD = 1 << 20  # files of 1 MiB and more are committed as LFS pointers
 STARTUP_TIMEOUT_S = 60
@@ -174,10 +174,4 @@ def olah_server(mirror: HubMirror) -> Iterator[OlahServer]:
             time.sleep(0.2)
         yield OlahServer(endpoint=f"http://{netloc}", pid=proc.pid)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc, grace_s=15)

@@ -27,6 +27,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group started with start_new_session=True; SIGKILL it after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @contextmanager
 def live_server(*args: str) -> Iterator[str]:
     """Yields the base URL of a healthy server started with `ferrum serve ARGS --port P`."""
@@ -52,12 +64,6 @@ def live_server(*args: str) -> Iterator[str]:
             time.sleep(0.3)
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc, grace_s=20)
         log.close()
         os.unlink(log.name)

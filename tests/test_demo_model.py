@@ -122,21 +122,29 @@ def test_france_answer_mentions_paris(engine: LLMEngine, prompts, hf_outputs) ->
     assert "Paris" in engine.tokenizer.decode(got)
 
 
+def prefill_last_logits(engine: LLMEngine, prompt: list[int], name: str) -> torch.Tensor:
+    """The engine's last-position logits for `prompt`, through the paged model runner; frees its blocks."""
+    seq = Sequence(name, list(prompt), GREEDY, 0.0)
+    engine.block_manager.grow(seq, len(prompt))
+    try:
+        logits, seqs = engine.runner.execute([ScheduledSequence(seq, len(prompt))])
+    finally:
+        engine.block_manager.free(seq)
+    assert seqs == [seq] and logits.shape == (1, engine.model_config.vocab_size)
+    return logits[0]
+
+
+def hf_last_logits(hf, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, -1].float()
+
+
 def test_prompt_last_logits_match_hf(engine: LLMEngine, hf, prompts) -> None:
     worst = 0.0
     for i, p in enumerate(prompts):
-        seq = Sequence(f"logits-{i}", list(p), GREEDY, 0.0)
-        engine.block_manager.grow(seq, len(p))
-        try:
-            logits, seqs = engine.runner.execute([ScheduledSequence(seq, len(p))])
-        finally:
-            engine.block_manager.free(seq)
-        assert seqs == [seq] and logits.shape == (1, engine.model_config.vocab_size)
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1].float()
-        err = (logits[0] - ref).abs().max().item()
-        assert int(logits[0].argmax()) == int(ref.argmax())
-        worst = max(worst, err)
+        logits, ref = prefill_last_logits(engine, p, f"logits-{i}"), hf_last_logits(hf, p)
+        assert int(logits.argmax()) == int(ref.argmax())
+        worst = max(worst, (logits - ref).abs().max().item())
     print(f"demo model last-position logits: max abs error vs HF fp32 = {worst:.3e}")
     assert worst < LOGITS_ATOL, f"max abs logit error vs HF fp32 {worst:.3e} >= {LOGITS_ATOL}"
     assert engine.stats().kv_blocks_used == 0
@@ -160,16 +168,9 @@ def bf16_engine(engine: LLMEngine) -> LLMEngine:
 def test_bf16_logits_stay_close_to_hf_fp32(bf16_engine: LLMEngine, hf, prompts) -> None:
     worst = 0.0
     for i, p in enumerate(prompts):
-        seq = Sequence(f"bf16-{i}", list(p), GREEDY, 0.0)
-        bf16_engine.block_manager.grow(seq, len(p))
-        try:
-            logits, _ = bf16_engine.runner.execute([ScheduledSequence(seq, len(p))])
-        finally:
-            bf16_engine.block_manager.free(seq)
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1].float()
-        assert int(logits[0].argmax()) == int(ref.argmax()), f"prompt {i}: bf16 top token differs from fp32"
-        worst = max(worst, (logits[0] - ref).abs().max().item())
+        logits, ref = prefill_last_logits(bf16_engine, p, f"bf16-{i}"), hf_last_logits(hf, p)
+        assert int(logits.argmax()) == int(ref.argmax()), f"prompt {i}: bf16 top token differs from fp32"
+        worst = max(worst, (logits - ref).abs().max().item())
     print(f"demo model bf16 last-position logits: max abs error vs HF fp32 = {worst:.3e}")
     assert worst < BF16_LOGITS_ATOL
 

@@ -21,6 +21,7 @@ from ferrum.weights.errors import IntegrityError, SourceUnavailableError, Weight
 from ferrum.weights.progress import Progress
 from ferrum.weights.remote import ObjectInfo, RemoteObject, RetryPolicy, parse_retry_after
 from ferrum.weights.spec import WeightLoaderConfig
+from tests.conftest import weights_config
 
 CHUNK = 16 * 1024
 SIZE = 100 * 1024
@@ -71,12 +72,7 @@ def payload(seed: int, size: int = SIZE) -> bytes:
 
 
 def make_config(tmp_path: Path, **overrides: object) -> WeightLoaderConfig:
-    settings: dict[str, object] = {
-        "cache_dir": tmp_path / "cache", "chunk_size": CHUNK, "max_concurrent_downloads": 3, "timeout_s": 2.0,
-        "max_retries": 0, "progress": "off",
-    }
-    settings.update(overrides)
-    return WeightLoaderConfig(**settings)  # type: ignore[arg-type]
+    return weights_config(tmp_path, **{"chunk_size": CHUNK, "max_concurrent_downloads": 3, "max_retries": 0, **overrides})
 
 
 def blob_names(config: WeightLoaderConfig) -> set[str]:

@@ -25,6 +25,7 @@ from ferrum.weights.safetensors_header import header_length, parse_header
 from ferrum.weights.sources import Url
 from ferrum.weights.spec import WeightLoaderConfig
 from tests.fault_server import FaultServer
+from tests.conftest import weights_config
 
 CHUNK = 64 * 1024
 FAST_RETRY = RetryPolicy(max_retries=3, base_delay_s=0.02, max_delay_s=0.1)
@@ -45,12 +46,7 @@ SHA256 = hashlib.sha256(FILE).hexdigest()
 
 
 def make_config(tmp_path: Path, **overrides: object) -> WeightLoaderConfig:
-    settings: dict[str, object] = {
-        "cache_dir": tmp_path / "cache", "chunk_size": CHUNK, "max_concurrent_downloads": 4, "timeout_s": 2.0,
-        "max_retries": 3, "progress": "off",
-    }
-    settings.update(overrides)
-    return WeightLoaderConfig(**settings)  # type: ignore[arg-type]
+    return weights_config(tmp_path, **{"chunk_size": CHUNK, **overrides})
 
 
 @pytest.fixture

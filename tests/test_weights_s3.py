@@ -18,7 +18,7 @@ from ferrum.weights.s3 import S3Object
 from ferrum.weights.safetensors_header import header_length, parse_header
 from ferrum.weights.sources import S3
 from ferrum.weights.spec import WeightLoaderConfig
-from tests.conftest import S3Bucket
+from tests.conftest import S3Bucket, weights_config
 from tests.fault_server import FaultServer
 from tests.test_weights_http import FILE, SHA256, TENSORS
 
@@ -30,12 +30,7 @@ SLOW_DOWN = ("<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>
 
 
 def make_config(tmp_path: Path, **overrides: object) -> WeightLoaderConfig:
-    settings: dict[str, object] = {
-        "cache_dir": tmp_path / "cache", "chunk_size": CHUNK, "max_concurrent_downloads": 4, "timeout_s": 2.0,
-        "max_retries": 3, "progress": "off",
-    }
-    settings.update(overrides)
-    return WeightLoaderConfig(**settings)  # type: ignore[arg-type]
+    return weights_config(tmp_path, **{"chunk_size": CHUNK, **overrides})
 
 
 @pytest.fixture
