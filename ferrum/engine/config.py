@@ -15,6 +15,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_memory_gb: float | None = None  # default: a share of free memory, see kv_cache_budget
+    gpu_memory_utilization: float = 0.9  # on GPUs: the share of device memory Ferrum may fill (weights + KV)
+    enforce_eager: bool = False  # on GPUs: no CUDA graphs for decode
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -25,5 +28,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
