@@ -86,7 +86,9 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         batch = AttentionBatch(
+            rope=self.model.rotary(pos, self.model.embed_tokens.weight.dtype),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             num_decode=len(decodes),
             decode_slots=decode_slots,
@@ -94,8 +96,7 @@ class ModelRunner:
             prefills=tuple(segments),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, batch)
+        hidden = self.model(ids, self.kv_caches, batch)
 
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens

@@ -21,20 +21,24 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-    """logits: [B, V] float32, one row per sequence in `seqs`."""
+    """logits: [B, V] float32 on any device, one row per sequence in `seqs`. The work stays on the
+    logits' device; the chosen ids come back to the host in one transfer (logprobs add more)."""
     params = [s.params for s in seqs]
     want_logprobs = any(p.logprobs is not None for p in params)
+    if not want_logprobs and all(p.greedy and _no_penalties(p) for p in params):
+        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
+    device = logits.device
     logits = _apply_penalties(logits, seqs)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    token_ids = torch.empty(len(seqs), dtype=torch.long)
+    token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
     if greedy_rows:
-        idx = torch.tensor(greedy_rows)
+        idx = torch.tensor(greedy_rows, device=device)
         token_ids[idx] = logits[idx].argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
-        idx = torch.tensor(sampled_rows)
+        idx = torch.tensor(sampled_rows, device=device)
         probs = _filtered_probs(logits[idx], [params[i] for i in sampled_rows])
         token_ids[idx] = _draw(probs, [seqs[i].generator for i in sampled_rows])
 
@@ -53,12 +57,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     return SampleResult(chosen, logprob_out)
 
 
+def _no_penalties(p) -> bool:  # noqa: ANN001
+    return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+
+
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    rows = [
-        i
-        for i, s in enumerate(seqs)
-        if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
-    ]
+    rows = [i for i, s in enumerate(seqs) if not _no_penalties(s.params)]
     if not rows:
         return logits
     logits = logits.clone()
@@ -67,51 +71,54 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
         p, seq = seqs[i].params, seqs[i]
         row = logits[i]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(seq.prompt_token_ids + seq.output_token_ids, dtype=torch.long).unique()
+            ids = seq.prompt_token_ids + seq.output_token_ids
+            seen = torch.tensor(ids, dtype=torch.long, device=logits.device).unique()
             seen = seen[seen < vocab]
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long)
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
             out = out[out < vocab]
-            counts = torch.zeros(vocab, dtype=logits.dtype).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+            ones = torch.ones_like(out, dtype=logits.dtype)
+            counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).scatter_add_(0, out, ones)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
     logits = logits / temps
     top_ks = [p.top_k for p in params]
     if any(k > 0 for k in top_ks):
         vocab = logits.shape[1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_ks]).clamp(max=vocab)
+        ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device).clamp(max=vocab)
         sorted_logits = logits.sort(dim=-1, descending=True).values
         kth = sorted_logits.gather(1, (ks - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    top_ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
-    if bool((top_ps < 1.0).any()):
+    top_ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
+    if any(p.top_p < 1.0 for p in params):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # drop a token when the mass before it already reaches top_p (always keep the first)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= top_ps.unsqueeze(1)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
-    if bool((min_ps > 0).any()):
+    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+    if any(p.min_p > 0 for p in params):
         threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    out = torch.empty(probs.shape[0], dtype=torch.long)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        idx = torch.tensor(unseeded)
+        idx = torch.tensor(unseeded, device=probs.device)
         out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
     for i, g in enumerate(generators):
-        if g is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=g).item()
+        if g is not None:  # seeded requests draw on the host with their own generator: reproducible anywhere
+            out[i] = torch.multinomial(probs[i].cpu(), 1, generator=g).item()
     return out

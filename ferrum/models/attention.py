@@ -11,9 +11,17 @@ tokens of each prefilling sequence (whole prompts or chunks of them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from ferrum.models.layers import apply_rotary
+
+if TYPE_CHECKING:
+    from ferrum.models.llama import Attention
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -26,11 +34,27 @@ class PrefillSegment:
 
 @dataclass(frozen=True)
 class AttentionBatch:
+    """One step's attention inputs for the plain-torch path (CPU)."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin for each token's position: [T, 1, head_dim]
     slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
     num_decode: int
     decode_slots: torch.Tensor | None  # [num_decode, max_context] slots to read, padded
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] True where a slot is real
     prefills: tuple[PrefillSegment, ...]
+
+    def attend(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """qkv: [T, q_size + 2 kv_size] -> attention output [T, q_size]; writes k, v to the cache."""
+        heads = layer.num_heads + layer.num_kv_heads
+        qk = qkv[:, : layer.q_size + layer.kv_size].view(-1, heads, layer.head_dim)
+        v = qkv[:, layer.q_size + layer.kv_size :].view(-1, layer.num_kv_heads, layer.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = qk.split([layer.num_heads, layer.num_kv_heads], dim=1)
+            qk = torch.cat([layer.q_norm.norm(q), layer.k_norm.norm(k)], dim=1)
+        qk = apply_rotary(qk, *self.rope)  # q and k heads rotated together: one set of ops for both
+        q, k = qk.split([layer.num_heads, layer.num_kv_heads], dim=1)
+        out = paged_attention(q, k, v, cache[0], cache[1], self)
+        return out.reshape(-1, layer.q_size)
 
 
 def paged_attention(

@@ -17,13 +17,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm of x, or of x + residual; returns (normed, the summed input as the next residual)."""
+        if x.is_cuda:
+            from ferrum.models import triton_kernels
+
+            normed, summed = triton_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return normed, x if summed is None else summed
+        if residual is not None:
+            x = x + residual
+        return self.norm(x), x
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
         # HF's order of operations, in float32; torch's fused rms_norm accumulates in bf16 on CPU,
         # which the large activations of real checkpoints do not survive.
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -81,5 +94,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from ferrum.models import triton_kernels
+
+            return self.down_proj(triton_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -8,12 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrum.models.attention import AttentionBatch, paged_attention
+from ferrum.models.attention import AttentionBatch, KVCache
 from ferrum.models.config import ModelConfig
-from ferrum.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
+from ferrum.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -28,18 +25,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = apply_rotary(qk, *rope)  # q and k heads rotated together: one set of ops for both
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, cache[0], cache[1], batch)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    def forward(self, x: torch.Tensor, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
+        out = batch.attend(self, self.qkv_proj(x), cache)  # rope, cache write and attention
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -50,9 +38,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input before its residual add; returns (MLP output, residual stream)."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cache, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -70,16 +63,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
         kv_caches: list[KVCache],
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        """input_ids: [T] (their positions are in `batch`). Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, cache, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, cache, batch)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,218 @@
+"""The model runner for CUDA devices: paged KV cache, Triton attention, CUDA graphs for decode.
+
+Decode steps (every scheduled sequence adds one token) replay a CUDA graph captured for the
+smallest batch-size bucket that holds them: the inputs are copied into the graph's static
+buffers, padded rows point at a spare "trash" KV block, and the graph computes the logits of
+every row. Other steps (prefills, chunks, mixed batches) run eagerly through the prefill kernel.
+Logits stay on the device for sampling.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ferrum.engine.scheduler import ScheduledSequence
+from ferrum.engine.sequence import Sequence
+from ferrum.models import triton_kernels
+from ferrum.models.attention import KVCache
+from ferrum.models.gpu_attention import PrefillTiles, TritonAttentionBatch
+from ferrum.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets for decode graphs: 1, 2, 4, 8, then every 16 up to max_num_seqs (and it)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class GPUModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: str,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_cuda_graphs: bool = True,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.page = block_size
+        cfg = model.config
+        self.dtype = model.embed_tokens.weight.dtype
+        self.trash_block = num_blocks  # one block past the allocator's: padded graph rows write here
+        self.trash_slot = num_blocks * block_size
+        slots = (num_blocks + 1) * block_size
+        self.kv_caches: list[KVCache] = [
+            (
+                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device),
+                torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_num_seqs = max_num_seqs
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_sizes: list[int] = []
+        if use_cuda_graphs:
+            self._allocate_static_inputs()
+            self._capture_graphs()
+
+    @staticmethod
+    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:  # noqa: ANN001
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs one forward pass; returns device logits [B, V] (float32) for the sequences that
+        get a new token this step, in order."""
+        if all(s.is_decode for s in scheduled) and self.graphs and len(scheduled) <= self.max_num_seqs:
+            seqs = [s.seq for s in scheduled]
+            logits = self._decode_with_graph(seqs)
+        else:
+            logits, seqs = self._run_eager(scheduled)
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        return logits, seqs
+
+    def _decode_with_graph(self, seqs: list[Sequence]) -> torch.Tensor:
+        n = len(seqs)
+        size = next(s for s in self._graph_sizes if s >= n)
+        page = self.page
+        ids = np.zeros(size, dtype=np.int64)
+        pos = np.zeros(size, dtype=np.int64)
+        slots = np.full(size, self.trash_slot, dtype=np.int64)
+        lens = np.ones(size, dtype=np.int32)
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.empty((size, width), dtype=np.int32)
+        tables[:, 0] = self.trash_block
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed_tokens
+            table = seq.block_table
+            ids[i] = seq.token_at(p)
+            pos[i] = p
+            slots[i] = table[p // page] * page + p % page
+            lens[i] = p + 1
+            tables[i, : len(table)] = table
+        self.s_ids[:size].copy_(torch.from_numpy(ids), non_blocking=True)
+        self.s_pos[:size].copy_(torch.from_numpy(pos), non_blocking=True)
+        self.s_slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.s_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
+        self.s_tables[:size, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n]
+
+    def _run_eager(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        page = self.page
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_start: list[int] = []
+        q_len: list[int] = []
+        past: list[int] = []
+        tile_seq: list[int] = []
+        tile_m: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        width = max(len(s.seq.block_table) for s in scheduled)
+        tables = np.zeros((len(scheduled), width), dtype=np.int32)
+        for i, s in enumerate(scheduled):
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            table = seq.block_table
+            tables[i, : len(table)] = table
+            q_start.append(len(ids))
+            q_len.append(n)
+            past.append(start)
+            ids.extend(seq.tokens(start, start + n))
+            positions = range(start, start + n)
+            pos.extend(positions)
+            slots.extend(table[p // page] * page + p % page for p in positions)
+            for m0 in range(0, n, triton_kernels.PREFILL_BLOCK_M):
+                tile_seq.append(i)
+                tile_m.append(m0)
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        dev = self.device
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(dev, non_blocking=True)
+
+        batch = TritonAttentionBatch(
+            positions=torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True),
+            cos_table=self.model.rotary.cos_table,
+            sin_table=self.model.rotary.sin_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            page=page,
+            context_lens=None,
+            tiles=PrefillTiles(ints(tile_seq), ints(tile_m), ints(q_start), ints(q_len), ints(past)),
+        )
+        hidden = self.model(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), self.kv_caches, batch)
+        if not sample_rows:
+            return torch.empty(0, self.model.config.vocab_size, device=dev), []
+        rows = torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs
+
+    # -- CUDA graphs -----------------------------------------------------------------------
+    def _allocate_static_inputs(self) -> None:
+        n, dev = self.max_num_seqs, self.device
+        self.s_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.s_pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.s_slots = torch.full((n,), self.trash_slot, dtype=torch.long, device=dev)
+        self.s_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.s_tables = torch.full((n, self.max_blocks), self.trash_block, dtype=torch.int32, device=dev)
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        batch = TritonAttentionBatch(
+            positions=self.s_pos[:size],
+            cos_table=self.model.rotary.cos_table,
+            sin_table=self.model.rotary.sin_table,
+            slot_mapping=self.s_slots[:size],
+            block_tables=self.s_tables[:size],
+            page=self.page,
+            context_lens=self.s_lens[:size],
+            tiles=None,
+        )
+        hidden = self.model(self.s_ids[:size], self.kv_caches, batch)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        started = time.perf_counter()
+        sizes = graph_batch_sizes(self.max_num_seqs)
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for size in reversed(sizes):  # largest first: the smaller graphs reuse its pool
+                self._decode_forward(size)  # warm-up: compiles the kernels, sets up cuBLAS
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._decode_forward(size)
+                pool = graph.pool()
+                self.graphs[size] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self._graph_sizes = sizes
+        log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs", len(sizes), self.max_num_seqs,
+                 time.perf_counter() - started)
+
+    def release(self) -> None:
+        """Drops the graphs, the KV cache and the model so that the device memory can be freed."""
+        self.graphs.clear()
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

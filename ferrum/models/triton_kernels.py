@@ -1,0 +1,258 @@
+"""Triton kernels for the GPU path: fused norms, rope + KV-cache write, paged attention.
+
+Imported only where tensors live on a GPU (or under TRITON_INTERPRET=1 in tests).
+Numerics follow HF transformers' bf16 order of operations: reductions in float32,
+results rounded to the activation dtype where HF rounds them.
+
+The KV cache of one layer is two tensors [num_slots, num_kv_heads, head_dim]; a
+token at position p of a sequence lives in slot block_table[p // page] * page + p % page.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# -- norms and activations ----------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, OUT, ROUT, stride_x, stride_r, stride_o, stride_ro, n, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(OUT.dtype.element_ty)  # HF adds residuals in the activation dtype
+        tl.store(ROUT + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    normed = (xf * rstd).to(OUT.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of x (or of x + residual, which is also returned as the new residual)."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    rout = torch.empty_like(x) if residual is not None else None
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, rout if rout is not None else out,
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        rout.stride(0) if rout is not None else 0, n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+    )
+    return out, rout
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (act * u).to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * n] (gate then up) -> silu(gate) * up: [T, n]."""
+    rows, n2 = x.shape
+    n = n2 // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+# -- rope and the KV-cache write ------------------------------------------------------------
+
+
+@triton.jit
+def _rope_store_kernel(QKV, POS, COS, SIN, SLOTS, QOUT, KC, VC, QNW, KNW,
+                       stride_t, stride_qt, stride_qh, stride_cs, stride_kc, stride_kh, eps,
+                       H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)  # 0..H-1 q heads, H..H+KV-1 k heads, then v heads
+    half = tl.arange(0, D // 2)
+    base = QKV + t * stride_t + head * D
+    slot = tl.load(SLOTS + t)
+    if head >= H + KV:  # v: copied into the cache as it is
+        kvh = head - H - KV
+        dst = VC + slot * stride_kc + kvh * stride_kh
+        tl.store(dst + half, tl.load(base + half))
+        tl.store(dst + D // 2 + half, tl.load(base + D // 2 + half))
+    else:
+        x1 = tl.load(base + half).to(tl.float32)
+        x2 = tl.load(base + D // 2 + half).to(tl.float32)
+        if QK_NORM:  # Qwen3: per-head RMSNorm before the rotation
+            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            nw = QNW if head < H else KNW
+            x1 = (x1 * rstd).to(QOUT.dtype.element_ty).to(tl.float32) * tl.load(nw + half).to(tl.float32)
+            x2 = (x2 * rstd).to(QOUT.dtype.element_ty).to(tl.float32) * tl.load(nw + D // 2 + half).to(tl.float32)
+            x1 = x1.to(QOUT.dtype.element_ty).to(tl.float32)
+            x2 = x2.to(QOUT.dtype.element_ty).to(tl.float32)
+        pos = tl.load(POS + t)
+        c = tl.load(COS + pos * stride_cs + half).to(QOUT.dtype.element_ty).to(tl.float32)
+        s = tl.load(SIN + pos * stride_cs + half).to(QOUT.dtype.element_ty).to(tl.float32)
+        y1 = (x1 * c - x2 * s).to(QOUT.dtype.element_ty)
+        y2 = (x2 * c + x1 * s).to(QOUT.dtype.element_ty)
+        if head < H:
+            dst = QOUT + t * stride_qt + head * stride_qh
+        else:
+            dst = KC + slot * stride_kc + (head - H) * stride_kh
+        tl.store(dst + half, y1)
+        tl.store(dst + D // 2 + half, y2)
+
+
+def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, head_dim: int,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """qkv: [T, (H + 2 KV) * D]. Rotates q and k (after a per-head norm when given), writes k and v
+    into their cache slots, returns q: [T, H, D]."""
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos, sin, slots, q, k_cache, v_cache,
+        q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
+        qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), eps,
+        H=num_heads, KV=num_kv_heads, D=head_dim, QK_NORM=q_norm is not None, num_warps=1,
+    )
+    return q
+
+
+# -- paged attention ------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(Q, KC, VC, OUT, TABLES, LENS, scale,
+                   stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
+                   G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """One program per (sequence, kv head): its G query heads against the sequence's cache."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    length = tl.load(LENS + b)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gmask = g < G
+    q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for start in range(0, length, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < length
+        page = tl.load(TABLES + b * stride_bt + n // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + n % PAGE
+        off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(OUT + b * stride_ot + (kvh * G + g)[:, None] * stride_oh + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, page: int, scale: float) -> torch.Tensor:
+    """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    _decode_kernel[(batch, kv_heads)](
+        q, k_cache, v_cache, out, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=64,
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PAST, scale,
+                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
+                    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (tile of BLOCK_M new tokens of one sequence, query head). Query i of a
+    sequence sits at position past + i and sees the cached keys 0 .. past + i (its own included)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    s_idx = tl.load(TILE_SEQ + tile)
+    m0 = tl.load(TILE_M + tile)
+    q_start = tl.load(Q_START + s_idx)
+    q_len = tl.load(Q_LEN + s_idx)
+    past = tl.load(PAST + s_idx)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    d = tl.arange(0, D)
+    q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    end = past + tl.minimum(m0 + BLOCK_M, q_len)
+    qpos = past + rows
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < end
+        page = tl.load(TABLES + s_idx * stride_bt + n // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + n % PAGE
+        off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=rmask[:, None])
+
+
+PREFILL_BLOCK_M = 64
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  tile_seq: torch.Tensor, tile_m: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                  past: torch.Tensor, page: int, scale: float) -> torch.Tensor:
+    """q: [T, H, D] packed new tokens of several sequences (their k/v already in the cache).
+    Tiles (tile_seq, tile_m) cover each sequence's new tokens in steps of PREFILL_BLOCK_M."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    out = torch.empty_like(q)
+    _prefill_kernel[(tile_seq.shape[0], heads)](
+        q, k_cache, v_cache, out, block_tables, tile_seq, tile_m, q_start, q_len, past, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=heads // kv_heads, D=dim, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64,
+        num_warps=4, num_stages=2,
+    )
+    return out
