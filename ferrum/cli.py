@@ -1,4 +1,4 @@
-"""`ferrum` command line: serve, pull."""
+"""`ferrum` command line: serve, pull, bench."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import sys
 
 from ferrum.backends.selection import BackendSelectionError
+from ferrum.bench.cli import add_bench_parser, run_bench
 from ferrum.config import ConfigError, load_config
 from ferrum.models.config import ModelConfigError
 from ferrum.models.loader import WeightsError
@@ -42,6 +43,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", dest="max_model_len", type=int)
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
     p.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float)
+    p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),
+                   help="run the engine in a process of its own (auto: on cuda and mps, not on cpu)")
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
 
 
@@ -62,8 +65,17 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _pull_parser(sub)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
 
+    if args.command == "bench":
+        try:
+            sys.exit(run_bench(args))
+        except USER_ERRORS as exc:
+            print(f"ferrum: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            sys.exit(130)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)

@@ -1,0 +1,158 @@
+"""The `ferrum bench offline` and `ferrum bench serve` command lines."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import sys
+from typing import Any
+
+from ferrum.bench.errors import BenchError
+from ferrum.bench.workload import LengthRange, WorkloadSpec
+
+log = logging.getLogger("ferrum.bench")
+
+ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb",
+                "gpu_memory_utilization")
+
+
+def _length_range(text: str) -> LengthRange:
+    try:
+        return LengthRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be integers >= 1, got {text!r}")
+    return levels
+
+
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected inf or a positive number, got {text!r}") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"the request rate must be positive (or inf), got {text!r}")
+    return rate
+
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=256, metavar="N", help="number of requests (default 256)")
+    g.add_argument("--input-len", type=_length_range, default=LengthRange(100, 1024), metavar="N|LOW:HIGH",
+                   help="prompt length in tokens, drawn uniformly from LOW..HIGH inclusive (default 100:1024)")
+    g.add_argument("--output-len", type=_length_range, default=LengthRange(100, 1024), metavar="N|LOW:HIGH",
+                   help="max_tokens of each request, drawn like --input-len (default 100:1024)")
+    g.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the workload (default 0)")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (default: ignore EOS, so each generates its output length)")
+    p.add_argument("--output-json", metavar="FILE", help="write the results as JSON to FILE")
+    p.add_argument("--log-level", default="warning", metavar="LEVEL", help="debug | info | warning | error (default warning)")
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmark throughput and latency on a random workload")
+    modes = bench.add_subparsers(dest="bench_command", required=True)
+
+    off = modes.add_parser("offline", help="run the workload through the engine in this process (no HTTP)")
+    off.add_argument("--model", required=True, help="model location, as for `ferrum serve --model`")
+    off.add_argument("--backend", default="auto", help="auto | cpu | cuda | cuda:N | mps (default auto)")
+    off.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (default auto)")
+    off.add_argument("--max-num-seqs", type=int, metavar="N", help="most sequences in one step")
+    off.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one step")
+    off.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
+    off.add_argument("--kv-cache-memory-gb", type=float, metavar="G", help="KV cache size")
+    off.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                     help="on GPUs: share of device memory for weights and KV cache")
+    off.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    off.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    _workload_flags(off)
+
+    srv = modes.add_parser("serve", help="stream the workload to a running server at several concurrencies")
+    srv.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    srv.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    srv.add_argument("--tokenizer", metavar="FOLDER",
+                     help="a folder with the served model's tokenizer.json, for drawing prompt token ids "
+                          "(default: --model, if it is such a folder)")
+    srv.add_argument("--concurrency", type=_levels, default=(1, 16, 64), metavar="N[,N...]",
+                     help="most requests in flight; the workload runs once per level (default 1,16,64)")
+    srv.add_argument("--request-rate", type=_rate, default=math.inf, metavar="inf|RATE",
+                     help="requests/s with Poisson arrivals, capped by the concurrency (default inf: all at once)")
+    srv.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="seconds per request (default 3600)")
+    srv.add_argument("--plot", metavar="FILE.png", help="plot latencies and throughput against concurrency")
+    srv.add_argument("--save-requests", action="store_true", help="put every request's timings in the JSON")
+    _workload_flags(srv)
+
+
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(args.num_prompts, args.input_len, args.output_len, args.seed, args.ignore_eos)
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from ferrum.bench.offline import OfflineOptions, run_offline
+    from ferrum.bench.report import offline_json, offline_table, write_json
+
+    engine: dict[str, Any] = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.enforce_eager:
+        engine["enforce_eager"] = True
+    if args.no_prefix_caching:
+        engine["enable_prefix_caching"] = False
+    result = run_offline(OfflineOptions(args.model, _workload(args), args.backend, engine))
+    print(offline_table(result), flush=True)
+    if args.output_json:
+        write_json(offline_json(result), args.output_json)
+    if result.workload.ignore_eos and not result.output_tokens_as_requested:
+        print(f"ferrum bench: error: {result.total_output_tokens} tokens generated, "
+              f"{result.requested_output_tokens} requested (ignore_eos should make them equal)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ferrum.bench.plot import plot_levels, require_matplotlib
+    from ferrum.bench.report import level_table, serve_json, summary_table, write_json
+    from ferrum.bench.serve import ServeOptions, run_serve
+
+    if args.plot:
+        require_matplotlib()  # fail before the run, not after it
+    options = ServeOptions(args.url, _workload(args), args.concurrency, args.request_rate, args.model,
+                           args.tokenizer, args.timeout)
+    result = asyncio.run(run_serve(options))
+    levels = [run.result for run in result.levels]
+    for level in levels:
+        print(level_table(level), flush=True)
+    print(summary_table(levels), flush=True)
+    if args.output_json:
+        write_json(serve_json(result, args.save_requests), args.output_json)
+    if args.plot:
+        plot_levels(levels, args.plot, f"ferrum bench serve: {result.model}")
+    failed = sum(level.failed for level in levels)
+    if failed:
+        print(f"ferrum bench: error: {failed} requests failed", file=sys.stderr)
+        return 1
+    if result.workload.ignore_eos and any(lv.total_output_tokens != lv.requested_output_tokens for lv in levels):
+        print("ferrum bench: error: the server generated other token counts than requested "
+              "(ignore_eos should make them equal)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The exit status: 0, 1 when requests failed (or generated other token counts than asked), 2 for
+    a benchmark that could not run."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _offline(args) if args.bench_command == "offline" else _serve(args)
+    except (BenchError, ValueError) as exc:
+        log.debug("benchmark stopped", exc_info=True)
+        print(f"ferrum bench: error: {exc}", file=sys.stderr)
+        return 2

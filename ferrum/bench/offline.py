@@ -1,0 +1,135 @@
+"""`ferrum bench offline`: the workload through an LLMEngine in this process, no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferrum.backends.registry import create_default_registry
+from ferrum.backends.selection import select_backend
+from ferrum.bench.device import device_name
+from ferrum.bench.errors import BenchError
+from ferrum.bench.progress import RequestProgress
+from ferrum.bench.workload import BenchRequest, WorkloadSpec, make_workload, prompt_token_pool, warmup_request
+from ferrum.config import ServerConfig
+from ferrum.engine.config import EngineConfig
+from ferrum.engine.llm_engine import LLMEngine, resolve_dtype
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.server.launch import resolve_model
+
+
+@dataclass(frozen=True)
+class OfflineOptions:
+    model: str  # a model location, as for `ferrum serve --model`
+    workload: WorkloadSpec
+    backend: str = "auto"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields other than model/device
+
+
+@dataclass(frozen=True)
+class OfflineResult:
+    model: str
+    backend: str
+    device: str
+    device_name: str
+    dtype: str
+    engine: dict[str, Any]
+    workload: WorkloadSpec
+    elapsed_s: float
+    num_requests: int
+    total_input_tokens: int
+    total_output_tokens: int
+    requested_output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.total_output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.total_input_tokens + self.total_output_tokens) / self.elapsed_s
+
+    @property
+    def output_tokens_as_requested(self) -> bool:
+        """With ignore_eos every request must generate exactly its max_tokens."""
+        return self.total_output_tokens == self.requested_output_tokens
+
+
+async def _pick_device(options: OfflineOptions) -> tuple[str, str, Path]:
+    registry = await create_default_registry()
+    backend, device = await select_backend(registry, options.backend)
+    folder = await resolve_model(ServerConfig(model=options.model))
+    return backend.name, device, folder
+
+
+def _params(request: BenchRequest, ignore_eos: bool) -> SamplingParams:
+    return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=ignore_eos)
+
+
+def _run(engine: LLMEngine, requests: list[BenchRequest], ignore_eos: bool, tag: str,
+         progress: RequestProgress | None) -> list[int]:
+    """Runs `requests` to completion; the number of tokens each generated."""
+    ids = [f"bench-{tag}-{i}" for i in range(len(requests))]
+    counts = dict.fromkeys(ids, 0)
+    for request_id, request in zip(ids, requests, strict=True):
+        engine.add_request(request_id, list(request.prompt_token_ids), _params(request, ignore_eos))
+    while engine.has_work:
+        for out in engine.step():
+            counts[out.request_id] = out.num_output_tokens
+            if out.finished and progress is not None:
+                progress.advance()
+    return [counts[i] for i in ids]
+
+
+def _check_fits(spec: WorkloadSpec, max_model_len: int) -> None:
+    if spec.longest_request > max_model_len:
+        raise BenchError(
+            f"the longest request may need {spec.longest_request} tokens (input {spec.input_len.high} + "
+            f"output {spec.output_len.high}); max_model_len is {max_model_len}: lower --input-len / "
+            f"--output-len or raise --max-model-len"
+        )
+
+
+def run_offline(options: OfflineOptions) -> OfflineResult:
+    spec = options.workload
+    if options.engine.get("max_model_len") is not None:  # before loading anything
+        _check_fits(spec, int(options.engine["max_model_len"]))
+    backend, device, folder = asyncio.run(_pick_device(options))
+    engine = LLMEngine(EngineConfig(model=str(folder), device=device, **options.engine))
+    _check_fits(spec, engine.max_model_len)
+    pool = prompt_token_pool(engine.tokenizer, engine.model_config.vocab_size)
+    requests = make_workload(spec, pool)
+    _run(engine, [warmup_request(spec, pool)], spec.ignore_eos, "warmup", None)
+    with RequestProgress(len(requests), "bench offline") as progress:
+        started = time.perf_counter()
+        counts = _run(engine, requests, spec.ignore_eos, "run", progress)
+        _synchronize(device)
+        elapsed = time.perf_counter() - started
+    return OfflineResult(
+        model=str(options.model),
+        backend=backend,
+        device=device,
+        device_name=device_name(device),
+        dtype=str(resolve_dtype(engine.config.dtype, engine.model_config.dtype, device)).removeprefix("torch."),
+        engine={k: v for k, v in asdict(engine.config).items() if k not in ("model", "device")},
+        workload=spec,
+        elapsed_s=elapsed,
+        num_requests=len(requests),
+        total_input_tokens=sum(r.prompt_len for r in requests),
+        total_output_tokens=sum(counts),
+        requested_output_tokens=sum(r.output_len for r in requests),
+    )
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
