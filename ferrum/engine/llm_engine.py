@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from ferrum.engine.sequence import Sequence, SequenceStatus
 from ferrum.models.config import load_model_config
 from ferrum.models.loader import load_model
 from ferrum.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ferrum.engine.gpu_model_runner import GPUModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +100,29 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or limit
 
+        on_gpu = config.device.startswith("cuda")
         bytes_per_token = ModelRunner.kv_bytes_per_token(model_config, dtype)
-        num_blocks = kv_cache_budget(config) // (bytes_per_token * config.block_size)
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
-                f"sequence of max_model_len={self.max_model_len} tokens; raise kv_cache_memory_gb "
-                f"or lower max_model_len"
-            )
+        if not on_gpu:  # sized before loading, so that a cache too small fails fast
+            num_blocks = kv_cache_budget(config) // (bytes_per_token * config.block_size)
+            self._check_fits(num_blocks, config)
         self.model, self.model_config = load_model(folder, dtype, config.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.runner: ModelRunner | GPUModelRunner
+        if on_gpu:  # imported here: the GPU path needs triton, which CPU installs may lack
+            from ferrum.engine.gpu_memory import plan_kv_cache
+            from ferrum.engine.gpu_model_runner import GPUModelRunner
+
+            num_blocks = plan_kv_cache(self.model, config, self.max_model_len).num_blocks
+            self._check_fits(num_blocks, config)
+            self.runner = GPUModelRunner(
+                self.model, num_blocks, config.block_size, config.device, config.max_num_seqs,
+                self.max_model_len, use_cuda_graphs=not config.enforce_eager,
+            )
+        else:
+            self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self._preemptions = 0
@@ -119,6 +134,18 @@ class LLMEngine:
             time.perf_counter() - started, model_config.architecture, dtype, config.device,
             num_blocks, config.block_size, self.max_model_len,
         )
+
+    def _check_fits(self, num_blocks: int, config: EngineConfig) -> None:
+        if num_blocks * config.block_size < self.max_model_len:
+            memory = "gpu_memory_utilization" if config.device.startswith("cuda") else "kv_cache_memory_gb"
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len} tokens; raise {memory} or lower max_model_len"
+            )
+
+    def release(self) -> None:
+        """Frees what the engine holds on its device (KV cache, CUDA graphs, weights)."""
+        self.runner.release()
 
     # -- requests -------------------------------------------------------
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:

@@ -105,3 +105,8 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return logits.cpu(), sample_seqs
+
+    def release(self) -> None:
+        """Drops the KV cache and the model (the memory returns to the allocator)."""
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]

@@ -1,0 +1,364 @@
+"""Checks and times Ferrum on a CUDA GPU in one go; prints a table at the end.
+
+    python scripts/gpu_suite.py --phases env,kernels,correct,decode,offline --out DIR
+
+Phases:
+  env      GPU, versions, measured device-to-device copy bandwidth (bytes read + written)
+  kernels  the Triton kernel tests, compiled (tests/test_triton_kernels.py, tests/test_*gpu*.py)
+  correct  bf16 logits (prefill and decode, through the CUDA graphs) and greedy outputs vs HF
+           transformers on the same random-weight Llama-3.2-1B and Qwen3-0.6B checkpoints
+  decode   batch-1 decode ms/token vs the floor of weight bytes over measured bandwidth (1B; 8B
+           with --with-8b), and HF transformers generate at batch 1 on the same weights
+  offline  the offline workload (256 requests, 100-1024 in, 100-1024 out, ignore EOS) on the 1B
+  hf       HF transformers' generate_batch (continuous batching) on the same requests, 512 out
+  cold     time from `ferrum serve` to ready for the 8B shape; load rate vs safetensors load_file
+  serve    `ferrum bench serve` against `ferrum serve` at concurrency 64 vs offline at max_num_seqs 64
+Random-weight checkpoints are made under --ckpt (scripts/make_random_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESULTS: list[dict] = []
+
+
+def record(phase: str, name: str, value, unit: str = "", note: str = "") -> None:  # noqa: ANN001
+    row = dict(phase=phase, name=name, value=value, unit=unit, note=note)
+    RESULTS.append(row)
+    print(f"[{phase}] {name}: {value} {unit} {note}", flush=True)
+
+
+def checkpoint(shape: str, ckpt_root: Path) -> Path:
+    out = ckpt_root / shape
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", shape,
+                        "--out", str(out)], check=True)
+    return out
+
+
+def weight_bytes_read_per_token(folder: Path) -> int:
+    """Bytes of weights one decode step reads: every weight but an untied embedding table."""
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text())
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings"):
+                    continue
+                t = f.get_slice(name)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                total += n * 2
+    return total
+
+
+# -- phases -----------------------------------------------------------------------------------
+
+
+def phase_env(args) -> float:  # noqa: ANN001
+    props = torch.cuda.get_device_properties(0)
+    record("env", "gpu", props.name, note=f"cc {props.major}.{props.minor}, {props.total_memory / 2**30:.1f} GiB")
+    import triton
+
+    record("env", "versions", f"torch {torch.__version__}, triton {triton.__version__}")
+    n = 2 * 2**30 // 2
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    bw = 2 * x.numel() * 2 / times[len(times) // 2]
+    record("env", "copy bandwidth (read+write)", round(bw / 1e9), "GB/s")
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
+def phase_kernels(args) -> None:  # noqa: ANN001
+    tests = ["tests/test_triton_kernels.py"] + [str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_*gpu*.py")]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=ROOT, capture_output=True, text=True)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    record("kernels", "pytest " + " ".join(tests), tail)
+
+
+def make_engine(folder: Path, **overrides):  # noqa: ANN003, ANN201
+    from ferrum.engine.config import EngineConfig
+    from ferrum.engine.llm_engine import LLMEngine
+
+    settings = dict(model=str(folder), device="cuda", dtype="bfloat16", max_num_seqs=256,
+                    max_num_batched_tokens=8192, max_model_len=4096)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def ferrum_logits(engine, prompt: list[int], continuation: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """Logits at the prompt's last position (prefill kernel), then at each continuation token fed
+    one at a time (decode kernel, CUDA graph of batch 1)."""
+    from ferrum.engine.sampling_params import SamplingParams
+    from ferrum.engine.scheduler import ScheduledSequence
+    from ferrum.engine.sequence import Sequence
+
+    seq = Sequence(f"check-{time.monotonic_ns()}", list(prompt), SamplingParams(max_tokens=len(continuation) + 1), 0.0)
+    engine.block_manager.grow(seq, len(prompt))
+    rows = []
+    logits, _ = engine.runner.execute([ScheduledSequence(seq, len(prompt))])
+    rows.append(logits[0].float().cpu())
+    for tok in continuation:
+        seq.output_token_ids.append(tok)
+        engine.block_manager.grow(seq, seq.num_tokens)
+        logits, _ = engine.runner.execute([ScheduledSequence(seq, 1)])
+        rows.append(logits[0].float().cpu())
+    engine.block_manager.free(seq)
+    return torch.stack(rows)
+
+
+def phase_correct(args) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    from ferrum.engine.sampling_params import SamplingParams
+
+    for shape in ("llama-3.2-1b", "qwen3-0.6b"):
+        folder = checkpoint(shape, args.ckpt)
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        rng = random.Random(0)
+        cases = [([rng.randrange(vocab - 2) for _ in range(n)], [rng.randrange(vocab - 2) for _ in range(12)])
+                 for n in (5, 77, 300)]
+        hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+        ref32 = []
+        with torch.no_grad():
+            for p, c in cases:
+                ref32.append(hf32(torch.tensor([p + c], device="cuda")).logits[0, len(p) - 1 : len(p) + len(c)].float().cpu())
+        del hf32
+        torch.cuda.empty_cache()
+        hf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+        ref16 = []
+        hf_greedy = []
+        prompts = [p for p, _ in cases]
+        with torch.no_grad():
+            for p, c in cases:
+                ref16.append(hf16(torch.tensor([p + c], device="cuda")).logits[0, len(p) - 1 : len(p) + len(c)].float().cpu())
+            for p in prompts:
+                g = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+                hf_greedy.append(g[0, len(p):].tolist())
+        del hf16
+        torch.cuda.empty_cache()
+        engine = make_engine(folder, kv_cache_memory_gb=4.0, max_num_seqs=16)
+        ours = [ferrum_logits(engine, p, c) for p, c in cases]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+        err_ours = max(float((o - r).abs().max()) for o, r in zip(ours, ref32))
+        err_hf = max(float((h - r).abs().max()) for h, r in zip(ref16, ref32))
+        scale = max(float(r.abs().max()) for r in ref32)
+        top_ours = sum(int((o.argmax(-1) == r.argmax(-1)).sum()) for o, r in zip(ours, ref32))
+        top_hf = sum(int((h.argmax(-1) == r.argmax(-1)).sum()) for h, r in zip(ref16, ref32))
+        total = sum(r.shape[0] for r in ref32)
+        ok = err_ours <= 2 * err_hf + 1e-3
+        record("correct", f"{shape} bf16 logits max|ferrum - hf fp32|", round(err_ours, 4), "",
+               f"HF bf16 vs HF fp32: {err_hf:.4f}; |logit| max {scale:.2f}; bound 2x HF's: {'PASS' if ok else 'FAIL'}")
+        record("correct", f"{shape} top-1 agreement with HF fp32", f"ferrum {top_ours}/{total}, HF bf16 {top_hf}/{total}")
+        matched = [sum(1 for _ in iter_prefix(a, b)) for a, b in zip(outs, hf_greedy)]
+        record("correct", f"{shape} greedy 32 tokens == HF bf16 generate", f"{matched} tokens match of 32 per prompt",
+               "", f"ferrum {outs[0][:6]}..., hf {hf_greedy[0][:6]}...")
+        engine.release()
+        del engine
+        torch.cuda.empty_cache()
+
+
+def iter_prefix(a: list[int], b: list[int]):  # noqa: ANN201
+    for x, y in zip(a, b):
+        if x != y:
+            return
+        yield x
+
+
+def time_batch1_decode(folder: Path, prompt_len: int = 128, new_tokens: int = 256) -> float:
+    from ferrum.engine.sampling_params import SamplingParams
+
+    engine = make_engine(folder, max_num_seqs=8, max_model_len=2048)
+    rng = random.Random(1)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engine.generate([[rng.randrange(vocab - 2) for _ in range(prompt_len)]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    engine.add_request("b1", [rng.randrange(vocab - 2) for _ in range(prompt_len)], params)
+    engine.step()  # prefill + first token
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - started
+    engine.release()
+    del engine
+    torch.cuda.empty_cache()
+    return elapsed / steps
+
+
+def hf_batch1_tokens_per_s(folder: Path, new_tokens: int = 64) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, 1000, (1, 128), device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+    rate = new_tokens / (time.perf_counter() - started)
+    del model
+    torch.cuda.empty_cache()
+    return rate
+
+
+def phase_decode(args, bandwidth: float) -> None:  # noqa: ANN001
+    shapes = ["llama-3.2-1b"] + (["llama-3.1-8b"] if args.with_8b else [])
+    for shape in shapes:
+        folder = checkpoint(shape, args.ckpt)
+        nbytes = weight_bytes_read_per_token(folder)
+        floor = nbytes / bandwidth
+        per_token = time_batch1_decode(folder)
+        record("decode", f"{shape} batch-1 decode", round(per_token * 1e3, 3), "ms/token",
+               f"{1 / per_token:.0f} tok/s; floor {floor * 1e3:.3f} ms ({nbytes / 1e9:.2f} GB / {bandwidth / 1e9:.0f} GB/s)"
+               f" -> {floor / per_token:.0%} of floor")
+        if args.with_hf:
+            hf = hf_batch1_tokens_per_s(folder)
+            record("decode", f"{shape} HF generate batch 1 (eager, bf16)", round(hf, 1), "tok/s",
+                   f"ferrum {1 / per_token / hf:.1f}x")
+
+
+def offline_workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab - 2) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
+            for _ in range(num)]
+
+
+def phase_offline(args) -> float:  # noqa: ANN001
+    from ferrum.engine.sampling_params import SamplingParams
+
+    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    engine = make_engine(folder, max_num_seqs=args.max_num_seqs, max_model_len=2048)
+    vocab = engine.model_config.vocab_size
+    work = offline_workload(args.num_prompts, vocab)
+    engine.generate([work[0][0]], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+    generated = 0
+    steps = 0
+    while engine.has_work and time.perf_counter() - started < args.offline_limit_s:
+        for out in engine.step():
+            generated += len(out.new_token_ids)
+        steps += 1
+    elapsed = time.perf_counter() - started
+    expected = sum(o for _, o in work)
+    rate = generated / elapsed
+    record("offline", f"llama-3.2-1b offline {len(work)} req (100-1024 in/out)", round(rate), "output tok/s",
+           f"{elapsed:.1f}s, {steps} steps, {generated}/{expected} tokens, max_num_seqs {args.max_num_seqs}")
+    engine.release()
+    del engine
+    torch.cuda.empty_cache()
+    return rate
+
+
+def phase_hf(args, ferrum_rate: float | None) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    work = offline_workload(args.num_prompts, vocab)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    gen = GenerationConfig(max_new_tokens=args.hf_out, do_sample=False, eos_token_id=-1, pad_token_id=0,
+                           use_cuda_graph=False)
+    model.generate_batch(inputs=[p for p, _ in work[:4]], generation_config=GenerationConfig(
+        max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    results = model.generate_batch(inputs=[p for p, _ in work], generation_config=gen)
+    elapsed = time.perf_counter() - started
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    rate = generated / elapsed
+    ratio = f"ferrum {ferrum_rate / rate:.1f}x" if ferrum_rate else ""
+    record("hf", f"HF generate_batch {len(work)} req, {args.hf_out} out", round(rate), "output tok/s",
+           f"{elapsed:.1f}s, {generated} tokens; {ratio}")
+    del model
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phases", default="env,kernels,correct,decode,offline")
+    parser.add_argument("--ckpt", type=Path, default=Path("/tmp/ferrum-ckpt"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-out", type=int, default=512)
+    parser.add_argument("--offline-limit-s", type=float, default=300.0)
+    parser.add_argument("--with-8b", action="store_true")
+    parser.add_argument("--with-hf", action="store_true")
+    args = parser.parse_args()
+    phases = args.phases.split(",")
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    bandwidth = None
+    ferrum_rate = None
+    for phase in phases:
+        started = time.perf_counter()
+        try:
+            if phase == "env":
+                bandwidth = phase_env(args)
+            elif phase == "kernels":
+                phase_kernels(args)
+            elif phase == "correct":
+                phase_correct(args)
+            elif phase == "decode":
+                phase_decode(args, bandwidth or phase_env(args))
+            elif phase == "offline":
+                ferrum_rate = phase_offline(args)
+            elif phase == "hf":
+                phase_hf(args, ferrum_rate)
+            else:
+                record(phase, "unknown phase", "skipped")
+        except Exception as exc:  # one phase failing must not hide the others' results
+            traceback.print_exc()
+            record(phase, "FAILED", repr(exc)[:300])
+        print(f"--- phase {phase} took {time.perf_counter() - started:.1f}s", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_suite.json").write_text(json.dumps(RESULTS, indent=2))
+    print("\n==== results ====")
+    for r in RESULTS:
+        print(f"{r['phase']:8} | {r['name'][:60]:60} | {r['value']} {r['unit']} | {r['note']}")
+
+
+if __name__ == "__main__":
+    main()

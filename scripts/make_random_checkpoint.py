@@ -1,0 +1,154 @@
+"""Writes a random-weight checkpoint with a real model's shapes, as an HF model folder.
+
+For machines that cannot download weights (the GPU benchmark machine): the shapes, dtype and
+file layout are those of the real model, so load times, memory, bandwidth and throughput are
+the real model's; only the numbers in the tensors are random. The tokenizer is synthetic: one
+word "t<id>" per token id (whitespace-separated), with the model's vocabulary size, so that any
+token id round-trips through text.
+
+    python scripts/make_random_checkpoint.py --shape llama-3.2-1b --out /tmp/llama-3.2-1b [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        hidden_act="silu", attention_bias=False, mlp_bias=False,
+    ),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        hidden_act="silu", attention_bias=False, mlp_bias=False,
+    ),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        hidden_act="silu", attention_bias=False,
+    ),
+}
+
+SHARD_BYTES = 5 * 2**30
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if c["model_type"] == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (c["vocab_size"], h)
+    return shapes
+
+
+def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str) -> torch.Tensor:
+    if len(shape) == 1:  # norms: around 1, as trained models have them
+        t = 1.0 + 0.05 * torch.randn(shape, generator=gen, device=device)
+    else:
+        t = 0.02 * torch.randn(shape, generator=gen, device=device)
+    return t.to(torch.bfloat16)
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    bos, eos = vocab_size - 2, vocab_size - 1
+    vocab = {f"t{i}": i for i in range(vocab_size - 2)} | {"<bos>": bos, "<eos>": eos}
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+            for tok, i in (("<bos>", bos), ("<eos>", eos))
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+    }))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    config = dict(SHAPES[args.shape], torch_dtype="bfloat16", bos_token_id=SHAPES[args.shape]["vocab_size"] - 2,
+                  eos_token_id=SHAPES[args.shape]["vocab_size"] - 1)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"],
+                                                            "eos_token_id": config["eos_token_id"]}))
+    write_tokenizer(out, config["vocab_size"])
+
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    total = 0
+    for name, shape in tensor_shapes(config).items():
+        tensor = random_tensor(name, shape, gen, args.device).cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+        total += nbytes
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map |= {name: file for name in shard}
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    print(f"{args.shape}: {total / 1e9:.2f} GB of bf16 weights in {len(shards)} file(s) at {out} "
+          f"({time.perf_counter() - started:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()
