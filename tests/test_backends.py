@@ -1,5 +1,5 @@
 """Tests for ferrum.backends: capabilities vs requirements, the registry's ranking, the real CPU
-backend and backend selection."""
+backend, backend selection, the CUDA and MPS backends built from stub facts, and release hooks."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from ferrum.backends import cpu as cpu_module
+from ferrum.backends import cuda as cuda_module
+from ferrum.backends import mps as mps_module
 from ferrum.backends import registry as registry_module
-from ferrum.backends.base import BackendStatus, ComputeBackend
+from ferrum.backends.base import BackendReleaseError, BackendStatus, ComputeBackend
 from ferrum.backends.capabilities import (
     BackendCapabilities,
     BackendRequirements,
@@ -25,13 +27,15 @@ from ferrum.backends.capabilities import (
     parse_dtype,
 )
 from ferrum.backends.cpu import CPUBackend, SystemMemory, limits_from_memory
+from ferrum.backends.cuda import CUDABackend, CudaDeviceFacts
+from ferrum.backends.mps import MPSBackend, MpsDeviceFacts
 from ferrum.backends.registry import BackendRegistry, create_default_registry
 from ferrum.backends.selection import BackendSelectionError, parse_backend_spec, select_backend
 
 GIB = 1024**3
 
 # ---------------------------------------------------------------------------------------------
-# Fixed capability profiles. The real CUDA and MPS backends come later; these stand in for them.
+# Fixed capability profiles, for the registry and selection rules apart from any real backend.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -677,40 +681,44 @@ async def test_default_registry_holds_the_cpu_backend() -> None:
         assert registry.names() == ["cpu"]
 
 
-async def test_default_registry_skips_accelerator_modules_that_do_not_exist(
+async def test_default_registry_logs_and_skips_an_accelerator_module_that_cannot_be_imported(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    monkeypatch.setitem(sys.modules, "ferrum.backends.cuda", None)  # makes the import fail as if absent
+    monkeypatch.setitem(sys.modules, "ferrum.backends.cuda", None)  # makes the import fail
     with caplog.at_level(logging.INFO, logger=registry_module.__name__):
         registry = await create_default_registry()
     assert registry.names() == ["cpu"]
-    assert [record.levelno for record in caplog.records] == [logging.INFO]  # expected, so not an error
-    assert "ferrum.backends.cuda does not exist" in caplog.records[0].getMessage()
+    errors = [record for record in caplog.records if record.levelno == logging.ERROR]
+    assert len(errors) == 1 and "could not set up the cuda backend" in errors[0].getMessage()
+    assert isinstance(errors[0].exc_info[1], ImportError)  # type: ignore[index]
 
 
-async def test_default_registry_loads_accelerator_modules_that_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_default_registry_registers_every_backend_a_module_creates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     fake_cuda_module = types.ModuleType("ferrum.backends.cuda")
-    fake_cuda_module.create_backend = (  # type: ignore[attr-defined]
-        lambda: FixedProfileBackend("cuda", "cuda", cuda_profile())
-    )
+    fake_cuda_module.create_backends = lambda: [  # type: ignore[attr-defined]
+        FixedProfileBackend("cuda:0", "cuda", cuda_profile(devices=("cuda:0",), free_memory_bytes=10 * GIB)),
+        FixedProfileBackend("cuda:1", "cuda", cuda_profile(devices=("cuda:1",), free_memory_bytes=50 * GIB)),
+    ]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "ferrum.backends.cuda", fake_cuda_module)
     registry = await create_default_registry()
-    assert registry.names() == ["cpu", "cuda"]
-    assert (await registry.find_best()).name == "cuda"  # type: ignore[union-attr]
+    assert registry.names() == ["cpu", "cuda:0", "cuda:1"]
+    assert (await registry.find_best()).name == "cuda:1"  # type: ignore[union-attr]  # more free memory
 
 
 async def test_default_registry_survives_a_broken_accelerator_module(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken_backend() -> ComputeBackend:
+    def broken_backends() -> list[ComputeBackend]:
         raise RuntimeError("driver mismatch")
 
     fake_cuda_module = types.ModuleType("ferrum.backends.cuda")
-    fake_cuda_module.create_backend = broken_backend  # type: ignore[attr-defined]
+    fake_cuda_module.create_backends = broken_backends  # type: ignore[attr-defined]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "ferrum.backends.cuda", fake_cuda_module)
@@ -852,3 +860,448 @@ async def test_failed_initialization_becomes_a_selection_error() -> None:
 async def test_selection_on_an_empty_registry_says_so() -> None:
     with pytest.raises(BackendSelectionError, match="no backends are registered"):
         await select_backend(BackendRegistry(), "auto", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA and MPS backends from stub facts and a stub device runtime (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+
+class StubRuntime:
+    """Stands in for torch.cuda / torch.mps on one device: an allocator with live and cached bytes,
+    and a log of the device calls made, shared with the test's own events."""
+
+    def __init__(
+        self, total_bytes: int = 80 * GIB, used_by_others_bytes: int = 0, log: list[str] | None = None
+    ) -> None:
+        self.total_bytes = total_bytes
+        self.used_by_others_bytes = used_by_others_bytes
+        self.live_bytes = 0
+        self.cached_bytes = 0
+        self.fail_synchronize = False
+        self.log: list[str] = [] if log is None else log
+
+    def allocate(self, size: int) -> None:
+        self.live_bytes += size
+
+    def free(self, size: int) -> None:  # like torch: freed blocks stay cached until empty_cache()
+        self.live_bytes -= size
+        self.cached_bytes += size
+
+    def memory_info(self) -> tuple[int, int]:
+        held = self.live_bytes + self.cached_bytes
+        return self.total_bytes - self.used_by_others_bytes - held, self.total_bytes
+
+    def memory_held(self) -> int:
+        return self.live_bytes + self.cached_bytes
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+        if self.fail_synchronize:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def empty_cache(self) -> None:
+        self.log.append("empty_cache")
+        self.cached_bytes = 0
+
+
+def gpu_facts(
+    compute_capability: tuple[int, int] = (9, 0),
+    index: int = 0,
+    flash_attention_built: bool = True,
+    flash_sdp_enabled: bool = True,
+    triton_available: bool = True,
+    flex_attention_available: bool = True,
+) -> CudaDeviceFacts:
+    return CudaDeviceFacts(
+        index=index,
+        name=f"Stub GPU sm{compute_capability[0]}{compute_capability[1]}",
+        compute_capability=compute_capability,
+        total_memory_bytes=80 * GIB,
+        multi_processor_count=132,
+        flash_attention_built=flash_attention_built,
+        flash_sdp_enabled=flash_sdp_enabled,
+        triton_available=triton_available,
+        flex_attention_available=flex_attention_available,
+        cuda_version="12.8",
+    )
+
+
+def stub_gpu(
+    compute_capability: tuple[int, int] = (9, 0), index: int = 0, used_by_others_bytes: int = 0
+) -> tuple[CUDABackend, StubRuntime]:
+    runtime = StubRuntime(used_by_others_bytes=used_by_others_bytes)
+    return CUDABackend(gpu_facts(compute_capability, index), runtime), runtime
+
+
+def stub_mps(bf16_supported: bool = True) -> tuple[MPSBackend, StubRuntime]:
+    runtime = StubRuntime(total_bytes=96 * GIB)
+    return MPSBackend(MpsDeviceFacts(bf16_supported=bf16_supported, macos_version="15.1"), runtime), runtime
+
+
+FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+@pytest.mark.parametrize(
+    ("compute_capability", "expected_dtypes", "flash"),
+    [
+        pytest.param((7, 5), {torch.float32, torch.float16}, False, id="turing-7.5"),
+        pytest.param((8, 0), {torch.float32, torch.float16, torch.bfloat16}, True, id="ampere-8.0"),
+        pytest.param((8, 6), {torch.float32, torch.float16, torch.bfloat16}, True, id="ampere-8.6"),
+        pytest.param((8, 9), {torch.float32, torch.float16, torch.bfloat16} | FP8, True, id="ada-8.9"),
+        pytest.param((9, 0), {torch.float32, torch.float16, torch.bfloat16} | FP8, True, id="hopper-9.0"),
+    ],
+)
+def test_cuda_capabilities_follow_the_compute_capability(
+    compute_capability: tuple[int, int], expected_dtypes: set[torch.dtype], flash: bool
+) -> None:
+    backend, _ = stub_gpu(compute_capability, index=2, used_by_others_bytes=30 * GIB)
+    capabilities = backend.capabilities()
+    assert capabilities.supported_dtypes == expected_dtypes
+    assert capabilities.supports_fp16 and not capabilities.supports_int8
+    assert capabilities.supports_bf16 == (torch.bfloat16 in expected_dtypes)
+    assert capabilities.flash_attention is flash
+    assert capabilities.extras["fp8"] == (torch.float8_e4m3fn in expected_dtypes)
+    assert capabilities.extras["attention_kernels"] == (
+        ("sdpa", "flash", "triton_paged", "flex") if flash else ("sdpa", "triton_paged", "flex")
+    )
+    assert capabilities.extras["compute_capability"] == compute_capability
+    assert capabilities.paged_attention and capabilities.cuda_graphs
+    assert capabilities.devices == ("cuda:2",)
+    assert (capabilities.total_memory_bytes, capabilities.free_memory_bytes) == (80 * GIB, 50 * GIB)
+    assert (capabilities.max_batch_size, capabilities.max_sequence_length) == limits_from_memory(80 * GIB)
+    assert capabilities.memory_alignment == 256
+    assert (backend.name, backend.kind) == ("cuda:2", "cuda")
+    assert backend.version() == f"torch {torch.__version__}, CUDA 12.8"
+
+
+@pytest.mark.parametrize(
+    ("facts", "expected_kernels"),
+    [
+        pytest.param(
+            gpu_facts(flash_sdp_enabled=False), ("sdpa", "triton_paged", "flex"), id="flash-sdp-off"
+        ),
+        pytest.param(
+            gpu_facts(flash_attention_built=False), ("sdpa", "triton_paged", "flex"), id="flash-not-built"
+        ),
+        pytest.param(gpu_facts(triton_available=False), ("sdpa", "flash"), id="no-triton-no-flex"),
+        pytest.param(
+            gpu_facts(flex_attention_available=False), ("sdpa", "flash", "triton_paged"), id="no-flex"
+        ),
+    ],
+)
+def test_cuda_attention_kernels_need_their_software_too(
+    facts: CudaDeviceFacts, expected_kernels: tuple[str, ...]
+) -> None:
+    capabilities = CUDABackend(facts, StubRuntime()).capabilities()
+    assert capabilities.extras["attention_kernels"] == expected_kernels
+    assert capabilities.flash_attention == ("flash" in expected_kernels)
+
+
+@pytest.mark.parametrize(
+    ("compute_capability", "requirements", "expected_unmet"),
+    [
+        pytest.param(
+            (7, 5),
+            {"dtypes": ["bf16"]},
+            ["requires dtype bfloat16, supports float16, float32"],
+            id="7.5-refuses-bf16",
+        ),
+        pytest.param(
+            (7, 5),
+            {"requires_flash_attention": True},
+            ["requires flash attention, not supported"],
+            id="7.5-refuses-flash",
+        ),
+        pytest.param((8, 0), {"dtypes": ["bf16"], "requires_flash_attention": True}, [], id="8.0-bf16-flash"),
+        pytest.param(
+            (8, 0),
+            {"dtypes": ["fp8"]},
+            ["requires dtype float8_e4m3fn, supports bfloat16, float16, float32"],
+            id="8.0-refuses-fp8",
+        ),
+        pytest.param((8, 9), {"dtypes": ["fp8", "float8_e5m2"]}, [], id="8.9-fp8"),
+        pytest.param(
+            (9, 0),
+            {"devices": ["cuda:0"]},
+            ["requires device cuda:0, has cuda:1"],
+            id="other-gpu-refused",
+        ),
+        pytest.param(
+            (9, 0),
+            {"devices": ["cuda"], "dtypes": ["bf16", "fp16", "fp8"], "requires_paged_attention": True},
+            [],
+            id="9.0-everything",
+        ),
+    ],
+)
+def test_cuda_backend_requirements_matched_or_refused(
+    compute_capability: tuple[int, int], requirements: dict[str, object], expected_unmet: list[str]
+) -> None:
+    backend, _ = stub_gpu(compute_capability, index=1)
+    assert (
+        backend.capabilities().unmet_requirements(BackendRequirements.from_mapping(requirements))
+        == expected_unmet
+    )
+
+
+def test_mps_capabilities_from_stub_facts() -> None:
+    backend, runtime = stub_mps(bf16_supported=True)
+    runtime.allocate(6 * GIB)
+    capabilities = backend.capabilities()
+    assert capabilities.supported_dtypes == {torch.float32, torch.float16, torch.bfloat16}
+    assert capabilities.devices == ("mps",)
+    assert not capabilities.flash_attention and not capabilities.cuda_graphs and capabilities.paged_attention
+    assert capabilities.extras["attention_kernels"] == ("sdpa",)
+    assert (capabilities.total_memory_bytes, capabilities.free_memory_bytes) == (96 * GIB, 90 * GIB)
+    assert capabilities.memory_alignment == 16_384
+    assert backend.status().memory_in_use_bytes == 6 * GIB
+    assert (backend.name, backend.kind) == ("mps", "mps")
+    assert backend.version() == f"torch {torch.__version__}, MPS, macOS 15.1"
+
+    without_bf16, _ = stub_mps(bf16_supported=False)
+    assert without_bf16.capabilities().supported_dtypes == {torch.float32, torch.float16}
+    assert without_bf16.capabilities().unmet_requirements(BackendRequirements(dtypes=(torch.bfloat16,))) == [
+        "requires dtype bfloat16, supports float16, float32"
+    ]
+
+
+async def test_auto_picks_cuda_then_mps_then_cpu() -> None:
+    cpu = FixedProfileBackend("cpu", "cpu", cpu_profile(free_memory_bytes=250 * GIB))
+    mps, _ = stub_mps()
+    busy_gpu, _ = stub_gpu(index=0, used_by_others_bytes=70 * GIB)
+    idle_gpu, idle_runtime = stub_gpu(index=1)
+    registry = await registry_of(cpu, mps, busy_gpu, idle_gpu)
+
+    backend, device = await select_backend(registry, "auto", None)
+    assert (backend, device) == (idle_gpu, "cuda:1")  # a GPU, and the one with more free memory
+    assert idle_runtime.log == ["synchronize"]  # initialize checked that the GPU answers
+    backend, device = await select_backend(registry, "cuda", None)
+    assert (backend, device) == (idle_gpu, "cuda:1")
+    backend, device = await select_backend(registry, "cuda:0", None)
+    assert (backend, device) == (busy_gpu, "cuda:0")
+    backend, _ = await select_backend(registry, "auto", BackendRequirements(dtypes=(torch.float8_e4m3fn,)))
+    assert backend is idle_gpu
+
+    await registry.unregister("cuda:0")
+    await registry.unregister("cuda:1")
+    backend, device = await select_backend(registry, "auto", None)
+    assert (backend, device) == (mps, "mps") and mps.status().ready
+    await registry.unregister("mps")
+    backend, device = await select_backend(registry, "auto", None)
+    assert (backend, device) == (cpu, "cpu")
+
+
+async def test_mps_selection_and_refusal_from_stub() -> None:
+    mps, runtime = stub_mps(bf16_supported=False)
+    registry = await registry_of(FixedProfileBackend("cpu", "cpu", cpu_profile()), mps)
+    backend, device = await select_backend(registry, "mps", None)
+    assert (backend, device) == (mps, "mps") and runtime.log == ["synchronize"]
+    with pytest.raises(BackendSelectionError) as caught:
+        await select_backend(registry, "mps", BackendRequirements(requires_flash_attention=True))
+    message = str(caught.value)
+    assert "backend 'mps' was requested, but it does not meet the requirements (flash attention)" in message
+    assert (
+        "- mps (kind mps): devices mps; dtypes float16, float32; unmet: requires flash attention" in message
+    )
+
+
+def stub_cuda_module_facts(
+    monkeypatch: pytest.MonkeyPatch, device_count: int, broken: int | None = None
+) -> None:
+    """Makes ferrum.backends.cuda see `device_count` stub GPUs (cuda:N with N * 10 GiB in use by
+    others); probing GPU `broken` raises as a lost device would."""
+
+    def probe(index: int) -> CudaDeviceFacts:
+        if index == broken:
+            raise RuntimeError("CUDA error: unknown error")
+        return gpu_facts((8, 0), index)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: device_count)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(cuda_module, "probe_cuda_device", probe)
+    monkeypatch.setattr(
+        cuda_module, "TorchCudaRuntime", lambda index: StubRuntime(used_by_others_bytes=index * 10 * GIB)
+    )
+
+
+async def test_one_cuda_backend_per_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    stub_cuda_module_facts(monkeypatch, device_count=3)
+    registry = await create_default_registry()
+    assert registry.names() == ["cpu", "cuda:0", "cuda:1", "cuda:2"]
+    for index in range(3):
+        backend = registry.get(f"cuda:{index}")
+        assert isinstance(backend, CUDABackend) and backend.capabilities().devices == (f"cuda:{index}",)
+    backend, device = await select_backend(registry, "cuda:2", None)
+    assert (backend.name, device) == ("cuda:2", "cuda:2")
+    backend, device = await select_backend(registry, "auto", None)
+    assert (backend.name, device) == ("cuda:0", "cuda:0")  # the most free memory
+    with pytest.raises(BackendSelectionError, match="no cuda backend serves it"):
+        await select_backend(registry, "cuda:3", None)
+
+
+async def test_a_gpu_that_fails_its_probe_is_left_out(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stub_cuda_module_facts(monkeypatch, device_count=3, broken=1)
+    with caplog.at_level(logging.ERROR, logger=cuda_module.__name__):
+        registry = await create_default_registry()
+    assert registry.names() == ["cpu", "cuda:0", "cuda:2"]
+    assert [record.getMessage() for record in caplog.records] == ["could not probe cuda:1; leaving it out"]
+
+
+async def test_default_registry_registers_mps_when_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(mps_module, "probe_mps_device", lambda: MpsDeviceFacts(True, "15.1"))
+    monkeypatch.setattr(mps_module, "TorchMpsRuntime", StubRuntime)
+    registry = await create_default_registry()
+    assert registry.names() == ["cpu", "mps"]
+    assert await registry.find_best() is registry.get("mps")
+
+
+def test_module_imports_probe() -> None:
+    assert cuda_module.module_imports("json")
+    assert not cuda_module.module_imports("ferrum_no_such_module")
+
+
+# ---------------------------------------------------------------------------------------------
+# Release hooks: shutdown and release_device free what an engine holds on a device
+# ---------------------------------------------------------------------------------------------
+
+
+class DeviceState:
+    """What an engine keeps on a device (weights, KV cache, graphs), with a hook that frees it."""
+
+    def __init__(self, runtime: StubRuntime, label: str, size: int) -> None:
+        self.runtime, self.label, self.size = runtime, label, size
+        self.held = True
+        runtime.allocate(size)
+
+    def release(self) -> None:
+        self.runtime.log.append(f"release {self.label}")
+        self.runtime.free(self.size)
+        self.held = False
+
+
+async def test_shutdown_runs_the_hooks_then_empties_the_cache() -> None:
+    backend, runtime = stub_gpu()
+    await backend.initialize("cuda")
+    runtime.log.clear()
+    assert backend.status().memory_in_use_bytes == 0
+    weights = DeviceState(runtime, "weights", 2 * GIB)
+    kv_cache = DeviceState(runtime, "kv cache", 6 * GIB)
+    backend.add_release_hook("cuda", weights.release)  # "cuda" means this backend's GPU, cuda:0
+    backend.add_release_hook("cuda:0", kv_cache.release)
+    assert backend.release_hook_count("cuda:0") == backend.release_hook_count() == 2
+    assert backend.status().memory_in_use_bytes == 8 * GIB
+    assert backend.capabilities().free_memory_bytes == 72 * GIB
+
+    await backend.shutdown()
+    assert runtime.log == ["synchronize", "release kv cache", "release weights", "empty_cache"]
+    assert not weights.held and not kv_cache.held
+    status = backend.status()
+    assert status.memory_in_use_bytes == 0 and not status.ready and status.active_devices == ()
+    assert status.last_error is None
+    assert backend.release_hook_count() == 0
+
+    runtime.log.clear()
+    await backend.shutdown()  # hooks run once: a second shutdown only empties the cache
+    assert runtime.log == ["empty_cache"]
+
+
+async def test_a_failing_hook_is_reported_and_the_rest_still_run() -> None:
+    backend, runtime = stub_gpu()
+    await backend.initialize("cuda:0")
+    runtime.log.clear()
+    kv_cache = DeviceState(runtime, "kv cache", GIB)
+
+    def broken_graphs() -> None:
+        raise RuntimeError("graph pool still in use")
+
+    backend.add_release_hook("cuda:0", kv_cache.release)
+    backend.add_release_hook("cuda:0", broken_graphs)
+    with pytest.raises(BackendReleaseError) as caught:
+        await backend.shutdown()
+    assert str(caught.value) == (
+        "backend cuda:0 did not release cleanly: cuda:0: hook "
+        "test_a_failing_hook_is_reported_and_the_rest_still_run.<locals>.broken_graphs raised "
+        "RuntimeError: graph pool still in use"
+    )
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert [failure.step.split(".")[-1] for failure in caught.value.failures] == ["broken_graphs"]
+    assert runtime.log == ["synchronize", "release kv cache", "empty_cache"]
+    status = backend.status()
+    assert status.last_error == "RuntimeError: graph pool still in use"
+    assert status.memory_in_use_bytes == 0 and not status.ready
+
+
+async def test_a_failing_synchronize_is_reported_and_the_hooks_still_run() -> None:
+    backend, runtime = stub_gpu()
+    await backend.initialize("cuda:0")
+    kv_cache = DeviceState(runtime, "kv cache", GIB)
+    backend.add_release_hook("cuda:0", kv_cache.release)
+    runtime.fail_synchronize = True
+    with pytest.raises(BackendReleaseError, match="cuda:0: synchronize raised RuntimeError: CUDA error"):
+        await backend.shutdown()
+    assert not kv_cache.held and backend.status().memory_in_use_bytes == 0
+
+
+async def test_a_removed_hook_is_not_called() -> None:
+    backend, runtime = stub_gpu()
+    kept = DeviceState(runtime, "kept", GIB)
+    dropped = DeviceState(runtime, "dropped", GIB)
+    backend.add_release_hook("cuda:0", kept.release)
+    remove = backend.add_release_hook("cuda:0", dropped.release)
+    remove()
+    remove()  # a second call changes nothing
+    assert backend.release_hook_count() == 1
+    await backend.shutdown()
+    assert not kept.held and dropped.held
+
+
+async def test_hooks_only_for_devices_the_backend_serves() -> None:
+    backend, _ = stub_gpu(index=1)
+    for device in ("cuda:0", "mps", "cpu"):
+        with pytest.raises(ValueError, match=f"does not serve device '{device}'"):
+            backend.add_release_hook(device, lambda: None)
+    with pytest.raises(ValueError, match="does not serve device 'cuda:0'"):
+        await backend.release_device("cuda:0")
+    with pytest.raises(ValueError, match="does not serve device 'cuda:0'"):
+        await backend.synchronize("cuda:0")
+
+
+async def test_release_device_frees_one_device_only() -> None:
+    backend = FixedProfileBackend("two-gpus", "cuda", cuda_profile())
+    await backend.initialize("cuda:0")
+    await backend.initialize("cuda:1")
+    released: list[str] = []
+    backend.add_release_hook("cuda:0", lambda: released.append("cuda:0"))
+    backend.add_release_hook("cuda:1", lambda: released.append("cuda:1"))
+    await backend.release_device("cuda:1")
+    assert released == ["cuda:1"]
+    assert backend.status().active_devices == ("cuda:0",) and backend.status().ready
+    await backend.shutdown()
+    assert released == ["cuda:1", "cuda:0"] and not backend.status().ready
+
+
+async def test_mps_shutdown_frees_through_its_runtime() -> None:
+    backend, runtime = stub_mps()
+    await backend.initialize("mps")
+    runtime.log.clear()
+    kv_cache = DeviceState(runtime, "kv cache", 4 * GIB)
+    backend.add_release_hook("mps", kv_cache.release)
+    assert backend.status().memory_in_use_bytes == 4 * GIB
+    await backend.shutdown()
+    assert runtime.log == ["synchronize", "release kv cache", "empty_cache"]
+    assert backend.status().memory_in_use_bytes == 0
+
+
+async def test_cpu_backend_runs_release_hooks_too(restore_torch_threads: None) -> None:
+    backend = CPUBackend()
+    await backend.initialize("cpu")
+    released: list[str] = []
+    backend.add_release_hook("cpu", lambda: released.append("model"))
+    await backend.shutdown()
+    assert released == ["model"] and not backend.status().ready

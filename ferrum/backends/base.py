@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+import itertools
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ferrum.backends.capabilities import BackendCapabilities, device_is_served
+
+ReleaseHook = Callable[[], None]
+"""Drops what its owner holds on one device (KV cache tensors, CUDA graphs, the model); no arguments."""
 
 
 @dataclass(frozen=True)
@@ -21,14 +28,73 @@ class BackendStatus:
     last_error: str | None
 
 
+class DeviceRuntime(Protocol):
+    """The live calls an accelerator backend makes on its one device, behind one object so that tests
+    can stand in for the hardware. Implemented over torch.cuda (ferrum.backends.cuda) and torch.mps
+    (ferrum.backends.mps)."""
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device now."""
+        ...
+
+    def memory_held(self) -> int:
+        """Bytes this process holds on the device through torch's allocator, cached blocks included."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until all work queued on the device has finished."""
+        ...
+
+    def empty_cache(self) -> None:
+        """Hand the allocator's unused cached blocks back to the driver."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReleaseFailure:
+    """One step of releasing a device that raised: which device, which step, and the error."""
+
+    device: str
+    step: str  # "synchronize", "hook <name>", "release" or "free cached memory"
+    error: BaseException
+
+    def describe(self) -> str:
+        return f"{self.device}: {self.step} raised {type(self.error).__name__}: {self.error}"
+
+
+class BackendReleaseError(RuntimeError):
+    """Raised by `shutdown` / `release_device` after every step has run, when some of them failed."""
+
+    def __init__(self, backend_name: str, failures: Sequence[ReleaseFailure]) -> None:
+        self.failures: tuple[ReleaseFailure, ...] = tuple(failures)
+        lines = "; ".join(failure.describe() for failure in self.failures)
+        super().__init__(f"backend {backend_name} did not release cleanly: {lines}")
+
+
+def _call_hook(device: str, hook: ReleaseHook) -> ReleaseFailure | None:
+    """Run one release hook; its error, if any, as a ReleaseFailure. A failure's traceback keeps this
+    frame, and so only this one hook, alive."""
+    try:
+        hook()
+    except Exception as error:  # noqa: BLE001 - any hook error is reported after the other steps ran
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        return ReleaseFailure(device, f"hook {name}", error)
+    return None
+
+
 class ComputeBackend(ABC):
     """A source of compute (CPU, one or more CUDA GPUs, Apple MPS).
 
     Subclasses provide the facts (`name`, `kind`, `capabilities`, `version`, `memory_in_use_bytes`)
-    and the device-specific work (`_prepare_device`, `synchronize`, optionally `_release`). This base
-    keeps the shared bookkeeping: which devices are active, how many operations completed and the
-    last error, all of which `status()` reports. Engines call `record_operation()` and
-    `record_error()`; both are safe to call from worker threads.
+    and the device-specific work (`_prepare_device`, `synchronize`, optionally `_release` and
+    `_free_cached_memory`). This base keeps the shared bookkeeping: which devices are active, how
+    many operations completed and the last error, all of which `status()` reports. Engines call
+    `record_operation()` and `record_error()`; both are safe to call from worker threads.
+
+    Whoever puts long-lived state on a device (the engine: model weights, KV cache, CUDA graphs)
+    registers a release hook for it with `add_release_hook`. `release_device` and `shutdown` wait for
+    the device, call its hooks (newest first), then collect garbage and return the allocator's cached
+    memory to the driver, so the memory is really free afterwards.
     """
 
     def __init__(self) -> None:
@@ -37,6 +103,8 @@ class ComputeBackend(ABC):
         self._initialized = False
         self._operations_completed = 0
         self._last_error: str | None = None
+        self._release_hooks: dict[str, list[tuple[int, ReleaseHook]]] = {}
+        self._hook_ids = itertools.count()
 
     @property
     @abstractmethod
@@ -69,7 +137,11 @@ class ComputeBackend(ABC):
         """Device-specific setup for `initialize`; `device` is already known to be supported."""
 
     async def _release(self) -> None:
-        """Device-specific teardown for `shutdown`; nothing by default."""
+        """Device-specific teardown for `shutdown`, after the release hooks ran; nothing by default."""
+
+    def _free_cached_memory(self) -> None:
+        """Return cached allocator memory to the driver (after the hooks ran and garbage was collected);
+        nothing by default."""
 
     def supports_device(self, device: str) -> bool:
         """Whether `device` ("cuda" for any GPU, or "cuda:1" exactly) is one this backend serves."""
@@ -112,13 +184,98 @@ class ComputeBackend(ABC):
                 self._active_devices.append(concrete_device)
             self._initialized = True
 
+    def add_release_hook(self, device: str, hook: ReleaseHook) -> Callable[[], None]:
+        """Have `hook` called when `device` is released (`release_device` or `shutdown`).
+
+        `device` may be a bare kind ("cuda"), meaning this backend's first device of that kind;
+        ValueError if this backend does not serve it. A hook runs once and is then forgotten; hooks
+        of one device run newest first. Returns a function that unregisters the hook (a no-op once
+        it has run), for owners that free their state themselves.
+        """
+        concrete_device = self.resolve_device(device)
+        hook_id = next(self._hook_ids)
+        with self._state_lock:
+            self._release_hooks.setdefault(concrete_device, []).append((hook_id, hook))
+
+        def remove() -> None:
+            with self._state_lock:
+                hooks = self._release_hooks.get(concrete_device, [])
+                hooks[:] = [(other_id, other) for other_id, other in hooks if other_id != hook_id]
+
+        return remove
+
+    def release_hook_count(self, device: str | None = None) -> int:
+        """How many release hooks are waiting, on `device` or on all devices."""
+        concrete_device = None if device is None else self.resolve_device(device)
+        with self._state_lock:
+            if concrete_device is None:
+                return sum(len(hooks) for hooks in self._release_hooks.values())
+            return len(self._release_hooks.get(concrete_device, []))
+
+    async def release_device(self, device: str) -> None:
+        """Free what is held on one device: wait for its queued work, call its release hooks, collect
+        garbage and return cached memory to the driver; the device is no longer active.
+
+        Every step runs even when an earlier one fails; failures are recorded (`status().last_error`)
+        and then raised together as one BackendReleaseError.
+        """
+        concrete_device = self.resolve_device(device)
+        failures = await self._run_release_steps([concrete_device], include_backend_release=False)
+        self._raise_if_failed(failures)
+
     async def shutdown(self) -> None:
-        """Release all devices; the backend is no longer ready until initialized again."""
+        """Release every device, as `release_device` does, then the backend itself (`_release`); the
+        backend is no longer ready until initialized again. Call it once nothing runs on the devices
+        any more (the engine has stopped stepping)."""
+        with self._state_lock:
+            devices = list(dict.fromkeys([*self._active_devices, *self._release_hooks]))
+        failures = await self._run_release_steps(devices, include_backend_release=True)
+        self._raise_if_failed(failures)
+
+    async def _run_release_steps(
+        self, devices: Sequence[str], include_backend_release: bool
+    ) -> list[ReleaseFailure]:
+        failures: list[ReleaseFailure] = []
         try:
-            await self._release()
+            for device in devices:
+                failures.extend(await self._release_one_device(device))
+            if include_backend_release:
+                try:
+                    await self._release()
+                except Exception as error:  # noqa: BLE001 - reported after the other steps ran
+                    failures.append(ReleaseFailure(", ".join(devices) or self.name, "release", error))
+            gc.collect()
+            try:
+                self._free_cached_memory()
+            except Exception as error:  # noqa: BLE001 - reported after the other steps ran
+                failures.append(ReleaseFailure(", ".join(devices) or self.name, "free cached memory", error))
         finally:
             with self._state_lock:
-                self._active_devices.clear()
+                if include_backend_release:
+                    self._active_devices.clear()
+                else:
+                    self._active_devices[:] = [d for d in self._active_devices if d not in devices]
+        for failure in failures:
+            self.record_error(failure.error)
+        return failures
+
+    async def _release_one_device(self, device: str) -> list[ReleaseFailure]:
+        failures: list[ReleaseFailure] = []
+        try:
+            await self.synchronize(device)
+        except Exception as error:  # noqa: BLE001 - a lost device must not keep its hooks from running
+            failures.append(ReleaseFailure(device, "synchronize", error))
+        with self._state_lock:
+            hooks = self._release_hooks.pop(device, [])
+        while hooks:  # newest first; popping leaves no hook referenced from this frame
+            failure = _call_hook(device, hooks.pop()[1])
+            if failure is not None:
+                failures.append(failure)
+        return failures
+
+    def _raise_if_failed(self, failures: Sequence[ReleaseFailure]) -> None:
+        if failures:
+            raise BackendReleaseError(self.name, failures) from failures[0].error
 
     def status(self) -> BackendStatus:
         memory_in_use_bytes = self.memory_in_use_bytes()

@@ -26,6 +26,9 @@ DTYPES_BY_NAME: Mapping[str, torch.dtype] = MappingProxyType(
         "bfloat16": torch.bfloat16,
         "bf16": torch.bfloat16,
         "int8": torch.int8,
+        "float8_e4m3fn": torch.float8_e4m3fn,
+        "fp8": torch.float8_e4m3fn,  # the usual fp8 for inference weights and activations
+        "float8_e5m2": torch.float8_e5m2,
     }
 )
 

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 KIND_PREFERENCE: tuple[str, ...] = ("cuda", "mps", "cpu")  # best first
 
-# Modules written later; each, when present, exposes `create_backend() -> ComputeBackend`.
+# Each accelerator module exposes `create_backends() -> list[ComputeBackend]`: one backend per device.
 ACCELERATOR_MODULES: tuple[tuple[str, str], ...] = (
     ("cuda", "ferrum.backends.cuda"),
     ("mps", "ferrum.backends.mps"),
@@ -120,30 +120,25 @@ def _accelerator_available(kind: str) -> bool:
     return False
 
 
-async def _register_accelerator(registry: BackendRegistry, kind: str, module_name: str) -> None:
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:  # not written yet: nothing to register
-            logger.info("%s is available but %s does not exist; skipping it", kind, module_name)
-            return
-        raise
-    backend = module.create_backend()
-    await registry.register(backend)
+async def _register_accelerator(registry: BackendRegistry, module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    backends: builtins.list[ComputeBackend] = module.create_backends()
+    for backend in backends:
+        await registry.register(backend)
 
 
 async def create_default_registry() -> BackendRegistry:
-    """A registry holding the CPU backend and, where the hardware and a backend module exist, the
-    CUDA and MPS backends (`ferrum.backends.cuda` / `ferrum.backends.mps`, each exposing
-    `create_backend()`). A present accelerator module that fails to load or construct is logged
-    and skipped, so the server still starts on the CPU."""
+    """A registry holding the CPU backend and, where the hardware is present, one CUDA backend per
+    visible GPU ("cuda:0", "cuda:1", ...) and the MPS backend ("mps"), from the `create_backends()`
+    of `ferrum.backends.cuda` / `ferrum.backends.mps`. An accelerator module that fails to import or
+    to create its backends is logged and skipped, so the server still starts on the CPU."""
     registry = BackendRegistry()
     await registry.register(CPUBackend())
     for kind, module_name in ACCELERATOR_MODULES:
         if not _accelerator_available(kind):
             continue
         try:
-            await _register_accelerator(registry, kind, module_name)
+            await _register_accelerator(registry, module_name)
         except Exception:
             logger.exception(
                 "could not set up the %s backend from %s; continuing without it", kind, module_name
