@@ -1,28 +1,66 @@
-"""Hands out fixed-size KV cache blocks to sequences and takes them back."""
+"""Hands out fixed-size KV cache blocks to sequences and takes them back.
+
+With prefix caching on, a block whose tokens are all computed is registered in
+a PrefixCache under the chained hash of its prefix. A sequence being admitted
+shares the cached blocks that hold its leading full blocks (their reference
+count goes up) and skips computing them. A block returns to the free list only
+when no sequence holds it, and keeps its cached KV there: the free list is
+least-recently-freed first, so a cached free block is overwritten (and leaves
+the index) only when it is the oldest one left. Blocks holding nothing
+reusable go to the front of the free list, to be taken first.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
+from ferrum.engine.prefix_cache import ROOT_HASH, BlockHash, BlockHasher, PrefixCache, hash_block
 from ferrum.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        block_hasher: BlockHasher = hash_block,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front: taken first
+        self._ref_counts: list[int] = [0] * num_blocks  # sequences holding each block
+        self._cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
+        self._hasher = block_hasher
+        self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens whose KV came from the cache
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._cache is not None
 
     @property
     def num_free(self) -> int:
+        """Blocks no sequence holds (cached ones included: they are taken when needed)."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Blocks held by at least one sequence."""
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache, held or free."""
+        return len(self._cache) if self._cache is not None else 0
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    # -- growing a sequence ------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks `seq` needs so that its first `num_tokens` tokens have slots."""
         want = -(-num_tokens // self.block_size)
@@ -35,9 +73,97 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
-        seq.block_table.extend(self._free.popleft() for _ in range(need))
+        seq.block_table.extend(self._allocate() for _ in range(need))
+
+    # -- admitting a sequence with its cached prefix ------------------------
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding `seq`'s leading full blocks, in order, for a sequence that
+        holds no blocks yet. At least its last token is left out (it must run to give logits),
+        so no block the sequence will write into is ever among them."""
+        if self._cache is None or seq.block_table or seq.num_computed_tokens:
+            return []
+        shareable = (seq.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(seq, shareable)
+        found: list[int] = []
+        parent = ROOT_HASH
+        for i, block_hash in enumerate(hashes):
+            block = self._cache.find(block_hash, parent, self._block_tokens(seq, i))
+            if block is None:
+                break
+            found.append(block)
+            parent = block_hash
+        return found
+
+    def can_admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
+        """Whether `seq` can share `cached` (from cached_prefix) and have slots for `num_tokens`."""
+        want = -(-num_tokens // self.block_size)
+        new_blocks = max(0, want - len(seq.block_table) - len(cached))
+        revived = sum(1 for b in cached if self._ref_counts[b] == 0)  # cached blocks now on the free list
+        return new_blocks + revived <= len(self._free)
+
+    def admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> None:
+        """Shares `cached` with `seq` (its computed tokens jump over them), then grows it to
+        `num_tokens` slots."""
+        if not self.can_admit(seq, cached, num_tokens):
+            raise RuntimeError(f"out of KV blocks to admit {seq.request_id!r}")
+        if self._cache is not None:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(cached) * self.block_size
+        for block in cached:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        seq.block_table.extend(cached)
+        seq.num_computed_tokens += len(cached) * self.block_size
+        seq.num_cached_blocks = len(cached)
+        self.grow(seq, num_tokens)
+
+    # -- registering computed blocks and giving blocks back -------------------
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Registers the blocks of `seq` whose tokens have all been computed since the last call."""
+        if self._cache is None:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_cached_blocks:
+            return
+        hashes = self._block_hashes(seq, full)
+        for i in range(seq.num_cached_blocks, full):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            # a no-op when another block already holds this prefix: this one is then freed plainly
+            self._cache.add(seq.block_table[i], hashes[i], parent, self._block_tokens(seq, i))
+        seq.num_cached_blocks = full
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
+        """Gives back `seq`'s blocks (registering its computed ones first); a block returns to
+        the free list when no other sequence holds it."""
+        self.cache_computed_blocks(seq)
+        # last blocks first: a shared prefix's first blocks are the most reused, so evicted last
+        table = reversed(seq.block_table) if self._cache is not None else seq.block_table
+        for block in table:
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                if self._cache is not None and not self._cache.holds(block):
+                    self._free.move_to_end(block, last=False)  # nothing worth keeping: reuse it first
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+
+    # -- helpers --------------------------------------------------------------
+    def _allocate(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        if self._cache is not None:
+            self._cache.drop(block)  # its old KV is about to be overwritten
+        self._ref_counts[block] = 1
+        return block
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        return tuple(seq.tokens(index * self.block_size, (index + 1) * self.block_size))
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of `seq`'s first `num_blocks` full blocks (kept on the sequence)."""
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            hashes.append(self._hasher(parent, self._block_tokens(seq, i)))
+        return hashes[:num_blocks]

@@ -6,6 +6,10 @@ sequences are admitted with what budget and free KV blocks remain, their
 prompts chunked to fit. When a running sequence cannot get a block, the most
 recently admitted running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed later.
+
+With prefix caching, each step first registers the blocks the last step
+completed, and a sequence being admitted starts after the leading full blocks
+whose KV is already cached (shared with whoever holds them).
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted = 0
 
+        for seq in self.running:
+            self.blocks.cache_computed_blocks(seq)  # what the last step computed can now be shared
+
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -85,11 +92,13 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+            cached = self.blocks.cached_prefix(seq)
+            start = seq.num_computed_tokens + len(cached) * self.blocks.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.can_admit(seq, cached, start + n):
                 break  # the engine guarantees one max-length sequence fits in an empty cache
             self.waiting.popleft()
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            self.blocks.admit(seq, cached, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))

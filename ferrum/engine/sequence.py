@@ -27,6 +27,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose k/v are in the cache
     block_table: list[int] = field(default_factory=list)
+    # prefix caching (kept by the block manager): the chained hashes of the token blocks
+    # hashed so far (full blocks only; they stay valid after a preemption, tokens are never
+    # changed), and how many leading blocks of block_table the prefix cache already knows
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # set when the request has a seed
     # output text bookkeeping (filled by the output processor)
