@@ -9,6 +9,9 @@ s3://bucket/prefix, https://host/folder/, or a mapping such as {source: s3, buck
       max_cache_size_gb: 50
       max_concurrent_downloads: 8
       timeout_s: 60
+
+`engine:` holds EngineConfig's fields (dtype, max_num_seqs, ...) and `engine_process: auto | true |
+false`: whether the engine runs in a process of its own (auto: on cuda and mps, not on the CPU).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -31,6 +34,9 @@ class ConfigError(ValueError):
     pass
 
 
+EngineProcessMode = Literal["auto", "on", "off"]
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model: str | Mapping[str, Any]  # a model location: a folder, hf://..., s3://..., https://..., a mapping
@@ -40,6 +46,7 @@ class ServerConfig:
     backend: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     requirements: BackendRequirements = field(default_factory=BackendRequirements)
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields other than model/device
+    engine_process: EngineProcessMode = "auto"  # YAML: engine.engine_process; see ferrum.server.launch
     log_level: str = "info"
     weights: WeightLoaderConfig = field(default_factory=WeightLoaderConfig)
 
@@ -58,14 +65,25 @@ class ServerConfig:
         return EngineConfig(model=str(folder), device=device, **self.engine)
 
 
-_ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}
-_TOP_KEYS = {f.name for f in dataclasses.fields(ServerConfig)}
+_ENGINE_KEYS = ({f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}) | {"engine_process"}
+_TOP_KEYS = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine_process"}  # it is an engine key
 # `weights:` keys: WeightLoaderConfig's fields, with sizes in GB / MB and `headers` for default_headers
 _WEIGHTS_RENAMED = {"max_cache_size_gb": "max_cache_size_bytes", "chunk_size_mb": "chunk_size",
                     "headers": "default_headers"}
 _WEIGHTS_KEYS = {f.name for f in dataclasses.fields(WeightLoaderConfig)} - set(_WEIGHTS_RENAMED.values())
 _WEIGHTS_KEYS |= set(_WEIGHTS_RENAMED)
 _FLAG_WEIGHTS_KEYS = {"cache_dir"}  # flags that set a `weights:` key
+
+
+def engine_process_mode(value: Any) -> EngineProcessMode:
+    """`engine.engine_process` (auto, true or false; YAML's on/off and the flag's on/off too)."""
+    if value is True or value in ("on", "true"):
+        return "on"
+    if value is False or value in ("off", "false"):
+        return "off"
+    if value == "auto":
+        return "auto"
+    raise ConfigError(f"engine_process must be auto, true or false, got {value!r}")
 
 
 def weights_config(raw: Any) -> WeightLoaderConfig:
@@ -128,6 +146,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerCon
         raise ConfigError(
             f"unknown engine key(s): {', '.join(bad_engine)}; valid keys: {', '.join(sorted(_ENGINE_KEYS))}"
         )
+    raw["engine_process"] = engine_process_mode(engine.pop("engine_process", "auto"))
     if not raw.get("model"):
         raise ConfigError("no model given: set `model:` in the config file or pass --model PATH")
     if not isinstance(raw["model"], Mapping):

@@ -1,7 +1,9 @@
-"""What the engine hands back to the API layer, one delta per step per request."""
+"""What the engine hands back to the API layer, one delta per step per request (merged when the
+reader falls behind)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,3 +37,24 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
+
+
+def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one delta: text, token ids and logprobs concatenated in
+    order, the finish fields and counts from the last. What a consumer slower than the engine gets."""
+    if not outputs:
+        raise ValueError("merge_outputs needs at least one output")
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    logprob_parts = [out.new_logprobs for out in outputs if out.new_logprobs is not None]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_text="".join(out.new_text for out in outputs),
+        new_token_ids=tuple(token for out in outputs for token in out.new_token_ids),
+        new_logprobs=tuple(lp for part in logprob_parts for lp in part) if logprob_parts else None,
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+    )

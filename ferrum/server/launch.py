@@ -12,8 +12,9 @@ import uvicorn
 from ferrum.backends.registry import create_default_registry
 from ferrum.backends.selection import select_backend
 from ferrum.config import ConfigError, ServerConfig
-from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.async_engine import AsyncEngine, EngineClient
 from ferrum.engine.llm_engine import LLMEngine
+from ferrum.engine.process_client import ProcessEngineClient
 from ferrum.weights.uri import LocalModel, parse_model_location, resolve_model_folder
 
 log = logging.getLogger("ferrum")
@@ -43,15 +44,28 @@ async def resolve_model(config: ServerConfig) -> Path:
     return folder
 
 
-async def build_engine(config: ServerConfig) -> AsyncEngine:
+def engine_in_own_process(setting: str, device: str) -> bool:
+    """`engine_process` auto: its own process on an accelerator (cuda, cuda:N, mps), where the
+    server's Python work would otherwise hold the GIL the engine needs to keep the GPU busy; a
+    thread of the server's process on the CPU (no spawn, no second torch import)."""
+    if setting == "auto":
+        return not device.startswith("cpu")
+    return setting == "on"
+
+
+async def build_engine(config: ServerConfig) -> EngineClient:
+    """The engine client, its model loaded (in its own process or on a worker thread)."""
     registry = await create_default_registry()
     backend, device = await select_backend(registry, config.backend, config.requirements)
     log.info("backend %s (%s) on %s", backend.name, backend.version(), device)
     folder = await resolve_model(config)
     engine_config = config.engine_config(device, folder)
-    loop = asyncio.get_running_loop()
     try:
-        engine = await loop.run_in_executor(None, LLMEngine, engine_config)
+        if engine_in_own_process(config.engine_process, device):
+            log.info("engine: in its own process")
+            return await ProcessEngineClient.launch(engine_config)
+        log.info("engine: on a thread of the server process")
+        engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, engine_config)
     except (OSError, ValueError) as exc:  # unreadable or invalid model files: the message names the file
         raise StartupError(f"cannot load the model from {folder}: {exc}") from exc
     return AsyncEngine(engine)
@@ -62,17 +76,17 @@ async def serve(config: ServerConfig) -> None:
 
     started = time.perf_counter()
     engine = await build_engine(config)
-    await engine.start()
-    app = create_app(engine, config.model_name)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
-    )
-    log.info("model %s loaded in %.2fs; listening on http://%s:%d", config.model_name,
-             time.perf_counter() - started, config.host, config.port)
     try:
+        await engine.start()
+        app = create_app(engine, config.model_name)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+        )
+        log.info("model %s loaded in %.2fs; listening on http://%s:%d", config.model_name,
+                 time.perf_counter() - started, config.host, config.port)
         await server.serve()
     finally:
         await engine.shutdown()
 
 
-__all__ = ["ConfigError", "StartupError", "build_engine", "resolve_model", "serve"]
+__all__ = ["ConfigError", "StartupError", "build_engine", "engine_in_own_process", "resolve_model", "serve"]
