@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,9 @@ from ferrum.models.llama import LlamaForCausalLM
 
 class WeightsError(WeightError, ValueError):
     """Weights missing or not matching the model's config; names the file."""
+
+
+log = logging.getLogger(__name__)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -103,14 +108,20 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
 def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
     folder = Path(folder)
     config = load_model_config(folder)
+    started = time.perf_counter()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated once, in the target dtype
     # the rope tables were built on meta: build them for real, in float32
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
     load_weights(model, folder)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval()
+    if model.embed_tokens.weight.is_cuda:
+        torch.cuda.synchronize(model.embed_tokens.weight.device)
+    elapsed = time.perf_counter() - started
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info("loaded %.2f GB of weights to %s in %.2fs (%.2f GB/s)", nbytes / 1e9, device, elapsed, nbytes / 1e9 / elapsed)
     return model, config
 
