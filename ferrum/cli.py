@@ -45,8 +45,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float)
     p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),
                    help="run the engine in a process of its own (auto: on cuda and mps, not on cpu)")
-    p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),
-                   help="run the engine in a process of its own (auto: on cuda and mps, not on cpu)")
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
 
 
