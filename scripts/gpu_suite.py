@@ -151,11 +151,13 @@ def phase_correct(args) -> None:  # noqa: ANN001
         cases = [([rng.randrange(vocab - 2) for _ in range(n)], [rng.randrange(vocab - 2) for _ in range(12)])
                  for n in (5, 77, 300)]
         hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+        hf32_model = hf32
         ref32 = []
         with torch.no_grad():
             for p, c in cases:
                 ref32.append(hf32(torch.tensor([p + c], device="cuda")).logits[0, len(p) - 1 : len(p) + len(c)].float().cpu())
         del hf32
+        hf32_model = hf32_model.cpu()
         torch.cuda.empty_cache()
         hf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
         ref16 = []
@@ -184,8 +186,21 @@ def phase_correct(args) -> None:  # noqa: ANN001
                f"HF bf16 vs HF fp32: {err_hf:.4f}; |logit| max {scale:.2f}; bound 2x HF's: {'PASS' if ok else 'FAIL'}")
         record("correct", f"{shape} top-1 agreement with HF fp32", f"ferrum {top_ours}/{total}, HF bf16 {top_hf}/{total}")
         matched = [sum(1 for _ in iter_prefix(a, b)) for a, b in zip(outs, hf_greedy)]
+        # where the two greedy paths part, how far apart are the two chosen tokens in HF's fp32 logits?
+        margins = []
+        hf32_model = hf32_model.cuda()
+        with torch.no_grad():
+            for p, ours_out, theirs, n in zip(prompts, outs, hf_greedy, matched):
+                if n == len(theirs):
+                    continue
+                logits = hf32_model(torch.tensor([p + theirs[:n]], device="cuda")).logits[0, -1].float()
+                margins.append(round(abs(float(logits[ours_out[n]] - logits[theirs[n]])), 4))
+        del hf32_model
+        torch.cuda.empty_cache()
+        near_ties = all(m <= 2 * err_hf for m in margins)
         record("correct", f"{shape} greedy 32 tokens == HF bf16 generate", f"{matched} tokens match of 32 per prompt",
-               "", f"ferrum {outs[0][:6]}..., hf {hf_greedy[0][:6]}...")
+               "", f"fp32 logit gap between the two tokens where they part: {margins} "
+               f"({'all near-ties within 2x HF bf16 error: PASS' if near_ties else 'FAIL: a clear divergence'})")
         engine.release()
         del engine
         torch.cuda.empty_cache()
@@ -255,6 +270,59 @@ def phase_decode(args, bandwidth: float) -> None:  # noqa: ANN001
                    f"ferrum {1 / per_token / hf:.1f}x")
 
 
+def phase_profile(args) -> None:  # noqa: ANN001
+    """Where a batch-1 decode step's time goes: graph replay alone vs the whole engine step, host
+    pieces, and the kernels of one eager decode forward."""
+    from ferrum.engine.sampler import sample
+    from ferrum.engine.sampling_params import SamplingParams
+
+    for shape in ["llama-3.2-1b"] + (["llama-3.1-8b"] if args.with_8b else []):
+        folder = checkpoint(shape, args.ckpt)
+        engine = make_engine(folder, max_num_seqs=8, max_model_len=2048)
+        runner = engine.runner
+        engine.add_request("p", list(range(1, 129)), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        for _ in range(5):
+            engine.step()
+        graph, _ = runner.graphs[1]
+
+        def timed(fn, n=100):  # noqa: ANN001, ANN202
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            for _ in range(n):
+                fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / n, (time.perf_counter() - t0) / n * 1e3
+
+        gpu_ms, _ = timed(graph.replay)
+        record("profile", f"{shape} decode graph replay (batch 1, GPU time)", round(gpu_ms, 3), "ms")
+        step_gpu, step_wall = timed(engine.step, 50)
+        record("profile", f"{shape} whole engine.step (batch 1)", round(step_wall, 3), "ms wall")
+        seq = engine.sequences["p"]
+        plan_ms = min(timed(lambda: engine.scheduler.schedule(), 1)[1] for _ in range(3))
+        _, prep_ms = timed(lambda: runner._decode_with_graph([seq]), 50)
+        logits = runner._decode_with_graph([seq])
+        _, sample_ms = timed(lambda: sample(logits, [seq]), 50)
+        record("profile", f"{shape} host pieces", f"schedule {plan_ms:.3f} ms, prep+replay launch {prep_ms:.3f} ms "
+               f"(incl. GPU wait), sample {sample_ms:.3f} ms")
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.inference_mode():
+            for _ in range(3):
+                runner._decode_forward(1)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    runner._decode_forward(1)
+                torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+        engine.release()
+        del engine
+        torch.cuda.empty_cache()
+
+
 def offline_workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(vocab - 2) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
@@ -314,6 +382,104 @@ def phase_hf(args, ferrum_rate: float | None) -> None:  # noqa: ANN001
     torch.cuda.empty_cache()
 
 
+def start_server(folder: Path, port: int, log_path: Path, *extra: str) -> tuple[subprocess.Popen, float]:
+    """Starts `ferrum serve`; returns the process and the seconds until /health answered 200."""
+    import urllib.request
+
+    cmd = [sys.executable, "-m", "ferrum.cli", "serve", "--model", str(folder), "--port", str(port),
+           "--backend", "cuda", *extra]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ferrum serve exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, time.perf_counter() - started
+        except OSError:
+            pass
+        if time.perf_counter() - started > 300:
+            raise RuntimeError("ferrum serve did not become ready in 300 s")
+        time.sleep(0.05)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    import signal
+
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def bench(*argv: str) -> dict:
+    out = Path(argv[argv.index("--output-json") + 1])
+    proc = subprocess.run([sys.executable, "-m", "ferrum.cli", "bench", *argv], cwd=ROOT, capture_output=True,
+                          text=True)
+    print(proc.stdout[-3000:], proc.stderr[-1500:])
+    return json.loads(out.read_text())
+
+
+def phase_serve(args) -> None:  # noqa: ANN001
+    """HTTP at concurrency 64 (engine in its own process, and on a thread for comparison) vs the
+    offline engine at max_num_seqs 64, same workload."""
+    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    common = ["--num-prompts", str(args.num_prompts), "--seed", "0"]
+    engine_flags = ["--max-num-seqs", "64", "--max-model-len", "2048"]
+    off = bench("offline", "--model", str(folder), *engine_flags, *common,
+                "--output-json", str(args.out / "offline_c64.json"))
+    record("serve", "offline, max_num_seqs 64", round(off["output_tokens_per_s"]), "output tok/s")
+    for mode in ("on", "off"):
+        proc, ready = start_server(folder, 8011, args.out / f"serve_{mode}.log", *engine_flags,
+                                   "--engine-process", mode)
+        try:
+            levels = [args.serve_levels] if mode == "on" else ["64"]
+            extra = ["--plot", str(args.out / "serve_latency.png")] if mode == "on" else []
+            res = bench("serve", "--url", "http://127.0.0.1:8011", "--tokenizer", str(folder), "--concurrency",
+                        *levels, *common, "--output-json", str(args.out / f"serve_{mode}.json"), *extra)
+        finally:
+            stop_server(proc)
+        for lvl in res["levels"]:
+            c = lvl["concurrency"]
+            note = (f"TTFT p50/p99 {lvl['ttft_ms']['median']:.0f}/{lvl['ttft_ms']['p99']:.0f} ms, TPOT p50/p99 "
+                    f"{lvl['tpot_ms']['median']:.2f}/{lvl['tpot_ms']['p99']:.2f} ms, ITL p50 {lvl['itl_ms']['median']:.2f} ms, "
+                    f"failed {lvl['failed']}")
+            if c == 64:
+                note += f"; {lvl['output_throughput'] / off['output_tokens_per_s']:.0%} of offline"
+            record("serve", f"HTTP c={c} engine process {mode}", round(lvl["output_throughput"]), "output tok/s", note)
+
+
+def phase_cold(args) -> None:  # noqa: ANN001
+    """`ferrum serve` to ready for the 8B shape (warm page cache, as load_file's figure is), with the
+    weight-load rate beside safetensors.torch.load_file(device="cuda") of the same files."""
+    from safetensors.torch import load_file
+
+    folder = checkpoint("llama-3.1-8b", args.ckpt)
+    files = sorted(folder.glob("*.safetensors"))
+    nbytes = sum(f.stat().st_size for f in files)
+    for f in files:  # warm the page cache for both readers alike
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for f in files:
+        tensors = load_file(str(f), device="cuda")
+        del tensors
+    torch.cuda.synchronize()
+    lf = time.perf_counter() - started
+    torch.cuda.empty_cache()
+    record("cold", "safetensors load_file(device=cuda), 8B", round(nbytes / 1e9 / lf, 2), "GB/s", f"{lf:.2f}s")
+    log_path = args.out / "cold_8b.log"
+    proc, ready = start_server(folder, 8012, log_path, "--max-model-len", "8192")
+    stop_server(proc)
+    text = log_path.read_text()
+    load_line = next((ln for ln in text.splitlines() if "loaded" in ln and "GB of weights" in ln), "")
+    record("cold", "ferrum serve -> ready, 8B, local disk", round(ready, 2), "s", load_line.split("ferrum.models.loader")[-1].strip())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--phases", default="env,kernels,correct,decode,offline")
@@ -324,6 +490,7 @@ def main() -> None:
     parser.add_argument("--hf-out", type=int, default=512)
     parser.add_argument("--offline-limit-s", type=float, default=300.0)
     parser.add_argument("--with-8b", action="store_true")
+    parser.add_argument("--serve-levels", default="8,16,32,64")
     parser.add_argument("--with-hf", action="store_true")
     args = parser.parse_args()
     phases = args.phases.split(",")
@@ -343,8 +510,14 @@ def main() -> None:
                 phase_correct(args)
             elif phase == "decode":
                 phase_decode(args, bandwidth or phase_env(args))
+            elif phase == "profile":
+                phase_profile(args)
             elif phase == "offline":
                 ferrum_rate = phase_offline(args)
+            elif phase == "serve":
+                phase_serve(args)
+            elif phase == "cold":
+                phase_cold(args)
             elif phase == "hf":
                 phase_hf(args, ferrum_rate)
             else:

@@ -60,6 +60,7 @@ class GPUModelRunner:
         ]
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
         if use_cuda_graphs:
@@ -88,26 +89,24 @@ class GPUModelRunner:
         n = len(seqs)
         size = next(s for s in self._graph_sizes if s >= n)
         page = self.page
-        ids = np.zeros(size, dtype=np.int64)
-        pos = np.zeros(size, dtype=np.int64)
-        slots = np.full(size, self.trash_slot, dtype=np.int64)
-        lens = np.ones(size, dtype=np.int32)
+        vec = self.h_vec_np[:, :size]  # rows: token ids, positions, slots, context lengths
+        vec[0] = 0
+        vec[1] = 0
+        vec[2] = self.trash_slot
+        vec[3] = 1
         width = max(len(seq.block_table) for seq in seqs)
-        tables = np.empty((size, width), dtype=np.int32)
-        tables[:, 0] = self.trash_block
+        tables = self.h_tables_np
+        tables[n:size, 0] = self.trash_block
         for i, seq in enumerate(seqs):
             p = seq.num_computed_tokens
             table = seq.block_table
-            ids[i] = seq.token_at(p)
-            pos[i] = p
-            slots[i] = table[p // page] * page + p % page
-            lens[i] = p + 1
+            vec[0, i] = seq.token_at(p)
+            vec[1, i] = p
+            vec[2, i] = table[p // page] * page + p % page
+            vec[3, i] = p + 1
             tables[i, : len(table)] = table
-        self.s_ids[:size].copy_(torch.from_numpy(ids), non_blocking=True)
-        self.s_pos[:size].copy_(torch.from_numpy(pos), non_blocking=True)
-        self.s_slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.s_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
-        self.s_tables[:size, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        self.s_vec[:, :size].copy_(self.h_vec[:, :size], non_blocking=True)
+        self.s_tables[:size, :width].copy_(self.h_tables[:size, :width], non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:n]
@@ -166,12 +165,18 @@ class GPUModelRunner:
 
     # -- CUDA graphs -----------------------------------------------------------------------
     def _allocate_static_inputs(self) -> None:
+        """Device buffers the graphs read, and pinned host twins they are filled from (one copy for the
+        four per-row vectors, one for the block tables: both asynchronous)."""
         n, dev = self.max_num_seqs, self.device
-        self.s_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.s_pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self.s_slots = torch.full((n,), self.trash_slot, dtype=torch.long, device=dev)
-        self.s_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.s_vec = torch.zeros(4, n, dtype=torch.long, device=dev)
+        self.s_vec[2] = self.trash_slot
+        self.s_vec[3] = 1
+        self.s_ids, self.s_pos, self.s_slots, self.s_lens = self.s_vec.unbind(0)
         self.s_tables = torch.full((n, self.max_blocks), self.trash_block, dtype=torch.int32, device=dev)
+        self.h_vec = torch.zeros(4, n, dtype=torch.long).pin_memory()
+        self.h_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
+        self.h_vec_np = self.h_vec.numpy()
+        self.h_tables_np = self.h_tables.numpy()
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         batch = TritonAttentionBatch(
@@ -183,6 +188,7 @@ class GPUModelRunner:
             page=self.page,
             context_lens=self.s_lens[:size],
             tiles=None,
+            decode_splits=triton_kernels.decode_splits(size, self.model.config.num_kv_heads, self.num_sms),
         )
         hidden = self.model(self.s_ids[:size], self.kv_caches, batch)
         return self.model.compute_logits(hidden)

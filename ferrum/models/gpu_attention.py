@@ -41,6 +41,7 @@ class TritonAttentionBatch:
     page: int  # tokens per KV block
     context_lens: torch.Tensor | None  # [S] int32, decode steps: tokens in the cache incl. the new one
     tiles: PrefillTiles | None  # other steps
+    decode_splits: int = 1  # decode steps: slices of each sequence's cache run in parallel
 
     def attend(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
         q_norm, k_norm = layer.q_norm, layer.k_norm
@@ -53,7 +54,7 @@ class TritonAttentionBatch:
         scale = layer.head_dim**-0.5
         if self.context_lens is not None:
             out = triton_kernels.paged_decode(
-                q, cache[0], cache[1], self.block_tables, self.context_lens, self.page, scale
+                q, cache[0], cache[1], self.block_tables, self.context_lens, self.page, scale, self.decode_splits
             )
         else:
             assert self.tiles is not None

@@ -137,14 +137,20 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 
 
 @triton.jit
-def _decode_kernel(Q, KC, VC, OUT, TABLES, LENS, scale,
+def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """One program per (sequence, kv head): its G query heads against the sequence's cache."""
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (sequence, kv head, split): its G query heads against one slice of the
+    sequence's cache. With one split the result is final; with several, each writes its partial
+    (running max, sum, unnormalised output) for _decode_reduce_kernel to combine."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     length = tl.load(LENS + b)
+    part = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * part
+    end = tl.minimum(begin + part, length)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     gmask = g < G
@@ -153,9 +159,9 @@ def _decode_kernel(Q, KC, VC, OUT, TABLES, LENS, scale,
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     qk_scale = scale * 1.4426950408889634
-    for start in range(0, length, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        valid = n < length
+        valid = n < end
         page = tl.load(TABLES + b * stride_bt + n // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + n % PAGE
         off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
@@ -169,25 +175,67 @@ def _decode_kernel(Q, KC, VC, OUT, TABLES, LENS, scale,
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / l[:, None]
-    tl.store(OUT + b * stride_ot + (kvh * G + g)[:, None] * stride_oh + d[None, :],
-             out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+    heads = kvh * G + g
+    if SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+    else:
+        num_heads = tl.num_programs(1) * G
+        row = (b * num_heads + heads) * SPLITS + split  # [B, H, SPLITS] partials
+        tl.store(PART_ACC + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(PART_ML + row * 2, m, mask=gmask)
+        tl.store(PART_ML + row * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(PART_ACC, PART_ML, OUT, stride_ot, stride_oh,
+                          D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < SPLITS
+    row = (b * num_heads + h) * SPLITS + sp
+    m = tl.load(PART_ML + row * 2, mask=smask, other=float("-inf"))
+    l = tl.load(PART_ML + row * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(smask & (l > 0), tl.exp2(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
+    d = tl.arange(0, D)
+    acc = tl.load(PART_ACC + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + b * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty))
+
+
+def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
+    """Splits of each sequence's cache so that small batches still fill the GPU (about two
+    programs per multiprocessor); large batches need none."""
+    return max(1, min(16, -(-2 * num_sms // (batch * kv_heads))))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, page: int, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, page: int, scale: float, splits: int = 1) -> torch.Tensor:
     """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
-    _decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens, scale,
+    part_acc = part_ml = out
+    if splits > 1:
+        part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=64,
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=64, SPLITS=splits,
         num_warps=4, num_stages=2,
     )
+    if splits > 1:
+        _decode_reduce_kernel[(batch, heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            D=dim, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1,
+        )
     return out
 
 
