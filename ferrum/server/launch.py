@@ -9,6 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
+from ferrum.backends.base import ComputeBackend
 from ferrum.backends.registry import create_default_registry
 from ferrum.backends.selection import select_backend
 from ferrum.config import ConfigError, ServerConfig
@@ -53,8 +54,10 @@ def engine_in_own_process(setting: str, device: str) -> bool:
     return setting == "on"
 
 
-async def build_engine(config: ServerConfig) -> EngineClient:
-    """The engine client, its model loaded (in its own process or on a worker thread)."""
+async def build_engine(config: ServerConfig) -> tuple[EngineClient, ComputeBackend]:
+    """The engine client, its model loaded (in its own process or on a worker thread), and the
+    backend it runs on. An in-process engine's device memory (weights, KV cache, CUDA graphs) is
+    freed by the backend's shutdown; an engine process frees its own when it exits."""
     registry = await create_default_registry()
     backend, device = await select_backend(registry, config.backend, config.requirements)
     log.info("backend %s (%s) on %s", backend.name, backend.version(), device)
@@ -63,19 +66,20 @@ async def build_engine(config: ServerConfig) -> EngineClient:
     try:
         if engine_in_own_process(config.engine_process, device):
             log.info("engine: in its own process")
-            return await ProcessEngineClient.launch(engine_config)
+            return await ProcessEngineClient.launch(engine_config), backend
         log.info("engine: on a thread of the server process")
         engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, engine_config)
     except (OSError, ValueError) as exc:  # unreadable or invalid model files: the message names the file
         raise StartupError(f"cannot load the model from {folder}: {exc}") from exc
-    return AsyncEngine(engine)
+    backend.add_release_hook(device, engine.release)
+    return AsyncEngine(engine), backend
 
 
 async def serve(config: ServerConfig) -> None:
     from ferrum.server.api import create_app
 
     started = time.perf_counter()
-    engine = await build_engine(config)
+    engine, backend = await build_engine(config)
     try:
         await engine.start()
         app = create_app(engine, config.model_name)
@@ -86,7 +90,8 @@ async def serve(config: ServerConfig) -> None:
                  time.perf_counter() - started, config.host, config.port)
         await server.serve()
     finally:
-        await engine.shutdown()
+        await engine.shutdown()  # stops stepping first: then the backend may free the device
+        await backend.shutdown()
 
 
 __all__ = ["ConfigError", "StartupError", "build_engine", "engine_in_own_process", "resolve_model", "serve"]
