@@ -161,7 +161,7 @@ def test_scheduler_never_exceeds_the_budget_or_the_cache() -> None:
 
 
 def test_scheduler_preempts_the_latest_admitted_and_requeues_it_first() -> None:
-    bm = BlockManager(num_blocks=3, block_size=4)
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)  # recompute in full
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     a, b, c = _seq("a", 4), _seq("b", 4), _seq("c", 4)
     for s in (a, b, c):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -11,8 +11,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_seqs: int | None = None  # default: 256 on GPUs, 64 on the CPU
+    max_num_batched_tokens: int | None = None  # default: 8192 on GPUs, 1024 on the CPU
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_memory_gb: float | None = None  # default: a share of free memory, see kv_cache_budget
     gpu_memory_utilization: float = 0.9  # on GPUs: the share of device memory Ferrum may fill (weights + KV)
@@ -24,7 +24,7 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
@@ -32,3 +32,13 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+
+    def with_device_defaults(self) -> EngineConfig:
+        """This config with the unset batch limits filled in for its device: a GPU wants wide batches
+        (vLLM's defaults), the CPU narrower ones."""
+        gpu = not self.device.startswith("cpu")
+        return replace(
+            self,
+            max_num_seqs=self.max_num_seqs or (256 if gpu else 64),
+            max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 1024),
+        )

@@ -50,6 +50,8 @@ class EngineStats:
     requests_finished: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
 
 
 def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
@@ -85,6 +87,7 @@ def _available_memory_bytes() -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        config = config.with_device_defaults()
         self.config = config
         folder = Path(config.model)
         started = time.perf_counter()
@@ -213,6 +216,8 @@ class LLMEngine:
             requests_finished=self._finished,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
+            prefix_cache_queries=self.block_manager.prefix_cache_queries,
+            prefix_cache_hits=self.block_manager.prefix_cache_hits,
         )
 
     # -- offline use ------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an AsyncEngine.
+"""The OpenAI-compatible HTTP API over an EngineClient (in-process or an engine process).
 
 Routes: GET /health, /v1/models, /v1/models/{id}, /metrics; POST /v1/completions and
 /v1/chat/completions, each streaming (SSE) or not.
@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.async_engine import EngineClient
 from ferrum.server.body import parse_body
 from ferrum.server.errors import APIError, bad_request, install_error_handlers
 from ferrum.server.jobs import ChoiceResult, Job, collect, engine_error, run_jobs, unless_disconnected
@@ -52,7 +52,7 @@ from ferrum.tokenizer import ChatTemplateError
 
 
 class Server:
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: EngineClient, served_model_name: str) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.metrics = ServerMetrics(engine, served_model_name)
@@ -323,7 +323,7 @@ class Server:
         )
 
 
-def create_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
+def create_app(engine: EngineClient, served_model_name: str) -> FastAPI:
     server = Server(engine, served_model_name)
     app = FastAPI(title="Ferrum", summary="OpenAI-compatible LLM inference server", version="0.1.0")
     app.state.server = server

@@ -14,7 +14,7 @@ from typing import TypeVar
 import anyio
 from fastapi import Request
 
-from ferrum.engine.async_engine import AsyncEngine, PromptTooLongError
+from ferrum.engine.async_engine import EngineClient, PromptTooLongError
 from ferrum.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.server.errors import APIError, bad_request, internal_error
@@ -56,7 +56,7 @@ def _settle(task: asyncio.Task[RequestOutput]) -> None:
 
 
 async def run_jobs(
-    engine: AsyncEngine, jobs: Sequence[Job], metrics: ServerMetrics, arrived: float
+    engine: EngineClient, jobs: Sequence[Job], metrics: ServerMetrics, arrived: float
 ) -> AsyncGenerator[tuple[Job, RequestOutput], None]:
     """The outputs of all jobs as they come. However the consumer stops (return, error, aclose,
     cancellation), every engine generator is closed, which aborts the unfinished requests."""
@@ -106,7 +106,7 @@ async def run_jobs(
 
 
 async def collect(
-    engine: AsyncEngine, jobs: Sequence[Job], metrics: ServerMetrics, arrived: float
+    engine: EngineClient, jobs: Sequence[Job], metrics: ServerMetrics, arrived: float
 ) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in jobs]
     for job, result in zip(jobs, results, strict=True):

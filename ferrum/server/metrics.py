@@ -13,13 +13,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from ferrum.engine.async_engine import AsyncEngine
+    from ferrum.engine.async_engine import EngineClient
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -49,10 +49,14 @@ class _EngineCollector(Collector):
         yield counter("ferrum_requests_finished", "Requests the engine finished.", s.requests_finished)
         yield counter("ferrum_prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
         yield counter("ferrum_generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        yield counter("ferrum_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("ferrum_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.",
+                      s.prefix_cache_hits)
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
