@@ -307,6 +307,25 @@ def phase_profile(args) -> None:  # noqa: ANN001
         _, sample_ms = timed(lambda: sample(logits, [seq]), 50)
         record("profile", f"{shape} host pieces", f"schedule {plan_ms:.3f} ms, prep+replay launch {prep_ms:.3f} ms "
                f"(incl. GPU wait), sample {sample_ms:.3f} ms")
+        # one step taken apart on the host clock: what the CPU does before and after the GPU's part
+        from ferrum.engine.output_processor import OutputProcessor
+
+        parts = {"schedule": 0.0, "execute (launch)": 0.0, "sample (waits for GPU)": 0.0, "outputs": 0.0}
+        n = 50
+        for _ in range(n):
+            t0 = time.perf_counter()
+            plan = engine.scheduler.schedule()
+            t1 = time.perf_counter()
+            logits, seqs = runner.execute(list(plan.scheduled))
+            t2 = time.perf_counter()
+            result = sample(logits, seqs)
+            t3 = time.perf_counter()
+            engine.outputs.append(seqs, result)
+            [OutputProcessor.delta(q) for q in seqs]
+            t4 = time.perf_counter()
+            for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                parts[key] += dt / n * 1e3
+        record("profile", f"{shape} step parts (host clock)", ", ".join(f"{k} {v:.3f} ms" for k, v in parts.items()))
         from torch.profiler import ProfilerActivity, profile
 
         with torch.inference_mode():
