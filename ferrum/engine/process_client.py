@@ -61,6 +61,8 @@ class ProcessEngineClient(RequestStreams):
         ctx = multiprocessing.get_context("spawn")
         child_commands, commands = ctx.Pipe(duplex=False)  # (receiving end, sending end)
         results, child_results = ctx.Pipe(duplex=False)
+        for pipe in (results, commands):
+            _widen_pipe(pipe)
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
         process = ctx.Process(
             target=run_engine_process,
@@ -191,3 +193,18 @@ async def _stop_process(process: BaseProcess, commands: Connection) -> None:
     if process.exitcode is None:
         process.kill()
         await _wait_for_exit(process, STOP_GRACE_S)
+
+
+F_SETPIPE_SZ = 1031  # Linux fcntl
+
+
+def _widen_pipe(connection: Connection, size: int = 1 << 20) -> None:
+    """Grows a pipe from Linux's 64 KiB to 1 MiB, so that the engine never blocks on sending a step's
+    outputs while this process's reader thread waits its turn for the GIL (up to the interpreter's
+    5 ms switch interval when the event loop is busy with many streams)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(connection.fileno(), F_SETPIPE_SZ, size)
+    except (ImportError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size: keep the default
+        pass

@@ -59,10 +59,41 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
             raise CorruptWeightsError(str(path), f"corrupt or unreadable safetensors file: {exc}") from None
 
 
+class _PinnedStaging:
+    """Copies host tensors to a GPU through two pinned buffers in turn: the next tensor's host copy
+    (parallel memcpy out of the page cache) overlaps the previous one's asynchronous upload, where a
+    plain copy from pageable memory would stage through the driver one piece at a time."""
+
+    def __init__(self, device: torch.device, size: int = 256 << 20) -> None:
+        self.buffers = [torch.empty(size, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        self.done = [torch.cuda.Event(), torch.cuda.Event()]
+        self.stream = torch.cuda.Stream(device)
+        self.turn = 0
+
+    def copy(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = src.numel() * src.element_size()
+        if nbytes > self.buffers[0].numel() or not dest.is_contiguous() or src.dtype != dest.dtype:
+            dest.copy_(src)
+            return
+        i = self.turn
+        self.turn ^= 1
+        self.done[i].synchronize()  # the upload that last used this buffer has finished
+        staged = self.buffers[i][:nbytes].view(src.dtype).view(src.shape)
+        staged.copy_(src)
+        with torch.cuda.stream(self.stream):
+            dest.copy_(staged, non_blocking=True)
+            self.done[i].record(self.stream)
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+
+
 def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
     params = dict(model.named_parameters())
     expected = set(params)
     loaded: set[str] = set()
+    device = next(iter(params.values())).device
+    staging = _PinnedStaging(device) if device.type == "cuda" else None
     with torch.no_grad():
         for hf_name, tensor, path in iter_checkpoint(folder):
             name = hf_name.removeprefix("model.")
@@ -87,8 +118,13 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                     str(path),
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(dest.shape)}",
                 )
-            dest.copy_(tensor)
+            if staging is not None:
+                staging.copy(dest, tensor)
+            else:
+                dest.copy_(tensor)
             loaded.add(target if shard is None else f"{target}#{shard}")
+    if staging is not None:
+        staging.finish()
     required: set[str] = set()
     for name in expected:
         fused = name.split(".")[-2] if "." in name else ""
