@@ -342,6 +342,56 @@ def phase_profile(args) -> None:  # noqa: ANN001
         torch.cuda.empty_cache()
 
 
+def phase_timeline(args) -> None:  # noqa: ANN001
+    """The offline workload at max_num_seqs 64 and 256, each step timed on the host clock and
+    classed as a graph decode step or an eager (prefill / mixed) step."""
+    from ferrum.engine.output_processor import OutputProcessor
+    from ferrum.engine.sampler import sample
+    from ferrum.engine.sampling_params import SamplingParams
+
+    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    for max_seqs in (64, 256):
+        engine = make_engine(folder, max_num_seqs=max_seqs, max_model_len=2048)
+        work = offline_workload(args.num_prompts, engine.model_config.vocab_size)
+        for i, (prompt, out_len) in enumerate(work):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+        stats = {k: [0, 0.0, 0.0, 0.0, 0.0, 0.0] for k in ("decode", "eager")}  # n, sched, exec, sample, out, tokens
+        started = time.perf_counter()
+        while engine.has_work:
+            t0 = time.perf_counter()
+            plan = engine.scheduler.schedule()
+            kind = "decode" if all(x.is_decode for x in plan.scheduled) else "eager"
+            t1 = time.perf_counter()
+            logits, seqs = engine.runner.execute(list(plan.scheduled))
+            t2 = time.perf_counter()
+            result = sample(logits, seqs)
+            t3 = time.perf_counter()
+            engine.outputs.append(seqs, result)
+            for q in seqs:
+                OutputProcessor.delta(q)
+                if q.is_finished:
+                    engine.scheduler.remove(q)
+                    engine.sequences.pop(q.request_id, None)
+            t4 = time.perf_counter()
+            row = stats[kind]
+            row[0] += 1
+            row[1] += t1 - t0
+            row[2] += t2 - t1
+            row[3] += t3 - t2
+            row[4] += t4 - t3
+            row[5] += sum(x.num_new_tokens for x in plan.scheduled)
+        total = time.perf_counter() - started
+        for kind, (n, a, b, c, d, toks) in stats.items():
+            if n:
+                record("timeline", f"max_num_seqs {max_seqs}: {kind} steps", n, "steps",
+                       f"{(a + b + c + d) / total:.0%} of {total:.1f}s; per step ms: schedule {a / n * 1e3:.2f}, "
+                       f"execute {b / n * 1e3:.2f}, sample(wait) {c / n * 1e3:.2f}, outputs {d / n * 1e3:.2f}; "
+                       f"{toks / n:.0f} tokens/step")
+        engine.release()
+        del engine
+        torch.cuda.empty_cache()
+
+
 def offline_workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(vocab - 2) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
@@ -529,6 +579,8 @@ def main() -> None:
                 phase_correct(args)
             elif phase == "decode":
                 phase_decode(args, bandwidth or phase_env(args))
+            elif phase == "timeline":
+                phase_timeline(args)
             elif phase == "profile":
                 phase_profile(args)
             elif phase == "offline":
