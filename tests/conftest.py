@@ -3,12 +3,19 @@ fault-injecting proxy in front of it."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The GPU path's Triton kernels run in Triton's interpreter here; it must be chosen before
+    # anything imports triton (see tests/triton_interpreter.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.fault_server import FaultServer
 

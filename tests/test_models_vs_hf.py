@@ -96,19 +96,34 @@ def _seq(i: int, tokens: list[int]) -> Sequence:
     return Sequence(f"r{i}", list(tokens), SamplingParams(max_tokens=8), 0.0)
 
 
-def _run(runner: ModelRunner, blocks: BlockManager, plan: list[tuple[Sequence, int]]) -> dict[str, torch.Tensor]:
+def _run(runner, blocks: BlockManager, plan: list[tuple[Sequence, int]]) -> dict[str, torch.Tensor]:  # noqa: ANN001
     for seq, n in plan:
         blocks.grow(seq, seq.num_computed_tokens + n)
     logits, seqs = runner.execute([ScheduledSequence(s, n) for s, n in plan])
-    return {s.request_id: row for s, row in zip(seqs, logits)}
+    return {s.request_id: row.cpu() for s, row in zip(seqs, logits)}
 
 
-def test_prefill_chunked_prefill_and_decode_match_hf(pair) -> None:
+def _runner(kind: str, model, num_blocks: int, block_size: int):  # noqa: ANN001, ANN202
+    """The CPU runner, or the GPU runner's eager path (Triton kernels; interpreted without a GPU)."""
+    if kind == "cpu":
+        return ModelRunner(model, num_blocks, block_size, "cpu")
+    from tests.triton_interpreter import triton_kernels
+
+    triton_kernels()
+    from ferrum.engine.gpu_model_runner import GPUModelRunner
+
+    device = str(next(model.parameters()).device)
+    return GPUModelRunner(model, num_blocks, block_size, device, max_num_seqs=8, max_model_len=256,
+                          use_cuda_graphs=False)
+
+
+@pytest.mark.parametrize("runner_kind", ["cpu", "triton-eager"])
+def test_prefill_chunked_prefill_and_decode_match_hf(pair, runner_kind: str) -> None:
     hf, ours = pair
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (37, 5, 70)]
     blocks = BlockManager(num_blocks=64, block_size=8)
-    runner = ModelRunner(ours, 64, 8, "cpu")
+    runner = _runner(runner_kind, ours, 64, 8)
     seqs = [_seq(i, p) for i, p in enumerate(prompts)]
 
     worst = 0.0

@@ -6,30 +6,12 @@ triton is imported), so CI checks the same kernel code the GPU runs; on a GPU th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import ON_GPU, triton_kernels
 
-triton = pytest.importorskip("triton", reason="the GPU kernels are Triton (pip install triton)")
-from ferrum.models import triton_kernels as tk  # noqa: E402
-
-if not ON_GPU:
-    # Triton 3.6's interpreter turns a loaded scalar (a 1-element numpy array) into a loop bound with
-    # int(array), which numpy >= 2.4 refuses; give its tensors an __index__ that numpy accepts.
-    from triton.runtime import interpreter as _interp
-
-    _patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
+tk = triton_kernels()
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 # bf16 on the GPU; numpy (the interpreter) has no bf16, so CPU runs check the same kernels in fp16

@@ -60,7 +60,8 @@ class GPUModelRunner:
         ]
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        cuda = self.device.type == "cuda"  # elsewhere only in tests, with Triton's interpreter
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
         if use_cuda_graphs:
@@ -112,6 +113,10 @@ class GPUModelRunner:
         return logits[:n]
 
     def _run_eager(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        # decodes first: their rows go through the grouped decode kernel (one pass over each
+        # sequence's cache per kv head), the rest through the prefill kernel
+        scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
+        num_decode = sum(1 for s in scheduled if s.is_decode)
         page = self.page
         ids: list[int] = []
         pos: list[int] = []
@@ -136,9 +141,10 @@ class GPUModelRunner:
             positions = range(start, start + n)
             pos.extend(positions)
             slots.extend(table[p // page] * page + p % page for p in positions)
-            for m0 in range(0, n, triton_kernels.PREFILL_BLOCK_M):
-                tile_seq.append(i)
-                tile_m.append(m0)
+            if i >= num_decode:
+                for m0 in range(0, n, triton_kernels.PREFILL_BLOCK_M):
+                    tile_seq.append(i)
+                    tile_m.append(m0)
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
@@ -154,8 +160,9 @@ class GPUModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             page=page,
-            context_lens=None,
-            tiles=PrefillTiles(ints(tile_seq), ints(tile_m), ints(q_start), ints(q_len), ints(past)),
+            context_lens=ints([p + 1 for p in past[:num_decode]]) if num_decode else None,
+            tiles=PrefillTiles(ints(tile_seq), ints(tile_m), ints(q_start), ints(q_len), ints(past)) if tile_seq else None,
+            num_decode=num_decode,
         )
         hidden = self.model(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), self.kv_caches, batch)
         if not sample_rows:

@@ -214,12 +214,13 @@ def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, page: int, scale: float, splits: int = 1) -> torch.Tensor:
+                 context_lens: torch.Tensor, page: int, scale: float, splits: int = 1,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     part_acc = part_ml = out
     if splits > 1:
         part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
@@ -290,12 +291,13 @@ PREFILL_BLOCK_M = 64
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   tile_seq: torch.Tensor, tile_m: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
-                  past: torch.Tensor, page: int, scale: float) -> torch.Tensor:
+                  past: torch.Tensor, page: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] packed new tokens of several sequences (their k/v already in the cache).
-    Tiles (tile_seq, tile_m) cover each sequence's new tokens in steps of PREFILL_BLOCK_M."""
+    Tiles (tile_seq, tile_m) cover each sequence's new tokens in steps of PREFILL_BLOCK_M; only the
+    rows of tiled sequences are written."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     _prefill_kernel[(tile_seq.shape[0], heads)](
         q, k_cache, v_cache, out, block_tables, tile_seq, tile_m, q_start, q_len, past, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
