@@ -208,9 +208,10 @@ def _decode_reduce_kernel(PART_ACC, PART_ML, OUT, stride_ot, stride_oh,
 
 
 def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
-    """Splits of each sequence's cache so that small batches still fill the GPU (about two
-    programs per multiprocessor); large batches need none."""
-    return max(1, min(16, -(-2 * num_sms // (batch * kv_heads))))
+    """Splits of each sequence's cache so that small and middling batches still fill the GPU (about
+    four programs per multiprocessor: each program's loop over its slice is latency-bound); large
+    batches need none."""
+    return max(1, min(16, -(-4 * num_sms // (batch * kv_heads))))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
