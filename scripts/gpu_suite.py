@@ -407,6 +407,54 @@ def phase_timeline(args) -> None:  # noqa: ANN001
         torch.cuda.empty_cache()
 
 
+def phase_eager(args) -> None:  # noqa: ANN001
+    """One mixed step (a 850-token prompt beside 50 decodes) under the profiler: where its time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ferrum.engine.sampling_params import SamplingParams
+    from ferrum.engine.scheduler import ScheduledSequence
+    from ferrum.engine.sequence import Sequence
+
+    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    engine = make_engine(folder, max_num_seqs=64, max_model_len=2048)
+    rng = random.Random(3)
+    vocab = engine.model_config.vocab_size
+
+    def seq(n: int) -> Sequence:
+        s = Sequence(f"e{time.monotonic_ns()}", [rng.randrange(vocab - 2) for _ in range(n)],
+                     SamplingParams(max_tokens=8), 0.0)
+        engine.block_manager.grow(s, n + 1)
+        return s
+
+    decodes = []
+    for _ in range(50):
+        s = seq(600)
+        s.num_computed_tokens = 599  # its cache holds (garbage) k/v: only the timing matters here
+        decodes.append(s)
+
+    def mixed_step() -> float:
+        prompt = seq(850)
+        plan = [ScheduledSequence(d, 1) for d in decodes] + [ScheduledSequence(prompt, 850)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits, _ = engine.runner.execute(plan)
+        logits.argmax(-1).tolist()
+        for d in decodes:
+            d.num_computed_tokens -= 1
+        engine.block_manager.free(prompt)
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        mixed_step()
+    wall = sorted(mixed_step() for _ in range(5))[2]
+    record("eager", "mixed step: 850-token prompt + 50 decodes", round(wall * 1e3, 2), "ms wall")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        mixed_step()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    engine.release()
+
+
 def offline_workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(vocab - 2) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
@@ -596,6 +644,8 @@ def main() -> None:
                 phase_decode(args, bandwidth or phase_env(args))
             elif phase == "timeline":
                 phase_timeline(args)
+            elif phase == "eager":
+                phase_eager(args)
             elif phase == "profile":
                 phase_profile(args)
             elif phase == "offline":
