@@ -64,15 +64,19 @@ def plan_kv_cache(model: LlamaForCausalLM, config: EngineConfig, max_model_len: 
 
 
 def _profile_step(model: LlamaForCausalLM, config: EngineConfig, max_model_len: int) -> None:
-    """One eager step of max_num_batched_tokens prompt tokens over a scratch cache of their size."""
+    """One eager step of max_num_batched_tokens prompt tokens over a scratch cache of their size, with
+    a decode beside it, so that it also compiles every kernel a mixed step uses before serving starts."""
     tokens = min(config.max_num_batched_tokens, max_model_len)
     blocks = -(-tokens // config.block_size)
-    runner = GPUModelRunner(model, blocks, config.block_size, config.device, config.max_num_seqs, max_model_len,
-                            use_cuda_graphs=False)
+    runner = GPUModelRunner(model, blocks + 2, config.block_size, config.device, config.max_num_seqs,
+                            max_model_len, use_cuda_graphs=False)
     prompt = torch.randint(0, model.config.vocab_size, (tokens,)).tolist()
     seq = Sequence("profile", prompt, SamplingParams(max_tokens=1), 0.0)
     seq.block_table = list(range(blocks))
-    logits, _ = runner.execute([ScheduledSequence(seq, tokens)])
+    decode = Sequence("profile-decode", prompt[:2], SamplingParams(max_tokens=1), 0.0)
+    decode.block_table = [blocks]
+    decode.num_computed_tokens = 1
+    logits, _ = runner.execute([ScheduledSequence(decode, 1), ScheduledSequence(seq, tokens)])
     # the sampler's widest temporary: softmax over max_num_seqs rows of logits
-    torch.softmax(logits.expand(min(config.max_num_seqs, tokens), -1), dim=-1)
+    torch.softmax(logits[:1].expand(min(config.max_num_seqs, tokens), -1), dim=-1)
     runner.kv_caches = []

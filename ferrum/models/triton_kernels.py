@@ -136,7 +136,8 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 # -- paged attention ------------------------------------------------------------------------
 
 
-@triton.jit
+# The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -241,7 +242,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PAST, scale,
                     stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
