@@ -462,31 +462,14 @@ def offline_workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int
 
 
 def phase_offline(args) -> float:  # noqa: ANN001
-    from ferrum.engine.sampling_params import SamplingParams
-
+    """`ferrum bench offline` with its defaults (256 requests, 100-1024 in and out, ignore EOS) on the 1B."""
     folder = checkpoint("llama-3.2-1b", args.ckpt)
-    engine = make_engine(folder, max_num_seqs=args.max_num_seqs, max_model_len=2048)
-    vocab = engine.model_config.vocab_size
-    work = offline_workload(args.num_prompts, vocab)
-    engine.generate([work[0][0]], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for i, (prompt, out_len) in enumerate(work):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
-    generated = 0
-    steps = 0
-    while engine.has_work and time.perf_counter() - started < args.offline_limit_s:
-        for out in engine.step():
-            generated += len(out.new_token_ids)
-        steps += 1
-    elapsed = time.perf_counter() - started
-    expected = sum(o for _, o in work)
-    rate = generated / elapsed
-    record("offline", f"llama-3.2-1b offline {len(work)} req (100-1024 in/out)", round(rate), "output tok/s",
-           f"{elapsed:.1f}s, {steps} steps, {generated}/{expected} tokens, max_num_seqs {args.max_num_seqs}")
-    engine.release()
-    del engine
-    torch.cuda.empty_cache()
+    res = bench("offline", "--model", str(folder), "--max-model-len", "2048", "--num-prompts", str(args.num_prompts),
+                "--output-json", str(args.out / "offline.json"))
+    rate = res["output_tokens_per_s"]
+    record("offline", f"ferrum bench offline, llama-3.2-1b, {res['num_requests']} req", round(rate), "output tok/s",
+           f"{res['elapsed_s']:.1f}s, {res['total_output_tokens']} tokens (as requested: "
+           f"{res['output_tokens_as_requested']}), max_num_seqs {res['engine']['max_num_seqs']}")
     return rate
 
 
