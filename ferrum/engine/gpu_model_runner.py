@@ -16,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.models import triton_kernels
@@ -24,6 +25,16 @@ from ferrum.models.gpu_attention import PrefillTiles, TritonAttentionBatch
 from ferrum.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+
+
+def eager_bucket(num_tokens: int) -> int:
+    """Token count an eager step is padded to: a multiple of 16 up to 256, then of 256."""
+    step = 16 if num_tokens <= 256 else 256
+    return -(-num_tokens // step) * step
+
+
+def eager_buckets(max_tokens: int) -> list[int]:
+    return sorted({eager_bucket(n) for n in [*range(16, 257, 16), *range(512, max_tokens + 256, 256)]})
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -67,6 +78,19 @@ class GPUModelRunner:
         if use_cuda_graphs:
             self._allocate_static_inputs()
             self._capture_graphs()
+
+    @torch.inference_mode()
+    def warm_up_eager(self, max_tokens: int) -> None:
+        """Runs one eager step at every padded token count up to max_tokens, so that serving meets
+        no GEMM shape (and no kernel) for the first time."""
+        started = time.perf_counter()
+        probe = Sequence("warm-up", [0, 0], SamplingParams(max_tokens=1), 0.0)
+        probe.block_table = [self.trash_block]
+        for size in eager_buckets(max_tokens):
+            probe.num_computed_tokens = 0
+            self._run_eager([ScheduledSequence(probe, 2)], pad_to=size)
+        torch.cuda.synchronize(self.device)
+        log.info("warmed up eager steps of up to %d tokens in %.1fs", max_tokens, time.perf_counter() - started)
 
     @staticmethod
     def kv_bytes_per_token(config, dtype: torch.dtype) -> int:  # noqa: ANN001
@@ -112,7 +136,9 @@ class GPUModelRunner:
         graph.replay()
         return logits[:n]
 
-    def _run_eager(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
+    def _run_eager(
+        self, scheduled: list[ScheduledSequence], pad_to: int = 0
+    ) -> tuple[torch.Tensor, list[Sequence]]:
         # decodes first: their rows go through the grouped decode kernel (one pass over each
         # sequence's cache per kv head), the rest through the prefill kernel
         scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
@@ -148,6 +174,12 @@ class GPUModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
+        # pad the step to a bucket of token counts: a handful of GEMM shapes, all met at start-up
+        # (a new shape costs cuBLAS a kernel choice and a module load mid-serving)
+        pad = max(pad_to, eager_bucket(len(ids))) - len(ids)
+        ids.extend([0] * pad)
+        pos.extend([0] * pad)
+        slots.extend([self.trash_slot] * pad)
         dev = self.device
 
         def ints(values: list[int]) -> torch.Tensor:

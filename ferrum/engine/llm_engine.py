@@ -120,6 +120,7 @@ class LLMEngine:
                 self.model, num_blocks, config.block_size, config.device, config.max_num_seqs,
                 self.max_model_len, use_cuda_graphs=not config.enforce_eager,
             )
+            self.runner.warm_up_eager(config.max_num_batched_tokens)
         else:
             self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
         self.block_manager = BlockManager(

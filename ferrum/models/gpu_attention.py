@@ -42,7 +42,7 @@ class TritonAttentionBatch:
     context_lens: torch.Tensor | None  # [S] int32, decode steps: tokens in the cache incl. the new one
     tiles: PrefillTiles | None  # other steps
     decode_splits: int = 1  # decode steps: slices of each sequence's cache run in parallel
-    num_decode: int | None = None  # mixed steps: the first rows are decodes (None: all rows when tiles is None)
+    num_decode: int | None = None  # eager steps: the first rows are decodes; None in a decode graph (all are)
 
     def attend(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
         q_norm, k_norm = layer.q_norm, layer.k_norm
@@ -54,21 +54,22 @@ class TritonAttentionBatch:
         )
         scale = layer.head_dim**-0.5
         t = self.tiles
-        if t is None:  # every row a decode
+        if self.num_decode is None:  # a decode graph: every row a decode
             assert self.context_lens is not None
             out = triton_kernels.paged_decode(
                 q, cache[0], cache[1], self.block_tables, self.context_lens, self.page, scale, self.decode_splits
             )
             return out.view(-1, layer.q_size)
-        out = torch.empty_like(q)
-        n = self.num_decode or 0
+        out = torch.zeros_like(q)  # rows padding the step stay zero
+        n = self.num_decode
         if n:
             assert self.context_lens is not None
             triton_kernels.paged_decode(
                 q[:n], cache[0], cache[1], self.block_tables[:n], self.context_lens, self.page, scale, 1, out=out[:n]
             )
-        triton_kernels.paged_prefill(
-            q, cache[0], cache[1], self.block_tables, t.tile_seq, t.tile_m, t.q_start, t.q_len, t.past,
-            self.page, scale, out=out,
-        )
+        if t is not None:
+            triton_kernels.paged_prefill(
+                q, cache[0], cache[1], self.block_tables, t.tile_seq, t.tile_m, t.q_start, t.q_len, t.past,
+                self.page, scale, out=out,
+            )
         return out.view(-1, layer.q_size)
