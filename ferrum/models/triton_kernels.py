@@ -141,7 +141,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (sequence, kv head, split): its G query heads against one slice of the
     sequence's cache. With one split the result is final; with several, each writes its partial
     (running max, sum, unnormalised output) for _decode_reduce_kernel to combine."""
@@ -167,14 +167,14 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
         slot = page.to(tl.int64) * PAGE + n % PAGE
         off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     heads = kvh * G + g
     if SPLITS == 1:
@@ -208,6 +208,11 @@ def _decode_reduce_kernel(PART_ACC, PART_ML, OUT, stride_ot, stride_oh,
     tl.store(OUT + b * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
+def _dot_precision(q: torch.Tensor) -> str:
+    """float32 models get float32 dot products (Triton's default for them is tf32)."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
     """Splits of each sequence's cache so that small and middling batches still fill the GPU (about
     four programs per multiprocessor: each program's loop over its slice is latency-bound); large
@@ -232,7 +237,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=64, SPLITS=splits,
-        num_warps=4, num_stages=2,
+        PRECISION=_dot_precision(q), num_warps=4, num_stages=2,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, heads)](
@@ -246,7 +251,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PAST, scale,
                     stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (tile of BLOCK_M new tokens of one sequence, query head). Query i of a
     sequence sits at position past + i and sees the cached keys 0 .. past + i (its own included)."""
     tile = tl.program_id(0)
@@ -274,14 +279,14 @@ def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PA
         slot = page.to(tl.int64) * PAGE + n % PAGE
         off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / l[:, None]
     tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -305,6 +310,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=heads // kv_heads, D=dim, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64,
-        num_warps=4, num_stages=2,
+        PRECISION=_dot_precision(q), num_warps=4, num_stages=2,
     )
     return out

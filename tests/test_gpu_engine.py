@@ -1,0 +1,103 @@
+"""The engine on a CUDA GPU: loading, the paged Triton path with CUDA graphs, memory sizing and
+release. Skipped without CUDA (CI has none); run on a GPU machine with
+`pytest tests/test_gpu_engine.py` (scripts/gpu_suite.py runs it in its `kernels` phase)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+transformers = pytest.importorskip("transformers")
+
+from ferrum.engine.config import EngineConfig  # noqa: E402
+from ferrum.engine.llm_engine import LLMEngine  # noqa: E402
+from ferrum.engine.sampling_params import SamplingParams  # noqa: E402
+from ferrum.models.loader import load_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random Llama (GQA, tied embeddings) with a tokenizer copied from nowhere: ids only."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    folder = Path(tmp_path_factory.mktemp("tiny-llama"))
+    model.save_pretrained(folder)
+    from scripts.make_random_checkpoint import write_tokenizer
+
+    write_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+def engine(folder: Path, device: str, **overrides) -> LLMEngine:  # noqa: ANN003
+    settings = dict(model=str(folder), device=device, dtype="float32", max_model_len=512, max_num_seqs=8,
+                    max_num_batched_tokens=256)
+    if device == "cpu":
+        settings["kv_cache_memory_gb"] = 0.05
+    else:
+        settings["gpu_memory_utilization"] = 0.3
+    return LLMEngine(EngineConfig(**(settings | overrides)))
+
+
+def test_weights_reach_the_gpu_bit_for_bit(tiny: Path) -> None:
+    cpu, _ = load_model(tiny, torch.float32, "cpu")
+    gpu, _ = load_model(tiny, torch.float32, "cuda")
+    for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
+        assert torch.equal(a, b.cpu()), name
+
+
+def test_greedy_outputs_match_the_cpu_engine(tiny: Path) -> None:
+    """Prefill (eager Triton path), batched decode (CUDA graphs) and prompts of several lengths."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 40, 130, 7)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = engine(tiny, "cpu").generate(prompts, params)
+    gpu = engine(tiny, "cuda")
+    assert gpu.runner.graphs  # decode steps replay graphs
+    assert gpu.generate(prompts, params) == expected
+    gpu.release()
+
+
+def test_prefix_caching_and_chunked_prefill_give_the_same_tokens(tiny: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 1000, (100,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 60, 1)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = engine(tiny, "cuda", enable_prefix_caching=False, max_num_batched_tokens=512)
+    expected = [plain.generate([p], params)[0] for p in prompts]
+    plain.release()
+    cached = engine(tiny, "cuda", max_num_batched_tokens=64)  # prompts go in chunks of 64 tokens
+    got = [cached.generate([p], params)[0] for p in prompts]
+    assert got == expected
+    assert cached.stats().prefix_cache_hits > 0
+    cached.release()
+
+
+def test_kv_cache_is_sized_from_gpu_memory_utilization(tiny: Path) -> None:
+    free, total = torch.cuda.mem_get_info()
+    eng = engine(tiny, "cuda", gpu_memory_utilization=0.2)
+    kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in eng.runner.kv_caches)
+    assert 0.05 * total < kv_bytes < 0.2 * total
+    eng.release()
+
+
+def test_release_returns_the_device_memory(tiny: Path) -> None:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    eng = engine(tiny, "cuda")
+    assert torch.cuda.memory_allocated() > before + 2**20
+    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+    eng.release()
+    del eng
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + 2**20
