@@ -587,6 +587,19 @@ def phase_cold(args) -> None:  # noqa: ANN001
     lf = time.perf_counter() - started
     torch.cuda.empty_cache()
     record("cold", "safetensors load_file(device=cuda), 8B", round(nbytes / 1e9 / lf, 2), "GB/s", f"{lf:.2f}s")
+    # the two loaders again, one after the other in this process, same page-cache state
+    from ferrum.models.loader import load_model
+
+    for label, load in (("ferrum load_model", lambda: load_model(folder, torch.bfloat16, "cuda")),
+                        ("safetensors load_file", lambda: [load_file(str(f), device="cuda") for f in files])):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loaded = load()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        del loaded
+        torch.cuda.empty_cache()
+        record("cold", f"{label} (in this process, after the first pair)", round(nbytes / 1e9 / dt, 2), "GB/s", f"{dt:.2f}s")
     for attempt in ("first start (Triton compiles its kernels)", "restart (Triton's kernel cache warm)"):
         log_path = args.out / f"cold_8b_{attempt[:5].strip()}.log"
         proc, ready = start_server(folder, 8012, log_path, "--max-model-len", "8192")

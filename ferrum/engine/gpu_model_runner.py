@@ -256,8 +256,11 @@ class GPUModelRunner:
     def release(self) -> None:
         """Drops the graphs, the KV cache and the model so that the device memory can be freed."""
         self.graphs.clear()
+        self._graph_sizes = []
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
+        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables"):
+            self.__dict__.pop(name, None)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

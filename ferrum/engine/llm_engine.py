@@ -148,8 +148,10 @@ class LLMEngine:
             )
 
     def release(self) -> None:
-        """Frees what the engine holds on its device (KV cache, CUDA graphs, weights)."""
+        """Frees what the engine holds on its device (KV cache, CUDA graphs, weights); the engine
+        cannot step afterwards."""
         self.runner.release()
+        self.model = None  # type: ignore[assignment]
 
     # -- requests -------------------------------------------------------
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
