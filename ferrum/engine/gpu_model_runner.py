@@ -263,4 +263,8 @@ class GPUModelRunner:
             self.__dict__.pop(name, None)
         gc.collect()
         if torch.cuda.is_available():
+            # cuBLAS keeps a workspace per stream it ran on (the capture stream's too) until told
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
             torch.cuda.empty_cache()
