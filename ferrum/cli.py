@@ -42,7 +42,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", dest="max_model_len", type=int)
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     p.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float)
+    p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float,
+                   help="share of GPU memory for weights, activations and KV cache (default 0.9)")
+    p.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True,
+                   help="GPU: no CUDA graphs for decode")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
+                   help="do not reuse the KV of prompt prefixes shared with earlier requests")
     p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),
                    help="run the engine in a process of its own (auto: on cuda and mps, not on cpu)")
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
@@ -60,13 +67,17 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrum", description="Ferrum LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _pull_parser(sub)
     add_bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     if args.command == "bench":
         try:

@@ -33,6 +33,22 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert config.model_name == "folder"
 
 
+def test_gpu_engine_flags_reach_the_engine_config() -> None:
+    from ferrum.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--model", "m", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--no-prefix-caching",
+         "--max-num-batched-tokens", "2048"]
+    )
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    engine = load_config(None, overrides).engine_config("cuda:0")
+    assert (engine.gpu_memory_utilization, engine.enforce_eager, engine.enable_prefix_caching) == (0.5, True, False)
+    assert engine.max_num_batched_tokens == 2048
+    defaults = load_config(None, {"model": "m"}).engine_config("cuda:0").with_device_defaults()
+    assert (defaults.gpu_memory_utilization, defaults.enforce_eager, defaults.enable_prefix_caching) == (0.9, False, True)
+    assert (defaults.max_num_seqs, defaults.max_num_batched_tokens) == (256, 8192)
+
+
 def test_default_config_file_is_valid() -> None:
     config = load_config(ROOT / "config" / "default.yaml", {})
     assert config.model == "models/SmolLM2-135M-Instruct"
