@@ -30,7 +30,6 @@ to keep Ferrum off GPUs it must not touch.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
 import logging
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrum.backends.accelerator import AcceleratorBackend
 from ferrum.backends.base import ComputeBackend, DeviceRuntime
 from ferrum.backends.capabilities import BackendCapabilities
 from ferrum.backends.cpu import limits_from_memory
@@ -180,14 +180,13 @@ class TorchCudaRuntime:
             torch.cuda.empty_cache()
 
 
-class CUDABackend(ComputeBackend):
+class CUDABackend(AcceleratorBackend):
     """One GPU through torch. `facts` as probe_cuda_device gives them; `runtime` defaults to the real
     torch.cuda calls for that GPU (tests pass a stub)."""
 
     def __init__(self, facts: CudaDeviceFacts, runtime: DeviceRuntime | None = None) -> None:
-        super().__init__()
+        super().__init__(runtime if runtime is not None else TorchCudaRuntime(facts.index))
         self._facts = facts
-        self._runtime: DeviceRuntime = runtime if runtime is not None else TorchCudaRuntime(facts.index)
 
     @property
     def facts(self) -> CudaDeviceFacts:
@@ -207,22 +206,6 @@ class CUDABackend(ComputeBackend):
 
     def version(self) -> str:
         return f"torch {torch.__version__}, CUDA {self._facts.cuda_version}"
-
-    def memory_in_use_bytes(self) -> int:
-        return self._runtime.memory_held()
-
-    async def _prepare_device(self, device: str) -> None:
-        """Checks the GPU answers (a synchronize), off the event loop."""
-        await asyncio.to_thread(self._runtime.synchronize)
-
-    async def synchronize(self, device: str) -> None:
-        """Waits, in a worker thread, for all work queued on the GPU."""
-        if not self.supports_device(device):
-            raise ValueError(f"backend {self.name} does not serve device {device!r}")
-        await asyncio.to_thread(self._runtime.synchronize)
-
-    def _free_cached_memory(self) -> None:
-        self._runtime.empty_cache()
 
 
 def create_backends() -> list[ComputeBackend]:

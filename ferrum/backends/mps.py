@@ -18,12 +18,12 @@ torch's cached blocks alike. `shutdown` ends with torch.mps.empty_cache().
 
 from __future__ import annotations
 
-import asyncio
 import platform
 from dataclasses import dataclass
 
 import torch
 
+from ferrum.backends.accelerator import AcceleratorBackend
 from ferrum.backends.base import ComputeBackend, DeviceRuntime
 from ferrum.backends.capabilities import BackendCapabilities
 from ferrum.backends.cpu import limits_from_memory
@@ -94,14 +94,13 @@ class TorchMpsRuntime:
         torch.mps.empty_cache()
 
 
-class MPSBackend(ComputeBackend):
+class MPSBackend(AcceleratorBackend):
     """The Apple GPU through torch. `facts` as probe_mps_device gives them; `runtime` defaults to the
     real torch.mps calls (tests pass a stub)."""
 
     def __init__(self, facts: MpsDeviceFacts, runtime: DeviceRuntime | None = None) -> None:
-        super().__init__()
+        super().__init__(runtime if runtime is not None else TorchMpsRuntime())
         self._facts = facts
-        self._runtime: DeviceRuntime = runtime if runtime is not None else TorchMpsRuntime()
 
     @property
     def facts(self) -> MpsDeviceFacts:
@@ -122,22 +121,6 @@ class MPSBackend(ComputeBackend):
     def version(self) -> str:
         macos = f", macOS {self._facts.macos_version}" if self._facts.macos_version else ""
         return f"torch {torch.__version__}, MPS{macos}"
-
-    def memory_in_use_bytes(self) -> int:
-        return self._runtime.memory_held()
-
-    async def _prepare_device(self, device: str) -> None:
-        """Checks the device answers (a synchronize), off the event loop."""
-        await asyncio.to_thread(self._runtime.synchronize)
-
-    async def synchronize(self, device: str) -> None:
-        """Waits, in a worker thread, for all work queued on the device."""
-        if not self.supports_device(device):
-            raise ValueError(f"backend {self.name} does not serve device {device!r}")
-        await asyncio.to_thread(self._runtime.synchronize)
-
-    def _free_cached_memory(self) -> None:
-        self._runtime.empty_cache()
 
 
 def create_backends() -> list[ComputeBackend]:
