@@ -136,6 +136,39 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 # -- paged attention ------------------------------------------------------------------------
 
 
+@triton.jit
+def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_scale, qpos,
+                  ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax attention of q [ROWS, D] over one sequence's cached keys begin .. end-1 (`table`
+    points at its block-table row; with CAUSAL, row i sees keys up to position qpos[i]). Returns the
+    running max and sum (base 2) and the unnormalised output."""
+    d = tl.arange(0, D)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < end
+        page = tl.load(table + n // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + n % PAGE
+        off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        keep = valid[None, :]
+        if CAUSAL:
+            keep = keep & (n[None, :] <= qpos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, l, acc
+
+
 # The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
@@ -156,26 +189,8 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
     d = tl.arange(0, D)
     gmask = g < G
     q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    qk_scale = scale * 1.4426950408889634
-    for start in range(begin, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        valid = n < end
-        page = tl.load(TABLES + b * stride_bt + n // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + n % PAGE
-        off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
-        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    m, l, acc = _attend_pages(q, KC, VC, TABLES + b * stride_bt, begin, end, kvh, stride_kc, stride_kh,
+                              scale * 1.4426950408889634, g, BLOCK_G, D, PAGE, BLOCK_N, False, PRECISION)
     heads = kvh * G + g
     if SPLITS == 1:
         out = acc / l[:, None]
@@ -266,28 +281,9 @@ def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PA
     rmask = rows < q_len
     d = tl.arange(0, D)
     q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    qk_scale = scale * 1.4426950408889634
     end = past + tl.minimum(m0 + BLOCK_M, q_len)
-    qpos = past + rows
-    for start in range(0, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        valid = n < end
-        page = tl.load(TABLES + s_idx * stride_bt + n // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + n % PAGE
-        off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
-        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(valid[None, :] & (n[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    m, l, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
+                              scale * 1.4426950408889634, past + rows, BLOCK_M, D, PAGE, BLOCK_N, True, PRECISION)
     out = acc / l[:, None]
     tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=rmask[:, None])
