@@ -3,8 +3,9 @@
 Decode steps (every scheduled sequence adds one token) replay a CUDA graph captured for the
 smallest batch-size bucket that holds them: the inputs are copied into the graph's static
 buffers, padded rows point at a spare "trash" KV block, and the graph computes the logits of
-every row. Other steps (prefills, chunks, mixed batches) run eagerly through the prefill kernel.
-Logits stay on the device for sampling.
+every row. Other steps (prefills, chunks, mixed batches) run eagerly: their decode rows through the
+decode kernel, their prompts through the prefill kernel, the step padded to a token-count bucket
+that start-up has already run once. Logits stay on the device for sampling.
 """
 
 from __future__ import annotations
