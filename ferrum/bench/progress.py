@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from typing import Self, TextIO
+
+from ferrum.terminal import draw_bar, is_tty
 
 _REDRAW_S = 0.1
 
@@ -16,7 +17,7 @@ class RequestProgress:
         self.done = 0
         self.label = label
         self._stream = stream if stream is not None else sys.stderr
-        self._tty = _isatty(self._stream)
+        self._tty = is_tty(self._stream)
         self._started = time.monotonic()
         self._last_drawn = 0.0
         self._last_tenth = 0
@@ -54,17 +55,5 @@ class RequestProgress:
         return f"{self.done}/{self.total} requests, {now - self._started:.1f} s"
 
     def _draw(self, now: float) -> None:
-        width = shutil.get_terminal_size((100, 20)).columns
-        tail = f" {self._counts(now)}"
-        bar_width = max(width - len(self.label) - len(tail) - 4, 10)
-        filled = bar_width * self.done // max(self.total, 1)
-        self._stream.write(f"\r{self.label} |{'█' * filled}{' ' * (bar_width - filled)}|{tail}")
-        self._stream.flush()
+        draw_bar(self._stream, self.label, self.done / max(self.total, 1), f" {self._counts(now)}")
         self._last_drawn = now
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False

@@ -10,11 +10,12 @@ at DEBUG).
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 import time
 from collections.abc import Callable
 from typing import Literal, TextIO
+
+from ferrum.terminal import draw_bar, is_tty
 
 __all__ = ["Progress", "format_bytes"]
 
@@ -52,7 +53,7 @@ class Progress:
         self._initial = initial
         self._stream = stream if stream is not None else sys.stderr
         if mode == "auto":
-            mode = "bar" if _isatty(self._stream) else "log"
+            mode = "bar" if is_tty(self._stream) else "log"
         self._mode = mode
         self._quiet_s = quiet_s
         self._log_interval_s = log_interval_s
@@ -106,20 +107,9 @@ class Progress:
                 f"at {format_bytes(rate)}/s{left}")
 
     def _draw_bar(self, now: float) -> None:
-        width = shutil.get_terminal_size((100, 20)).columns
         fraction = self.done / self.total if self.total else 1.0
         tail = f" {fraction * 100:5.1f}% {format_bytes(self.done)}/{format_bytes(self.total)} " \
                f"{format_bytes(self._rate(now))}/s"
         label = self.name if len(self.name) <= 40 else "…" + self.name[-39:]
-        bar_width = max(width - len(label) - len(tail) - 5, 10)
-        filled = int(bar_width * fraction)
-        self._stream.write(f"\r{label} |{'█' * filled}{' ' * (bar_width - filled)}|{tail}")
-        self._stream.flush()
+        draw_bar(self._stream, label, fraction, tail)
         self._bar_drawn = True
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
