@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS: list[dict] = []
 
 
-def record(phase: str, name: str, value, unit: str = "", note: str = "") -> None:  # noqa: ANN001
+def record(phase: str, name: str, value, unit: str = "", note: str = "") -> None:
     row = dict(phase=phase, name=name, value=value, unit=unit, note=note)
     RESULTS.append(row)
     print(f"[{phase}] {name}: {value} {unit} {note}", flush=True)
@@ -72,7 +72,7 @@ def weight_bytes_read_per_token(folder: Path) -> int:
 # -- phases -----------------------------------------------------------------------------------
 
 
-def phase_env(args) -> float:  # noqa: ANN001
+def phase_env(args) -> float:
     props = torch.cuda.get_device_properties(0)
     record("env", "gpu", props.name, note=f"cc {props.major}.{props.minor}, {props.total_memory / 2**30:.1f} GiB")
     import triton
@@ -99,7 +99,7 @@ def phase_env(args) -> float:  # noqa: ANN001
     return bw
 
 
-def phase_kernels(args) -> None:  # noqa: ANN001
+def phase_kernels(args) -> None:
     tests = ["tests/test_triton_kernels.py"] + [str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_*gpu*.py")]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=ROOT, capture_output=True, text=True)
@@ -108,7 +108,7 @@ def phase_kernels(args) -> None:  # noqa: ANN001
     record("kernels", "pytest " + " ".join(tests), tail)
 
 
-def make_engine(folder: Path, **overrides):  # noqa: ANN003, ANN201
+def make_engine(folder: Path, **overrides):
     from ferrum.engine.config import EngineConfig
     from ferrum.engine.llm_engine import LLMEngine
 
@@ -118,7 +118,7 @@ def make_engine(folder: Path, **overrides):  # noqa: ANN003, ANN201
     return LLMEngine(EngineConfig(**settings))
 
 
-def ferrum_logits(engine, prompt: list[int], continuation: list[int]) -> torch.Tensor:  # noqa: ANN001
+def ferrum_logits(engine, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """Logits at the prompt's last position (prefill kernel), then at each continuation token fed
     one at a time (decode kernel, CUDA graph of batch 1)."""
     from ferrum.engine.sampling_params import SamplingParams
@@ -139,7 +139,7 @@ def ferrum_logits(engine, prompt: list[int], continuation: list[int]) -> torch.T
     return torch.stack(rows)
 
 
-def phase_correct(args) -> None:  # noqa: ANN001
+def phase_correct(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from ferrum.engine.sampling_params import SamplingParams
@@ -206,7 +206,7 @@ def phase_correct(args) -> None:  # noqa: ANN001
         torch.cuda.empty_cache()
 
 
-def iter_prefix(a: list[int], b: list[int]):  # noqa: ANN201
+def iter_prefix(a: list[int], b: list[int]):
     for x, y in zip(a, b):
         if x != y:
             return
@@ -254,7 +254,7 @@ def hf_batch1_tokens_per_s(folder: Path, new_tokens: int = 64) -> float:
     return rate
 
 
-def phase_decode(args, bandwidth: float) -> None:  # noqa: ANN001
+def phase_decode(args, bandwidth: float) -> None:
     shapes = ["llama-3.2-1b"] + (["llama-3.1-8b"] if args.with_8b else [])
     for shape in shapes:
         folder = checkpoint(shape, args.ckpt)
@@ -270,7 +270,7 @@ def phase_decode(args, bandwidth: float) -> None:  # noqa: ANN001
                    f"ferrum {1 / per_token / hf:.1f}x")
 
 
-def phase_profile(args) -> None:  # noqa: ANN001
+def phase_profile(args) -> None:
     """Where a batch-1 decode step's time goes: graph replay alone vs the whole engine step, host
     pieces, and the kernels of one eager decode forward."""
     from ferrum.engine.sampler import sample
@@ -285,7 +285,7 @@ def phase_profile(args) -> None:  # noqa: ANN001
             engine.step()
         graph, _ = runner.graphs[1]
 
-        def timed(fn, n=100):  # noqa: ANN001, ANN202
+        def timed(fn, n=100):
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
@@ -357,7 +357,7 @@ def phase_profile(args) -> None:  # noqa: ANN001
         torch.cuda.empty_cache()
 
 
-def phase_timeline(args) -> None:  # noqa: ANN001
+def phase_timeline(args) -> None:
     """The offline workload at max_num_seqs 64 and 256, each step timed on the host clock and
     classed as a graph decode step or an eager (prefill / mixed) step."""
     from ferrum.engine.output_processor import OutputProcessor
@@ -407,7 +407,7 @@ def phase_timeline(args) -> None:  # noqa: ANN001
         torch.cuda.empty_cache()
 
 
-def phase_eager(args) -> None:  # noqa: ANN001
+def phase_eager(args) -> None:
     """One mixed step (a 850-token prompt beside 50 decodes) under the profiler: where its time goes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -461,7 +461,7 @@ def offline_workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int
             for _ in range(num)]
 
 
-def phase_offline(args) -> float:  # noqa: ANN001
+def phase_offline(args) -> float:
     """`ferrum bench offline` with its defaults (256 requests, 100-1024 in and out, ignore EOS) on the 1B."""
     folder = checkpoint("llama-3.2-1b", args.ckpt)
     res = bench("offline", "--model", str(folder), "--max-model-len", "2048", "--num-prompts", str(args.num_prompts),
@@ -473,7 +473,7 @@ def phase_offline(args) -> float:  # noqa: ANN001
     return rate
 
 
-def phase_hf(args, ferrum_rate: float | None) -> None:  # noqa: ANN001
+def phase_hf(args, ferrum_rate: float | None) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder = checkpoint("llama-3.2-1b", args.ckpt)
@@ -537,7 +537,7 @@ def bench(*argv: str) -> dict:
     return json.loads(out.read_text())
 
 
-def phase_serve(args) -> None:  # noqa: ANN001
+def phase_serve(args) -> None:
     """HTTP at concurrency 64 (engine in its own process, and on a thread for comparison) vs the
     offline engine at max_num_seqs 64, same workload."""
     folder = checkpoint("llama-3.2-1b", args.ckpt)
@@ -566,7 +566,7 @@ def phase_serve(args) -> None:  # noqa: ANN001
             record("serve", f"HTTP c={c} engine process {mode}", round(lvl["output_throughput"]), "output tok/s", note)
 
 
-def phase_cold(args) -> None:  # noqa: ANN001
+def phase_cold(args) -> None:
     """`ferrum serve` to ready for the 8B shape (warm page cache, as load_file's figure is), with the
     weight-load rate beside safetensors.torch.load_file(device="cuda") of the same files."""
     from safetensors.torch import load_file

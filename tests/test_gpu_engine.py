@@ -13,10 +13,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 transformers = pytest.importorskip("transformers")
 
-from ferrum.engine.config import EngineConfig  # noqa: E402
-from ferrum.engine.llm_engine import LLMEngine  # noqa: E402
-from ferrum.engine.sampling_params import SamplingParams  # noqa: E402
-from ferrum.models.loader import load_model  # noqa: E402
+from ferrum.engine.config import EngineConfig
+from ferrum.engine.llm_engine import LLMEngine
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.models.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def engine(folder: Path, device: str, **overrides) -> LLMEngine:  # noqa: ANN003
+def engine(folder: Path, device: str, **overrides) -> LLMEngine:
     settings = dict(model=str(folder), device=device, dtype="float32", max_model_len=512, max_num_seqs=8,
                     max_num_batched_tokens=256)
     if device == "cpu":

@@ -13,12 +13,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ferrum.engine.block_manager import BlockManager  # noqa: E402
-from ferrum.engine.model_runner import ModelRunner  # noqa: E402
-from ferrum.engine.sampling_params import SamplingParams  # noqa: E402
-from ferrum.engine.scheduler import ScheduledSequence  # noqa: E402
-from ferrum.engine.sequence import Sequence  # noqa: E402
-from ferrum.models.loader import load_model  # noqa: E402
+from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.model_runner import ModelRunner
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.scheduler import ScheduledSequence
+from ferrum.engine.sequence import Sequence
+from ferrum.models.loader import load_model
 
 # Max abs error allowed between Ferrum's and HF's fp32 logits. Observed values are
 # around 1e-7 (5e-8 to 1e-7 on the families below); the bound leaves room for other reduction orders.
@@ -96,14 +96,14 @@ def _seq(i: int, tokens: list[int]) -> Sequence:
     return Sequence(f"r{i}", list(tokens), SamplingParams(max_tokens=8), 0.0)
 
 
-def _run(runner, blocks: BlockManager, plan: list[tuple[Sequence, int]]) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _run(runner, blocks: BlockManager, plan: list[tuple[Sequence, int]]) -> dict[str, torch.Tensor]:
     for seq, n in plan:
         blocks.grow(seq, seq.num_computed_tokens + n)
     logits, seqs = runner.execute([ScheduledSequence(s, n) for s, n in plan])
     return {s.request_id: row.cpu() for s, row in zip(seqs, logits)}
 
 
-def _runner(kind: str, model, num_blocks: int, block_size: int):  # noqa: ANN001, ANN202
+def _runner(kind: str, model, num_blocks: int, block_size: int):
     """The CPU runner, or the GPU runner's eager path (Triton kernels; interpreted without a GPU)."""
     if kind == "cpu":
         return ModelRunner(model, num_blocks, block_size, "cpu")

@@ -141,7 +141,7 @@ def test_rope_and_store_writes_rotated_k_and_v_into_slots(qk_norm):
     v_cache = torch.zeros(40, kv_heads, dim, dtype=DTYPE)
     qn = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DTYPE) if qk_norm else None
     kn = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DTYPE) if qk_norm else None
-    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    dev = lambda t: None if t is None else t.to(DEVICE)
     kc, vc = k_cache.to(DEVICE), v_cache.to(DEVICE)
     q = tk.rope_and_store(dev(qkv), dev(positions), dev(cos), dev(sin), dev(slots), kc, vc,
                           heads, kv_heads, dim, dev(qn), dev(kn), 1e-6).cpu()

@@ -36,7 +36,7 @@ def _patch_interpreter_index() -> None:
         return
     patch_tensor = interpreter._patch_lang_tensor
 
-    def patched(tensor, scope):  # noqa: ANN001, ANN202
+    def patched(tensor, scope):
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 

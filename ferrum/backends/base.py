@@ -76,7 +76,7 @@ def _call_hook(device: str, hook: ReleaseHook) -> ReleaseFailure | None:
     frame, and so only this one hook, alive."""
     try:
         hook()
-    except Exception as error:  # noqa: BLE001 - any hook error is reported after the other steps ran
+    except Exception as error:
         name = getattr(hook, "__qualname__", None) or repr(hook)
         return ReleaseFailure(device, f"hook {name}", error)
     return None
@@ -242,12 +242,12 @@ class ComputeBackend(ABC):
             if include_backend_release:
                 try:
                     await self._release()
-                except Exception as error:  # noqa: BLE001 - reported after the other steps ran
+                except Exception as error:
                     failures.append(ReleaseFailure(", ".join(devices) or self.name, "release", error))
             gc.collect()
             try:
                 self._free_cached_memory()
-            except Exception as error:  # noqa: BLE001 - reported after the other steps ran
+            except Exception as error:
                 failures.append(ReleaseFailure(", ".join(devices) or self.name, "free cached memory", error))
         finally:
             with self._state_lock:
@@ -263,7 +263,7 @@ class ComputeBackend(ABC):
         failures: list[ReleaseFailure] = []
         try:
             await self.synchronize(device)
-        except Exception as error:  # noqa: BLE001 - a lost device must not keep its hooks from running
+        except Exception as error:
             failures.append(ReleaseFailure(device, "synchronize", error))
         with self._state_lock:
             hooks = self._release_hooks.pop(device, [])

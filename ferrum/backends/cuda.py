@@ -81,7 +81,7 @@ def module_imports(module_name: str) -> bool:
     """Whether `module_name` can be imported here (any error counts as no)."""
     try:
         importlib.import_module(module_name)
-    except Exception:  # noqa: BLE001 - a broken install (missing libraries, wrong ABI) fails in many ways
+    except Exception:
         return False
     return True
 

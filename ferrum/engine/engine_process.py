@@ -91,7 +91,7 @@ def _portable(exc: Exception) -> Exception | None:
     what an in-process engine would have), with this process's traceback as a note; else None."""
     try:
         copy = pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 - any exception type's pickling may fail in its own way
+    except Exception:
         return None
     if type(copy) is not type(exc) or str(copy) != str(exc):
         return None

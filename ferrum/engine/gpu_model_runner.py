@@ -94,7 +94,7 @@ class GPUModelRunner:
         log.info("warmed up eager steps of up to %d tokens in %.1fs", max_tokens, time.perf_counter() - started)
 
     @staticmethod
-    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:  # noqa: ANN001
+    def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
     # -- one step ---------------------------------------------------------------------------

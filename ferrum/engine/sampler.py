@@ -57,7 +57,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     return SampleResult(chosen, logprob_out)
 
 
-def _no_penalties(p) -> bool:  # noqa: ANN001
+def _no_penalties(p) -> bool:
     return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
 
 
