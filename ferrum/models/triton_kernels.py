@@ -282,7 +282,7 @@ def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PA
     d = tl.arange(0, D)
     q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
     end = past + tl.minimum(m0 + BLOCK_M, q_len)
-    _, l, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
+    m, l, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
                               scale * 1.4426950408889634, past + rows, BLOCK_M, D, PAGE, BLOCK_N, True, PRECISION)
     out = acc / l[:, None]
     tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
