@@ -68,6 +68,33 @@ def test_greedy_outputs_match_the_cpu_engine(tiny: Path) -> None:
     gpu.release()
 
 
+def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
+    """Several decode iterations per host round trip (num_scheduler_steps): the same tokens as one
+    step at a time, with lengths that end mid-burst, a stop token met mid-burst, and sequences
+    that reach max_model_len."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 40, 130, 7, 100)]
+    free = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)
+    single = engine(tiny, "cuda", num_scheduler_steps=1, max_model_len=128)
+    expected = single.generate(prompts[:4], free)
+    stop_id = expected[1][10]  # met part-way through the second burst of prompt 1
+    stopping = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    expected_stop = single.generate(prompts[:4], stopping)
+    near_limit = SamplingParams(max_tokens=27, temperature=0, ignore_eos=True)  # 100 + 27 = 127 < 128
+    expected_limit = single.generate([prompts[4]], near_limit)
+    single.release()
+
+    burst = engine(tiny, "cuda", num_scheduler_steps=8, max_model_len=128)
+    assert burst.generate(prompts[:4], free) == expected
+    got_stop = burst.generate(prompts[:4], stopping)
+    assert got_stop == expected_stop
+    assert got_stop[1][-1] == stop_id and len(got_stop[1]) <= 11
+    assert burst.generate([prompts[4]], near_limit) == expected_limit
+    assert burst.block_manager.num_used == 0  # every block grown for a burst came back
+    assert burst.stats().generation_tokens_total == sum(map(len, expected + expected_stop + expected_limit))
+    burst.release()
+
+
 def test_prefix_caching_and_chunked_prefill_give_the_same_tokens(tiny: Path) -> None:
     g = torch.Generator().manual_seed(2)
     shared = torch.randint(0, 1000, (100,), generator=g).tolist()

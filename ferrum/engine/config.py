@@ -18,12 +18,15 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on GPUs: the share of device memory Ferrum may fill (weights + KV)
     enforce_eager: bool = False  # on GPUs: no CUDA graphs for decode
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
+    # GPU: decode iterations run back to back per scheduler step when every running sequence decodes
+    # greedily and none waits (one host round trip per burst; tokens after a stop are dropped)
+    num_scheduler_steps: int = 8
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -20,7 +20,7 @@ import torch
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
-from ferrum.models import triton_kernels
+from ferrum.models import triton_gemv, triton_kernels
 from ferrum.models.attention import KVCache
 from ferrum.models.gpu_attention import PrefillTiles, TritonAttentionBatch
 from ferrum.models.llama import LlamaForCausalLM
@@ -54,6 +54,7 @@ class GPUModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         use_cuda_graphs: bool = True,
+        max_burst: int = 8,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -72,6 +73,7 @@ class GPUModelRunner:
         ]
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
+        self.max_burst = max(1, min(max_burst, block_size))
         cuda = self.device.type == "cuda"  # elsewhere only in tests, with Triton's interpreter
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -112,6 +114,27 @@ class GPUModelRunner:
         return logits, seqs
 
     def _decode_with_graph(self, seqs: list[Sequence]) -> torch.Tensor:
+        size = self._load_graph_inputs(seqs)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[: len(seqs)]
+
+    @torch.inference_mode()
+    def decode_greedy(self, seqs: list[Sequence], steps: int) -> list[list[int]]:
+        """Runs `steps` greedy decode iterations back to back (each replay's argmax is the next
+        one's input, positions and slots advanced on the device) and returns the chosen ids,
+        [steps][len(seqs)], in one transfer. The caller has grown every sequence's block table to
+        hold `steps` more tokens; num_computed_tokens is left to the caller (a sequence may stop
+        part-way through)."""
+        assert steps <= min(self.page, self.max_burst), steps
+        size = self._load_graph_inputs(seqs)
+        graph = self.graphs[size][0]
+        for _ in range(steps):
+            graph.replay()
+        return self.s_tokens[:steps, : len(seqs)].tolist()
+
+    def _load_graph_inputs(self, seqs: list[Sequence]) -> int:
+        """Fills the graphs' static inputs for a decode of `seqs`; returns the bucket size."""
         n = len(seqs)
         size = next(s for s in self._graph_sizes if s >= n)
         page = self.page
@@ -122,7 +145,7 @@ class GPUModelRunner:
         vec[3] = 1
         width = max(len(seq.block_table) for seq in seqs)
         tables = self.h_tables_np
-        tables[n:size, 0] = self.trash_block
+        tables[n:size, 0] = self.trash_block  # padded rows stay in the trash block (positions < page)
         for i, seq in enumerate(seqs):
             p = seq.num_computed_tokens
             table = seq.block_table
@@ -133,9 +156,8 @@ class GPUModelRunner:
             tables[i, : len(table)] = table
         self.s_vec[:, :size].copy_(self.h_vec[:, :size], non_blocking=True)
         self.s_tables[:size, :width].copy_(self.h_tables[:size, :width], non_blocking=True)
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits[:n]
+        self.s_step.zero_()
+        return size
 
     def _run_eager(
         self, scheduled: list[ScheduledSequence], pad_to: int = 0
@@ -217,6 +239,9 @@ class GPUModelRunner:
         self.h_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
         self.h_vec_np = self.h_vec.numpy()
         self.h_tables_np = self.h_tables.numpy()
+        # greedy bursts: each replay writes its argmax into row s_step of s_tokens
+        self.s_tokens = torch.zeros(self.max_burst, n, dtype=torch.long, device=dev)
+        self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         batch = TritonAttentionBatch(
@@ -230,8 +255,25 @@ class GPUModelRunner:
             tiles=None,
             decode_splits=triton_kernels.decode_splits(size, self.model.config.num_kv_heads, self.num_sms),
         )
-        hidden = self.model(self.s_ids[:size], self.kv_caches, batch)
-        return self.model.compute_logits(hidden)
+        if size <= triton_gemv.MAX_ROWS:  # weight-read bound: fused matrix-vector kernels
+            logits = self.model.decode_logits_fused(self.s_ids[:size], self.kv_caches, batch)
+        else:
+            logits = self.model.compute_logits(self.model(self.s_ids[:size], self.kv_caches, batch))
+        self._advance(size, logits.argmax(dim=-1))
+        return logits
+
+    def _advance(self, size: int, chosen: torch.Tensor) -> None:
+        """In the graph, after the logits: records the greedy choice and makes it the next
+        replay's input, one position on (used by decode_greedy; decode_with_graph reloads the inputs)."""
+        self.s_tokens.index_copy_(0, self.s_step, chosen.unsqueeze(0))
+        self.s_step.add_(1)
+        self.s_ids[:size].copy_(chosen)
+        pos = self.s_pos[:size]
+        pos.add_(1)
+        self.s_lens[:size].add_(1)
+        column = (pos // self.page).clamp_(max=self.max_blocks - 1)  # past the end only on a replay nobody reads
+        blocks = self.s_tables[:size].gather(1, column.unsqueeze(1)).squeeze(1)
+        self.s_slots[:size].copy_(blocks.long() * self.page + pos % self.page)
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
@@ -260,7 +302,7 @@ class GPUModelRunner:
         self._graph_sizes = []
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
-        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables"):
+        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables", "s_tokens", "s_step"):
             self.__dict__.pop(name, None)
         gc.collect()
         if torch.cuda.is_available():

@@ -15,7 +15,7 @@ from ferrum.engine.config import EngineConfig
 from ferrum.engine.model_runner import ModelRunner
 from ferrum.engine.output_processor import OutputProcessor
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.sampler import sample
+from ferrum.engine.sampler import SampleResult, sample
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Sequence, SequenceStatus
@@ -119,6 +119,7 @@ class LLMEngine:
             self.runner = GPUModelRunner(
                 self.model, num_blocks, config.block_size, config.device, config.max_num_seqs,
                 self.max_model_len, use_cuda_graphs=not config.enforce_eager,
+                max_burst=config.num_scheduler_steps,
             )
             self.runner.warm_up_eager(config.max_num_batched_tokens)
         else:
@@ -194,10 +195,15 @@ class LLMEngine:
         self._preemptions += plan.num_preempted
         if plan.empty:
             return []
-        logits, seqs = self.runner.execute(list(plan.scheduled))
-        if seqs:
-            self.outputs.append(seqs, sample(logits, seqs))
-            self._generation_tokens += len(seqs)
+        steps = self._greedy_burst_length(plan)
+        if steps:
+            seqs = [s.seq for s in plan.scheduled]
+            self._decode_greedy(seqs, steps)
+        else:
+            logits, seqs = self.runner.execute(list(plan.scheduled))
+            if seqs:
+                self.outputs.append(seqs, sample(logits, seqs))
+                self._generation_tokens += len(seqs)
         deltas = []
         for seq in seqs:
             delta = OutputProcessor.delta(seq)
@@ -208,6 +214,46 @@ class LLMEngine:
                 self.sequences.pop(seq.request_id, None)
                 self._finished += 1
         return deltas
+
+    def _greedy_burst_length(self, plan) -> int:
+        """Decode iterations to run on the device in one go for this plan (0: the ordinary step).
+        Only for CUDA-graph decodes of greedy sequences without logprobs or penalties; one
+        iteration while requests wait (they are admitted next step); at most num_scheduler_steps,
+        and no further than any sequence may still grow."""
+        decode_greedy = getattr(self.runner, "decode_greedy", None)
+        if decode_greedy is None or not self.runner.graphs or len(plan.scheduled) > self.runner.max_num_seqs:
+            return 0
+        for s in plan.scheduled:
+            p = s.seq.params
+            if not (s.is_decode and p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+                    and not p.presence_penalty and not p.frequency_penalty):
+                return 0
+        if self.scheduler.waiting:
+            return 1
+        steps = min(self.config.num_scheduler_steps, self.runner.max_burst)
+        for s in plan.scheduled:
+            seq = s.seq
+            steps = min(steps, seq.params.max_tokens - len(seq.output_token_ids),
+                        self.max_model_len - seq.num_computed_tokens)
+        steps = max(steps, 1)
+        blocks = self.block_manager
+        if sum(blocks.blocks_needed(s.seq, s.seq.num_computed_tokens + steps) for s in plan.scheduled) > blocks.num_free:
+            return 1  # the scheduler grew every sequence by one token already
+        for s in plan.scheduled:
+            blocks.grow(s.seq, s.seq.num_computed_tokens + steps)
+        return steps
+
+    def _decode_greedy(self, seqs: list[Sequence], steps: int) -> None:
+        """Runs a greedy burst and appends its tokens; a sequence that stops part-way drops the rest."""
+        chosen = self.runner.decode_greedy(seqs, steps)
+        for row in chosen:
+            live = [(seq, token) for seq, token in zip(seqs, row) if not seq.is_finished]
+            if not live:
+                break
+            for seq, _ in live:
+                seq.num_computed_tokens += 1
+            self.outputs.append([seq for seq, _ in live], SampleResult([t for _, t in live], [None] * len(live)))
+            self._generation_tokens += len(live)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -52,6 +52,10 @@ class TritonAttentionBatch:
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 1e-6,
         )
+        return self.attend_stored(layer, q, cache)
+
+    def attend_stored(self, layer: Attention, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Attention for q [T, H, D] already rotated, this step's k and v already in the cache."""
         scale = layer.head_dim**-0.5
         t = self.tiles
         if self.num_decode is None:  # a decode graph: every row a decode

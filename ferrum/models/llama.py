@@ -76,6 +76,30 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def decode_logits_fused(self, input_ids: torch.Tensor, kv_caches: list[KVCache],
+                            batch: AttentionBatch) -> torch.Tensor:
+        """forward + compute_logits for a few decode rows on a GPU, each projection one fused
+        kernel: the norm before it in its prologue, the residual add or silu*mul after it in its
+        epilogue (ferrum.models.triton_gemv). Equal to the layered path up to rounding order."""
+        from ferrum.models.triton_gemv import gemv, qkv_rope_store
+
+        h = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            if attn.q_norm is None:  # rope and the cache write in the projection's epilogue
+                q = qkv_rope_store(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
+                                   batch.positions, batch.cos_table, batch.sin_table, batch.slot_mapping,
+                                   cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                out = batch.attend_stored(attn, q, cache)
+            else:  # per-head q/k norms need whole heads: a separate rope kernel
+                qkv = gemv(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
+                out = batch.attend(attn, qkv, cache)
+            h = gemv(out, attn.o_proj.weight, residual=h)
+            act = gemv(h, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight,
+                       eps=norm2.eps, gated=True)
+            h = gemv(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, residual=h)
+        return gemv(h, self.lm_head.weight, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=torch.float32)
+
     # HF checkpoint names -> (our parameter, shard index) for the fused projections.
     FUSED = {
         "q_proj": ("qkv_proj", 0),

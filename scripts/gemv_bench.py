@@ -1,0 +1,205 @@
+"""Batch-1 projections of the Llama-3.2-1B shape: cuBLAS vs Ferrum's fused Triton GEMV, on a GPU.
+
+For each projection shape, 16 copies of the weight (one per layer, so that L2 holds none of them
+between calls) are multiplied by one activation row inside a CUDA graph; the time per call gives
+the achieved read bandwidth. Then whole chains (16 layers of q/k/v, o, gate/up, down and the LM
+head) as the current decode runs them (norm, cuBLAS, activation kernels) and fused, with and
+without programmatic dependent launch (PDL). Prints a table; JSON to --out.
+
+    python scripts/gemv_bench.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ferrum.models import triton_kernels as tk  # noqa: E402
+from ferrum.models.triton_gemv import GemvConfig, gemv  # noqa: E402
+
+HIDDEN, INTER, VOCAB, LAYERS = 2048, 8192, 128256, 16
+QKV = 2048 + 2 * 512
+SHAPES = {  # name: (weight rows, K, gated)
+    "qkv": (QKV, HIDDEN, False),
+    "o": (HIDDEN, HIDDEN, False),
+    "gate_up": (2 * INTER, HIDDEN, True),
+    "down": (HIDDEN, INTER, False),
+    "lm_head": (VOCAB, HIDDEN, False),
+}
+CONFIGS = [GemvConfig(bn, bk, w, s, True) for bn, bk, w, s in [
+    (16, 256, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (16, 128, 4, 5), (32, 256, 4, 3), (32, 512, 4, 3),
+    (32, 128, 4, 4), (64, 256, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2),
+]] + [GemvConfig(bn, bk, w, s, False) for bn, bk, w, s in [
+    (4, 512, 4, 2), (8, 256, 4, 2), (8, 512, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (32, 256, 8, 2),
+    (8, 1024, 8, 2),
+]]
+
+
+def graph_time(fn, reps: int = 30) -> float:
+    """Median seconds of one replay of a graph of fn()."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    n = 2 * 2**30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = graph_time(lambda: b.copy_(a), 10)
+    del a, b
+    return 2 * n / t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer configurations (CPU smoke test)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    rows: list[tuple] = []
+    bw = copy_bandwidth()
+    rows.append(("copy bandwidth (read+write)", f"{bw / 1e9:.0f} GB/s", ""))
+    big = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")
+    t = graph_time(lambda: big.sum(dtype=torch.float32), 10)
+    rows.append(("read bandwidth (sum of 2 GiB)", f"{big.numel() * 2 / t / 1e9:.0f} GB/s", ""))
+    del big
+    best: dict[str, tuple[float, GemvConfig]] = {}
+    fma_cfgs: dict[str, GemvConfig] = {}
+    weights: dict[str, list[torch.Tensor]] = {}
+    x = torch.randn(1, INTER, dtype=dt, device=dev)
+    nw = torch.rand(INTER, dtype=dt, device=dev) + 0.5
+    for name, (n, k, gated) in SHAPES.items():
+        copies = 2 if name == "lm_head" else LAYERS
+        ws = [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(copies)]
+        weights[name] = ws
+        nbytes = n * k * 2
+        xk = x[:, :k]
+        t = graph_time(lambda: [F.linear(xk, w) for w in ws]) / copies
+        rows.append((f"{name} [{n}x{k}] cuBLAS", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%} of copy BW"))
+        results = []
+        for cfg in CONFIGS[:4] if args.quick else CONFIGS:
+            if k % cfg.block_k:
+                continue
+            try:
+                ref = F.linear(xk.float(), ws[0].float())
+                if gated:
+                    g, u = ref.split(n // 2, -1)
+                    ref = F.silu(g) * u
+                got = gemv(xk, ws[0], gated=gated, config=cfg).float()
+                err = ((got - ref).norm() / ref.norm()).item()
+                if not err < 2e-2:
+                    rows.append((f"{name} {cfg}", "WRONG", f"rel err {err:.3g}"))
+                    continue
+                t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg) for w in ws]) / copies
+            except Exception as e:  # a configuration that does not compile (registers, shared memory)
+                rows.append((f"{name} {cfg}", "FAILED", repr(e)[:80]))
+                continue
+            results.append((t, cfg))
+        results.sort(key=lambda r: r[0])
+        fma_cfgs[name] = next(c for _, c in results if not c.dot)
+        for t, cfg in results[:3]:
+            rows.append((f"{name} triton bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
+                         f"{'dot' if cfg.dot else 'fma'}", f"{t * 1e6:.2f} us",
+                         f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%}"))
+        best[name] = results[0]
+        if name in ("qkv", "gate_up"):  # with the RMSNorm prologue
+            cfg = results[0][1]
+            t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg, norm_weight=nw[:k]) for w in ws]) / copies
+            rows.append((f"{name} best + norm prologue", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s"))
+            for pdl in (1, 2):
+                t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg, pdl=pdl) for w in ws]) / copies
+                rows.append((f"{name} best, PDL {pdl}", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s"))
+    # whole chains: 16 layers + LM head, batch 1
+    h = torch.randn(1, HIDDEN, dtype=dt, device=dev)
+    norm_w = torch.rand(HIDDEN, dtype=dt, device=dev) + 0.5
+
+    def cublas_chain():
+        res = h
+        y = h
+        for i in range(LAYERS):
+            a, res = tk.rms_norm(y, norm_w, 1e-5, res)
+            qkv = F.linear(a, weights["qkv"][i])
+            o = F.linear(qkv[:, :HIDDEN], weights["o"][i])
+            a, res = tk.rms_norm(o, norm_w, 1e-5, res)
+            act = tk.silu_and_mul(F.linear(a, weights["gate_up"][i]))
+            y = F.linear(act, weights["down"][i])
+        a, _ = tk.rms_norm(y, norm_w, 1e-5, res)
+        return F.linear(a, weights["lm_head"][0]).float()
+
+    def fused_chain(pdl: int, cfgs=None):
+        cfgs = cfgs or {name: b[1] for name, b in best.items()}
+
+        def run():
+            res = h
+            for i in range(LAYERS):
+                qkv = gemv(res, weights["qkv"][i], norm_weight=norm_w, config=cfgs["qkv"], pdl=pdl)
+                res = gemv(qkv[:, :HIDDEN], weights["o"][i], residual=res, config=cfgs["o"], pdl=pdl)
+                act = gemv(res, weights["gate_up"][i], norm_weight=norm_w, gated=True, config=cfgs["gate_up"], pdl=pdl)
+                res = gemv(act, weights["down"][i], residual=res, config=cfgs["down"], pdl=pdl)
+            return gemv(res, weights["lm_head"][0], norm_weight=norm_w, out_dtype=torch.float32,
+                        config=cfgs["lm_head"], pdl=pdl)
+        return run
+
+    total_bytes = LAYERS * sum(SHAPES[s][0] * SHAPES[s][1] * 2 for s in ("qkv", "o", "gate_up", "down")) \
+        + VOCAB * HIDDEN * 2
+    floor = total_bytes / bw
+    rows.append(("chain floor (weight bytes / copy BW)", f"{floor * 1e3:.3f} ms", f"{total_bytes / 1e9:.2f} GB"))
+    for label, fn in [("chain: norms + cuBLAS + silu (today)", cublas_chain),
+                      ("chain: fused Triton GEMV", fused_chain(0)),
+                      ("chain: fused Triton GEMV + PDL 1 (trigger after wait)", fused_chain(1)),
+                      ("chain: fused Triton GEMV + PDL 2 (trigger after loop)", fused_chain(2)),
+                      ("chain: fused, fma configs only, PDL 1", fused_chain(1, fma_cfgs)),
+                      ("chain: fused, fma configs only, no PDL", fused_chain(0, fma_cfgs))]:
+        try:
+            t = graph_time(fn)
+            ref = fused_chain(0)()
+            got = fn()
+            err = ((got - ref).norm() / ref.norm()).item()
+            rows.append((label, f"{t * 1e3:.3f} ms", f"{floor / t:.0%} of floor; rel diff to fused {err:.2e}"))
+        except Exception as e:
+            rows.append((label, "FAILED", repr(e)[:120]))
+    # launch gaps: 112 tiny dependent kernels in one graph
+    small = torch.randn(1, HIDDEN, dtype=dt, device=dev)
+    t = graph_time(lambda: [tk.rms_norm(small, norm_w, 1e-5) for _ in range(112)])
+    rows.append(("112 tiny rms_norm launches in a graph", f"{t * 1e6:.1f} us", f"{t / 112 * 1e6:.2f} us each"))
+    width = max(len(r[0]) for r in rows)
+    print()
+    for r in rows:
+        print(f"{r[0]:<{width}}  {r[1]:>12}  {r[2]}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gemv_bench.json").write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(), "rows": rows,
+             "best": {k: [v[0], vars(v[1])] for k, v in best.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
