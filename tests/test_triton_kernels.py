@@ -51,9 +51,10 @@ def scattered_cache(seqs_kv, num_blocks, page, kv_heads, dim, gen):
     return k_cache.to(DEVICE), v_cache.to(DEVICE), table_tensor.to(DEVICE)
 
 
+@pytest.mark.parametrize("combine", ["reduce-kernel", "last-program"])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (6, 2, 64)])
-def test_paged_decode_matches_reference(heads, kv_heads, dim, splits):
+def test_paged_decode_matches_reference(heads, kv_heads, dim, splits, combine):
     gen = torch.Generator().manual_seed(heads * dim)
     page = 16
     lengths = [1, 17, 200, 5]  # with 16 splits most of a short sequence's splits are empty
@@ -61,8 +62,12 @@ def test_paged_decode_matches_reference(heads, kv_heads, dim, splits):
            torch.randn(n, kv_heads, dim, generator=gen).to(DTYPE)) for n in lengths]
     k_cache, v_cache, tables = scattered_cache(kv, 40, page, kv_heads, dim, gen)
     q = torch.randn(len(lengths), heads, dim, generator=gen).to(DTYPE)
-    out = tk.paged_decode(q.to(DEVICE), k_cache, v_cache, tables,
-                          torch.tensor(lengths, dtype=torch.int32, device=DEVICE), page, dim**-0.5, splits)
+    counters = torch.zeros(len(lengths) * kv_heads, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the counters are back at zero after a call: a second call reduces too
+        out = tk.paged_decode(q.to(DEVICE), k_cache, v_cache, tables,
+                              torch.tensor(lengths, dtype=torch.int32, device=DEVICE), page, dim**-0.5, splits,
+                              counters=counters if combine == "last-program" else None)
+        assert not counters.any()
     for b, n in enumerate(lengths):
         ref = reference_attention(q[b : b + 1], kv[b][0], kv[b][1], past=n - 1)
         assert rel_err(out[b : b + 1].cpu(), ref) < 1e-2
@@ -167,3 +172,28 @@ def test_rope_and_store_writes_rotated_k_and_v_into_slots(qk_norm):
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots] = False
     assert not kc.cpu()[untouched].any() and not vc.cpu()[untouched].any()
+
+
+def test_greedy_advance_picks_argmax_and_moves_one_token_on():
+    """The in-graph step of a greedy burst: argmax (first index on ties, as torch.argmax) recorded
+    at row `step` and fed back as the next input; positions, lengths and KV slots move one on."""
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab, page = 3, 5000, 16
+    logits = torch.randn(rows, vocab, generator=gen)
+    logits[1, 4000] = logits[1, 17] = 50.0  # a tie across chunks: the first index wins
+    logits[2, 130] = logits[2, 131] = 60.0  # a tie inside one chunk
+    tables = torch.tensor([[7, 3, 0], [2, 9, 4], [5, 0, 0]], dtype=torch.int32)
+    positions = torch.tensor([15, 31, 2])  # row 0 crosses into its second block
+    tokens = torch.zeros(4, rows, dtype=torch.long, device=DEVICE)
+    step = torch.tensor([2], device=DEVICE)
+    ids = torch.zeros(rows, dtype=torch.long, device=DEVICE)
+    pos, lens = positions.to(DEVICE), (positions + 1).to(DEVICE)
+    slots = torch.zeros(rows, dtype=torch.long, device=DEVICE)
+    tk.greedy_advance(logits.to(DEVICE), tokens, step, ids, pos, lens, slots, tables.to(DEVICE), page)
+    want = logits.argmax(dim=-1)
+    assert want.tolist()[1:] == [17, 130]
+    assert tokens[2].cpu().tolist() == want.tolist() and ids.cpu().tolist() == want.tolist()
+    assert not tokens[[0, 1, 3]].any() and step.item() == 3
+    assert pos.cpu().tolist() == [16, 32, 3] and lens.cpu().tolist() == [17, 33, 4]
+    # position 32 is in the third block of row 1 (block 4); row 2 stays in its first (block 5)
+    assert slots.cpu().tolist() == [3 * page + 0, 4 * page + 0, 5 * page + 3]

@@ -242,6 +242,7 @@ class GPUModelRunner:
         # greedy bursts: each replay writes its argmax into row s_step of s_tokens
         self.s_tokens = torch.zeros(self.max_burst, n, dtype=torch.long, device=dev)
         self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.s_counters = torch.zeros(n * self.model.config.num_kv_heads, dtype=torch.int32, device=dev)
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         batch = TritonAttentionBatch(
@@ -254,26 +255,17 @@ class GPUModelRunner:
             context_lens=self.s_lens[:size],
             tiles=None,
             decode_splits=triton_kernels.decode_splits(size, self.model.config.num_kv_heads, self.num_sms),
+            split_counters=self.s_counters,
         )
         if size <= triton_gemv.MAX_ROWS:  # weight-read bound: fused matrix-vector kernels
             logits = self.model.decode_logits_fused(self.s_ids[:size], self.kv_caches, batch)
         else:
             logits = self.model.compute_logits(self.model(self.s_ids[:size], self.kv_caches, batch))
-        self._advance(size, logits.argmax(dim=-1))
+        # in the graph, after the logits: the greedy choice is recorded and becomes the next replay's
+        # input one position on (decode_greedy replays on; _decode_with_graph reloads the inputs)
+        triton_kernels.greedy_advance(logits, self.s_tokens, self.s_step, self.s_ids[:size], self.s_pos[:size],
+                                      self.s_lens[:size], self.s_slots[:size], self.s_tables[:size], self.page)
         return logits
-
-    def _advance(self, size: int, chosen: torch.Tensor) -> None:
-        """In the graph, after the logits: records the greedy choice and makes it the next
-        replay's input, one position on (used by decode_greedy; decode_with_graph reloads the inputs)."""
-        self.s_tokens.index_copy_(0, self.s_step, chosen.unsqueeze(0))
-        self.s_step.add_(1)
-        self.s_ids[:size].copy_(chosen)
-        pos = self.s_pos[:size]
-        pos.add_(1)
-        self.s_lens[:size].add_(1)
-        column = (pos // self.page).clamp_(max=self.max_blocks - 1)  # past the end only on a replay nobody reads
-        blocks = self.s_tables[:size].gather(1, column.unsqueeze(1)).squeeze(1)
-        self.s_slots[:size].copy_(blocks.long() * self.page + pos % self.page)
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
@@ -302,7 +294,7 @@ class GPUModelRunner:
         self._graph_sizes = []
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
-        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables", "s_tokens", "s_step"):
+        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables", "s_tokens", "s_step", "s_counters"):
             self.__dict__.pop(name, None)
         gc.collect()
         if torch.cuda.is_available():

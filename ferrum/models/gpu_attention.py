@@ -43,6 +43,7 @@ class TritonAttentionBatch:
     tiles: PrefillTiles | None  # other steps
     decode_splits: int = 1  # decode steps: slices of each sequence's cache run in parallel
     num_decode: int | None = None  # eager steps: the first rows are decodes; None in a decode graph (all are)
+    split_counters: torch.Tensor | None = None  # decode graphs: int32 zeros, the last split program combines
 
     def attend(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
         q_norm, k_norm = layer.q_norm, layer.k_norm
@@ -61,7 +62,8 @@ class TritonAttentionBatch:
         if self.num_decode is None:  # a decode graph: every row a decode
             assert self.context_lens is not None
             out = triton_kernels.paged_decode(
-                q, cache[0], cache[1], self.block_tables, self.context_lens, self.page, scale, self.decode_splits
+                q, cache[0], cache[1], self.block_tables, self.context_lens, self.page, scale, self.decode_splits,
+                counters=self.split_counters,
             )
             return out.view(-1, layer.q_size)
         out = torch.zeros_like(q)  # rows padding the step stay zero

@@ -171,13 +171,16 @@ def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_sc
 
 # The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
 @triton.jit(do_not_specialize=["stride_bt"])
-def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
+def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, COUNTS, TABLES, LENS, scale,
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                   LAST_REDUCES: tl.constexpr):
     """One program per (sequence, kv head, split): its G query heads against one slice of the
     sequence's cache. With one split the result is final; with several, each writes its partial
-    (running max, sum, unnormalised output) for _decode_reduce_kernel to combine."""
+    (running max, sum, unnormalised output) and either _decode_reduce_kernel combines them or
+    (LAST_REDUCES) the last program of each (sequence, kv head) to finish does, counted in COUNTS
+    (zeros before, zeros again after)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -198,10 +201,33 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
                  out.to(OUT.dtype.element_ty), mask=gmask[:, None])
     else:
         num_heads = tl.num_programs(1) * G
-        row = (b * num_heads + heads) * SPLITS + split  # [B, H, SPLITS] partials
+        first = (b * num_heads + heads) * SPLITS  # [B, H, SPLITS] partials
+        row = first + split
         tl.store(PART_ACC + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
         tl.store(PART_ML + row * 2, m, mask=gmask)
         tl.store(PART_ML + row * 2 + 1, l, mask=gmask)
+        if LAST_REDUCES:
+            tl.debug_barrier()  # every thread's partial is out before the count says so
+            counter = COUNTS + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                tl.store(counter, 0)
+                m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for sp in range(SPLITS):
+                    m_all = tl.maximum(m_all, tl.load(PART_ML + (first + sp) * 2, mask=gmask, other=0.0,
+                                                      cache_modifier=".cg"))
+                total = tl.zeros([BLOCK_G, D], tl.float32)
+                l_all = tl.zeros([BLOCK_G], tl.float32)
+                for sp in range(SPLITS):
+                    m_s = tl.load(PART_ML + (first + sp) * 2, mask=gmask, other=0.0, cache_modifier=".cg")
+                    l_s = tl.load(PART_ML + (first + sp) * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
+                    w = tl.where(l_s > 0, tl.exp2(m_s - m_all), 0.0)  # empty splits weigh nothing
+                    part = tl.load(PART_ACC + (first + sp)[:, None] * D + d[None, :], mask=gmask[:, None],
+                                   other=0.0, cache_modifier=".cg")
+                    total += part * w[:, None]
+                    l_all += l_s * w
+                out = total / tl.where(gmask, l_all, 1.0)[:, None]
+                tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                         out.to(OUT.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
@@ -237,8 +263,10 @@ def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, page: int, scale: float, splits: int = 1,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache."""
+                 out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache.
+    counters: int32 zeros, at least B * kv heads: the split partials are then combined by the
+    last program of each (sequence, kv head) instead of by a second kernel."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -247,14 +275,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if splits > 1:
         part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
+    last_reduces = splits > 1 and counters is not None
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale,
+        q, k_cache, v_cache, out, part_acc, part_ml, counters if last_reduces else out, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=64, SPLITS=splits,
-        PRECISION=_dot_precision(q), num_warps=4, num_stages=2,
+        PRECISION=_dot_precision(q), LAST_REDUCES=last_reduces, num_warps=4, num_stages=2,
     )
-    if splits > 1:
+    if splits > 1 and not last_reduces:
         _decode_reduce_kernel[(batch, heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),
             D=dim, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1,
@@ -309,3 +338,68 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PRECISION=_dot_precision(q), num_warps=4, num_stages=2,
     )
     return out
+
+
+# -- greedy decode bursts: the argmax and the next step's inputs, on the device ------------------
+
+ARGMAX_CHUNKS = 32
+
+
+@triton.jit
+def _argmax_chunks_kernel(LOGITS, VALS, IDX, stride_l, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, c): the largest logit of chunk c of the row, and its first index."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 2**30, tl.int32)
+    for start in range(c * CHUNK, tl.minimum((c + 1) * CHUNK, V), BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        x = tl.load(LOGITS + row * stride_l + i, mask=(i < V) & (i < (c + 1) * CHUNK), other=float("-inf"))
+        better = x > best  # strictly: an earlier index keeps a tie
+        best_i = tl.where(better, i, best_i)
+        best = tl.where(better, x, best)
+    top = tl.max(best, axis=0)
+    top_i = tl.min(tl.where(best == top, best_i, 2**30), axis=0)
+    tl.store(VALS + row * tl.num_programs(1) + c, top)
+    tl.store(IDX + row * tl.num_programs(1) + c, top_i)
+
+
+@triton.jit
+def _advance_kernel(VALS, IDX, TOKENS, STEP, IDS, POS, LENS, SLOTS, TABLES, rows, stride_t, stride_bt, max_blocks,
+                    PAGE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program for the whole batch: each row's argmax over its chunks becomes TOKENS[step] and
+    the next input; its position, context length and KV slot move one token on; step += 1."""
+    r = tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    c = tl.arange(0, CHUNKS)
+    v = tl.load(VALS + r[:, None] * CHUNKS + c[None, :], mask=rmask[:, None], other=float("-inf"))
+    i = tl.load(IDX + r[:, None] * CHUNKS + c[None, :], mask=rmask[:, None], other=2**30)
+    top = tl.max(v, axis=1)
+    chosen = tl.min(tl.where(v == top[:, None], i, 2**30), axis=1).to(tl.int64)
+    step = tl.load(STEP)
+    tl.store(TOKENS + step * stride_t + r, chosen, mask=rmask)
+    tl.store(IDS + r, chosen, mask=rmask)
+    pos = tl.load(POS + r, mask=rmask, other=0) + 1
+    tl.store(POS + r, pos, mask=rmask)
+    tl.store(LENS + r, tl.load(LENS + r, mask=rmask, other=0) + 1, mask=rmask)
+    column = tl.minimum(pos // PAGE, max_blocks - 1)  # past the end only on a replay nobody reads
+    block = tl.load(TABLES + r * stride_bt + column, mask=rmask, other=0).to(tl.int64)
+    tl.store(SLOTS + r, block * PAGE + pos % PAGE, mask=rmask)
+    tl.store(STEP, step + 1)
+
+
+def greedy_advance(logits: torch.Tensor, tokens: torch.Tensor, step: torch.Tensor, ids: torch.Tensor,
+                   positions: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                   page: int) -> None:
+    """After a decode step's logits [B, V]: tokens[step] = ids = argmax (first index on ties, as
+    torch.argmax); positions and lens += 1; slots = the KV slot of the new position; step += 1.
+    ids, positions and slots are int64 [B], lens int64 [B], tables int32 [B, max_blocks]."""
+    rows, vocab = logits.shape
+    chunk = triton.cdiv(vocab, ARGMAX_CHUNKS)
+    vals = torch.empty(rows, ARGMAX_CHUNKS, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, ARGMAX_CHUNKS, dtype=torch.int32, device=logits.device)
+    _argmax_chunks_kernel[(rows, ARGMAX_CHUNKS)](logits, vals, idx, logits.stride(0), vocab, CHUNK=chunk,
+                                                  BLOCK=1024, num_warps=4)
+    _advance_kernel[(1,)](vals, idx, tokens, step, ids, positions, lens, slots, tables, rows, tokens.stride(0),
+                          tables.stride(0), tables.shape[1], PAGE=page, CHUNKS=ARGMAX_CHUNKS,
+                          BLOCK_R=max(2, triton.next_power_of_2(rows)), num_warps=4)
