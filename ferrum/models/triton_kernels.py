@@ -221,9 +221,9 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, COUNTS, TABLES, LENS, scal
                     m_s = tl.load(PART_ML + (first + sp) * 2, mask=gmask, other=0.0, cache_modifier=".cg")
                     l_s = tl.load(PART_ML + (first + sp) * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
                     w = tl.where(l_s > 0, tl.exp2(m_s - m_all), 0.0)  # empty splits weigh nothing
-                    part = tl.load(PART_ACC + (first + sp)[:, None] * D + d[None, :], mask=gmask[:, None],
-                                   other=0.0, cache_modifier=".cg")
-                    total += part * w[:, None]
+                    piece = tl.load(PART_ACC + (first + sp)[:, None] * D + d[None, :], mask=gmask[:, None],
+                                    other=0.0, cache_modifier=".cg")
+                    total += piece * w[:, None]
                     l_all += l_s * w
                 out = total / tl.where(gmask, l_all, 1.0)[:, None]
                 tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
