@@ -34,13 +34,11 @@ SHAPES = {  # name: (weight rows, K, gated)
     "down": (HIDDEN, INTER, False),
     "lm_head": (VOCAB, HIDDEN, False),
 }
-CONFIGS = [GemvConfig(bn, bk, w, s, True) for bn, bk, w, s in [
-    (16, 256, 4, 3), (16, 512, 4, 3), (16, 256, 4, 4), (16, 128, 4, 5), (32, 256, 4, 3), (32, 512, 4, 3),
-    (32, 128, 4, 4), (64, 256, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2),
-]] + [GemvConfig(bn, bk, w, s, False) for bn, bk, w, s in [
-    (4, 512, 4, 2), (8, 256, 4, 2), (8, 512, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (32, 256, 8, 2),
-    (8, 1024, 8, 2),
-]]
+CONFIGS = [GemvConfig(bn, bk, w, 2, False, sk) for bn, bk, w, sk in [
+    (8, 1024, 8, 1), (8, 512, 4, 1), (4, 1024, 8, 1), (16, 512, 8, 1), (8, 1024, 8, 2), (8, 512, 4, 2),
+    (4, 1024, 8, 2), (8, 1024, 8, 4), (8, 512, 4, 4), (4, 512, 4, 4), (16, 1024, 8, 4), (8, 2048, 16, 1),
+    (8, 2048, 16, 4), (32, 256, 8, 1), (4, 2048, 8, 1), (2, 1024, 4, 1),
+]] + [GemvConfig(bn, bk, w, s, True) for bn, bk, w, s in [(64, 128, 4, 4), (16, 512, 4, 3)]]
 
 
 def graph_time(fn, reps: int = 30) -> float:
@@ -92,7 +90,7 @@ def main() -> None:
     rows.append(("read bandwidth (sum of 2 GiB)", f"{big.numel() * 2 / t / 1e9:.0f} GB/s", ""))
     del big
     best: dict[str, tuple[float, GemvConfig]] = {}
-    fma_cfgs: dict[str, GemvConfig] = {}
+
     weights: dict[str, list[torch.Tensor]] = {}
     x = torch.randn(1, INTER, dtype=dt, device=dev)
     nw = torch.rand(INTER, dtype=dt, device=dev) + 0.5
@@ -106,7 +104,7 @@ def main() -> None:
         rows.append((f"{name} [{n}x{k}] cuBLAS", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%} of copy BW"))
         results = []
         for cfg in CONFIGS[:4] if args.quick else CONFIGS:
-            if k % cfg.block_k:
+            if k % (cfg.block_k * cfg.split_k):
                 continue
             try:
                 ref = F.linear(xk.float(), ws[0].float())
@@ -124,19 +122,17 @@ def main() -> None:
                 continue
             results.append((t, cfg))
         results.sort(key=lambda r: r[0])
-        fma_cfgs[name] = next(c for _, c in results if not c.dot)
+
         for t, cfg in results[:3]:
             rows.append((f"{name} triton bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
-                         f"{'dot' if cfg.dot else 'fma'}", f"{t * 1e6:.2f} us",
+                         f"{'dot' if cfg.dot else 'fma'} split{cfg.split_k}", f"{t * 1e6:.2f} us",
                          f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%}"))
         best[name] = results[0]
         if name in ("qkv", "gate_up"):  # with the RMSNorm prologue
             cfg = results[0][1]
             t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg, norm_weight=nw[:k]) for w in ws]) / copies
             rows.append((f"{name} best + norm prologue", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s"))
-            for pdl in (1, 2):
-                t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg, pdl=pdl) for w in ws]) / copies
-                rows.append((f"{name} best, PDL {pdl}", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s"))
+
     # whole chains: 16 layers + LM head, batch 1
     h = torch.randn(1, HIDDEN, dtype=dt, device=dev)
     norm_w = torch.rand(HIDDEN, dtype=dt, device=dev) + 0.5
@@ -154,33 +150,34 @@ def main() -> None:
         a, _ = tk.rms_norm(y, norm_w, 1e-5, res)
         return F.linear(a, weights["lm_head"][0]).float()
 
-    def fused_chain(pdl: int, cfgs=None):
+    def fused_chain(cfgs=None):
         cfgs = cfgs or {name: b[1] for name, b in best.items()}
 
         def run():
             res = h
             for i in range(LAYERS):
-                qkv = gemv(res, weights["qkv"][i], norm_weight=norm_w, config=cfgs["qkv"], pdl=pdl)
-                res = gemv(qkv[:, :HIDDEN], weights["o"][i], residual=res, config=cfgs["o"], pdl=pdl)
-                act = gemv(res, weights["gate_up"][i], norm_weight=norm_w, gated=True, config=cfgs["gate_up"], pdl=pdl)
-                res = gemv(act, weights["down"][i], residual=res, config=cfgs["down"], pdl=pdl)
+                qkv = gemv(res, weights["qkv"][i], norm_weight=norm_w, config=cfgs["qkv"])
+                res = gemv(qkv[:, :HIDDEN], weights["o"][i], residual=res, config=cfgs["o"])
+                act = gemv(res, weights["gate_up"][i], norm_weight=norm_w, gated=True, config=cfgs["gate_up"])
+                res = gemv(act, weights["down"][i], residual=res, config=cfgs["down"])
             return gemv(res, weights["lm_head"][0], norm_weight=norm_w, out_dtype=torch.float32,
-                        config=cfgs["lm_head"], pdl=pdl)
+                        config=cfgs["lm_head"])
         return run
 
+    from ferrum.models.triton_gemv import default_config
+
+    defaults = {name: default_config(SHAPES[name][0] // (2 if SHAPES[name][2] else 1), SHAPES[name][1], 1)
+                for name in SHAPES}
     total_bytes = LAYERS * sum(SHAPES[s][0] * SHAPES[s][1] * 2 for s in ("qkv", "o", "gate_up", "down")) \
         + VOCAB * HIDDEN * 2
     floor = total_bytes / bw
     rows.append(("chain floor (weight bytes / copy BW)", f"{floor * 1e3:.3f} ms", f"{total_bytes / 1e9:.2f} GB"))
     for label, fn in [("chain: norms + cuBLAS + silu (today)", cublas_chain),
-                      ("chain: fused Triton GEMV", fused_chain(0)),
-                      ("chain: fused Triton GEMV + PDL 1 (trigger after wait)", fused_chain(1)),
-                      ("chain: fused Triton GEMV + PDL 2 (trigger after loop)", fused_chain(2)),
-                      ("chain: fused, fma configs only, PDL 1", fused_chain(1, fma_cfgs)),
-                      ("chain: fused, fma configs only, no PDL", fused_chain(0, fma_cfgs))]:
+                      ("chain: fused Triton GEMV, best configs", fused_chain()),
+                      ("chain: fused Triton GEMV, default configs", fused_chain(defaults))]:
         try:
             t = graph_time(fn)
-            ref = fused_chain(0)()
+            ref = fused_chain()()
             got = fn()
             err = ((got - ref).norm() / ref.norm()).item()
             rows.append((label, f"{t * 1e3:.3f} ms", f"{floor / t:.0%} of floor; rel diff to fused {err:.2e}"))

@@ -73,18 +73,18 @@ def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
     step at a time, with lengths that end mid-burst, a stop token met mid-burst, and sequences
     that reach max_model_len."""
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 40, 130, 7, 100)]
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 40, 130, 7, 230)]
     free = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)
-    single = engine(tiny, "cuda", num_scheduler_steps=1, max_model_len=128)
+    single = engine(tiny, "cuda", num_scheduler_steps=1, max_model_len=256)
     expected = single.generate(prompts[:4], free)
     stop_id = expected[1][10]  # met part-way through the second burst of prompt 1
     stopping = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
     expected_stop = single.generate(prompts[:4], stopping)
-    near_limit = SamplingParams(max_tokens=27, temperature=0, ignore_eos=True)  # 100 + 27 = 127 < 128
+    near_limit = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)  # 230 + 25 = 255 < 256
     expected_limit = single.generate([prompts[4]], near_limit)
     single.release()
 
-    burst = engine(tiny, "cuda", num_scheduler_steps=8, max_model_len=128)
+    burst = engine(tiny, "cuda", num_scheduler_steps=8, max_model_len=256)
     assert burst.generate(prompts[:4], free) == expected
     got_stop = burst.generate(prompts[:4], stopping)
     assert got_stop == expected_stop

@@ -5,14 +5,15 @@ matrix for a handful of activation rows. cuBLAS runs the large ones near the mem
 the small ones (q/k/v, o) well under it, and every norm, activation and residual add between them
 is one more launch. Here one kernel does what sits around a projection:
 
-    prologue   RMSNorm of the input rows (the norm's weight applied, HF's rounding)
+    prologue   RMSNorm of the input rows (the norm's weight applied as x is read, 1/rms after the
+               product, so that the weights stream from the first instruction)
     product    y = x @ W.T (+ bias), float32 accumulation, W read once in [BLOCK_N, BLOCK_K] tiles
     epilogue   silu(gate) * up for a fused gate/up weight, or + residual
 
-so a decoder layer is four of these plus rope/cache write and attention. Rows are padded to
-ROWS (16 for the tensor-core variant); each program owns BLOCK_N output features and loops over K.
-With PDL, a program is launched while the kernel before it still runs, and waits for it
-(griddepcontrol) before touching memory that kernel writes.
+so a decoder layer is four of these plus rope/cache write and attention. Each program owns
+BLOCK_N output features and one of SPLIT_K slices of K; with several slices each program leaves
+its partial sums and the last of a feature block to finish adds them up in a fixed order
+(deterministic) and runs the epilogue.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 4  # decode batches up to this size take the fused kernels
 
@@ -32,22 +32,35 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
-    num_stages: int = 3
-    dot: bool = True  # tensor-core dot with rows padded to 16, else a float32 multiply-reduce
+    num_stages: int = 2
+    dot: bool = False  # tensor-core dot with rows padded to 16, else a float32 multiply-reduce
+    split_k: int = 1
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros the split-K programs count in; every kernel leaves them at zero again, so one
+    buffer per device serves every launch on its stream (made before any graph capture: the
+    runner's warm-up forward runs first)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 @triton.jit
 def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k,
-               stride_xm, NORM: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-               w=None):
-    """One BLOCK_K slice of the product (w: the slice of W, when already loaded)."""
+               stride_xm, NORM: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One BLOCK_K slice of the product."""
     x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None], other=0.0)
     if NORM:  # the norm's weight goes in now, the 1/rms factor after the product
         xf = x.to(tl.float32)
         ss += xf * xf  # summed across K once, after the loop
         x = (tl.load(NW + k).to(tl.float32)[None, :] * xf).to(x.dtype)
-    if w is None:
-        w = tl.load(w_rows + k[None, :], mask=nmask[:, None], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=nmask[:, None], other=0.0)
     if DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     else:
@@ -62,15 +75,17 @@ def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k,
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, R, NW, OUT, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                 DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 DOT: tl.constexpr, PRECISION: tl.constexpr):
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     rows = tl.arange(0, ROWS)
     rmask = rows < M
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    n = pid * BLOCK_N + cols
     nmask = n < N
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -78,81 +93,101 @@ def _gemv_kernel(X, W, B, R, NW, OUT, M, N, K, stride_xm, stride_wn, stride_rm, 
     ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
     w_rows2 = W + (n + N)[:, None].to(tl.int64) * stride_wn
-    if PDL:
-        # the weights do not depend on the kernel before: the first slice is on its way while
-        # that kernel finishes; X and R are read only after it has
-        w0 = tl.load(w_rows + kk[None, :], mask=nmask[:, None], other=0.0)
-        gdc_wait()
-        if PDL == 1:
-            gdc_launch_dependents()
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, stride_xm,
-                                   NORM, GATED, DOT, PRECISION, w0)
-        k_begin = BLOCK_K
-    else:
-        k_begin = 0
-    for k0 in range(k_begin, K, BLOCK_K):
+    k_len = K // SPLIT_K
+    for k0 in range(split * k_len, (split + 1) * k_len, BLOCK_K):
         acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, stride_xm,
                                    NORM, GATED, DOT, PRECISION)
-    if PDL == 2:
-        gdc_launch_dependents()  # the next kernel's programs may take their places from now on
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
-        acc = acc * rstd[:, None]
-        acc2 = acc2 * rstd[:, None]
-    if BIAS:
-        acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    sumsq = tl.sum(ss, axis=1)
+    last = True
+    if SPLIT_K > 1:
+        # partials: [feature blocks, SPLIT_K, 3 (acc, acc2, sum of squares), ROWS, BLOCK_N]
+        tile = rows[:, None] * BLOCK_N + cols[None, :]
+        mine = PART + (pid * SPLIT_K + split) * 3 * ROWS * BLOCK_N
+        tl.store(mine + tile, acc)
         if GATED:
-            acc2 += tl.load(B + N + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(act_ty).to(tl.float32)  # the projection's output, rounded as a bf16 matmul rounds it
-    if GATED:
-        up = acc2.to(act_ty).to(tl.float32)
-        y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
-    if RESIDUAL:
-        y = y.to(act_ty).to(tl.float32) + tl.load(R + rows[:, None] * stride_rm + n[None, :],
-                                                  mask=rmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-    y = y.to(act_ty)
-    tl.store(OUT + rows[:, None] * stride_om + n[None, :], y.to(OUT.dtype.element_ty),
-             mask=rmask[:, None] & nmask[None, :])
+            tl.store(mine + ROWS * BLOCK_N + tile, acc2)
+        if NORM:
+            tl.store(mine + 2 * ROWS * BLOCK_N + rows * BLOCK_N, sumsq)
+        tl.debug_barrier()  # every thread's partial is out before the count says so
+        last = tl.atomic_add(COUNTS + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        if last:
+            tl.store(COUNTS + pid, 0)
+            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            acc2 = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            sumsq = tl.zeros([ROWS], tl.float32)
+            for s in range(SPLIT_K):  # a fixed order: the same sums on every run
+                theirs = PART + (pid * SPLIT_K + s) * 3 * ROWS * BLOCK_N
+                acc += tl.load(theirs + tile, cache_modifier=".cg")
+                if GATED:
+                    acc2 += tl.load(theirs + ROWS * BLOCK_N + tile, cache_modifier=".cg")
+                if NORM:
+                    sumsq += tl.load(theirs + 2 * ROWS * BLOCK_N + rows * BLOCK_N, cache_modifier=".cg")
+    if last:
+        if NORM:
+            rstd = 1.0 / tl.sqrt(sumsq / K + eps)
+            acc = acc * rstd[:, None]
+            acc2 = acc2 * rstd[:, None]
+        if BIAS:
+            acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc2 += tl.load(B + N + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(act_ty).to(tl.float32)  # the projection's output, rounded as a bf16 matmul rounds it
+        if GATED:
+            up = acc2.to(act_ty).to(tl.float32)
+            y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
+        if RESIDUAL:
+            y = y.to(act_ty).to(tl.float32) + tl.load(R + rows[:, None] * stride_rm + n[None, :],
+                                                      mask=rmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        y = y.to(act_ty)
+        tl.store(OUT + rows[:, None] * stride_om + n[None, :], y.to(OUT.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
 
 
 def default_config(n: int, k: int, rows: int) -> GemvConfig:
     """The multiply-reduce variant (measured faster than the tensor-core one once a norm is fused
     in, scripts/gemv_bench.py on an H100): 8 output features per program, the widest K slice that
-    divides K, narrower for more rows (registers hold rows x 8 x BLOCK_K products)."""
+    divides K, narrower for more rows (registers hold rows x 8 x BLOCK_K products); long K split
+    so that every multiprocessor has several programs' loads in flight."""
     block_k = 1024 // triton.next_power_of_2(rows)
     while k % block_k:
         block_k //= 2
-    return GemvConfig(block_n=8, block_k=max(block_k, 1), num_warps=8 if block_k >= 1024 else 4,
-                      num_stages=2, dot=False)
+    block_k = max(block_k, 1)
+    split = 1
+    while n // 8 * split < 1024 and k % (block_k * split * 2) == 0 and k // (split * 2) >= 2048:
+        split *= 2
+    return GemvConfig(block_n=8, block_k=block_k, num_warps=8 if block_k >= 1024 else 4, split_k=split)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
          residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-         config: GemvConfig | None = None, pdl: int = 0) -> torch.Tensor:
-    """x: [M, K] with M <= 16; weight: [N, K] (or [2N, K] gate then up when gated). pdl: 0 an
-    ordinary launch, 1 or 2 a programmatic dependent launch letting the next kernel start right
-    after this one's wait (1) or after its main loop (2).
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x: [M, K] with M <= 16; weight: [N, K] (or [2N, K] gate then up when gated).
     Returns [M, N]: x (RMS-normed first when norm_weight is given) times weight.T, plus bias,
     then silu(gate) * up when gated, then + residual."""
     m, k = x.shape
     rows_w, k_w = weight.shape
     assert k == k_w, (x.shape, weight.shape)
-    assert weight.stride(1) == 1 and x.stride(1) == 1
+    assert weight.stride(1) == 1 and x.stride(1) == 1 and m <= 16
     n = rows_w // 2 if gated else rows_w
     cfg = config or default_config(n, k, m)
-    assert k % cfg.block_k == 0, f"K={k} must be a multiple of block_k={cfg.block_k}"
+    assert k % (cfg.block_k * cfg.split_k) == 0, f"K={k} must be a multiple of {cfg.block_k} x {cfg.split_k}"
     rows = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
-    assert m <= 16
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    blocks = triton.cdiv(n, cfg.block_n)
+    if cfg.split_k > 1:
+        part = torch.empty(blocks * cfg.split_k * 3 * rows * cfg.block_n, dtype=torch.float32, device=x.device)
+        counts = _counters(x.device, blocks)
+    else:
+        part = counts = out
+    _gemv_kernel[(blocks, cfg.split_k)](
         x, weight, bias if bias is not None else x, residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x, out,
+        norm_weight if norm_weight is not None else x, out, part, counts,
         m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
-        ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
-        DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -175,7 +175,7 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, COUNTS, TABLES, LENS, scal
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   LAST_REDUCES: tl.constexpr):
+                   LAST_REDUCES: tl.constexpr, SPLITS_P2: tl.constexpr):
     """One program per (sequence, kv head, split): its G query heads against one slice of the
     sequence's cache. With one split the result is final; with several, each writes its partial
     (running max, sum, unnormalised output) and either _decode_reduce_kernel combines them or
@@ -211,23 +211,17 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, COUNTS, TABLES, LENS, scal
             counter = COUNTS + b * tl.num_programs(1) + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 tl.store(counter, 0)
-                m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                for sp in range(SPLITS):
-                    m_all = tl.maximum(m_all, tl.load(PART_ML + (first + sp) * 2, mask=gmask, other=0.0,
-                                                      cache_modifier=".cg"))
-                total = tl.zeros([BLOCK_G, D], tl.float32)
-                l_all = tl.zeros([BLOCK_G], tl.float32)
-                for sp in range(SPLITS):
-                    m_s = tl.load(PART_ML + (first + sp) * 2, mask=gmask, other=0.0, cache_modifier=".cg")
-                    l_s = tl.load(PART_ML + (first + sp) * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
-                    w = tl.where(l_s > 0, tl.exp2(m_s - m_all), 0.0)  # empty splits weigh nothing
-                    piece = tl.load(PART_ACC + (first + sp)[:, None] * D + d[None, :], mask=gmask[:, None],
-                                    other=0.0, cache_modifier=".cg")
-                    total += piece * w[:, None]
-                    l_all += l_s * w
-                out = total / tl.where(gmask, l_all, 1.0)[:, None]
-                tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                         out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+                sp = tl.arange(0, SPLITS_P2)
+                smask = sp < SPLITS
+                for gi in tl.static_range(G):  # each head's partials in one [splits, D] load
+                    base = (b * num_heads + kvh * G + gi) * SPLITS + sp
+                    m_s = tl.load(PART_ML + base * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(PART_ML + base * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
+                    pieces = tl.load(PART_ACC + base[:, None] * D + d[None, :], mask=smask[:, None], other=0.0,
+                                     cache_modifier=".cg")
+                    w = tl.where(l_s > 0, tl.exp2(m_s - tl.max(m_s, axis=0)), 0.0)  # empty splits weigh nothing
+                    out = tl.sum(pieces * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+                    tl.store(OUT + b * stride_ot + (kvh * G + gi) * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -281,7 +275,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=64, SPLITS=splits,
-        PRECISION=_dot_precision(q), LAST_REDUCES=last_reduces, num_warps=4, num_stages=2,
+        PRECISION=_dot_precision(q), LAST_REDUCES=last_reduces, SPLITS_P2=max(2, triton.next_power_of_2(splits)),
+        num_warps=4, num_stages=2,
     )
     if splits > 1 and not last_reduces:
         _decode_reduce_kernel[(batch, heads)](

@@ -1,0 +1,93 @@
+"""The small-batch decode kernels (ferrum.models.triton_gemv) against plain-torch references:
+fused norm / bias / silu*mul / residual, split-K combined by the last program, and the q/k/v
+projection with rope and the KV-cache write in its epilogue.
+
+Interpreted by Triton on machines without CUDA (fp16 there: numpy has no bf16), compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_interpreter import ON_GPU, triton_kernels
+
+tk = triton_kernels()
+from ferrum.models import triton_gemv as tg  # noqa: E402  (after the interpreter is chosen)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPE = torch.bfloat16 if ON_GPU else torch.float16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double().cpu() - ref.double()).norm() / ref.double().norm())
+
+
+def rms_normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.double()
+    return w.double() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+CONFIGS = [
+    tg.GemvConfig(block_n=8, block_k=64),
+    tg.GemvConfig(block_n=8, block_k=32, split_k=2),
+    tg.GemvConfig(block_n=4, block_k=32, split_k=4),
+    tg.GemvConfig(block_n=16, block_k=64, dot=True),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bn{c.block_n}-bk{c.block_k}-split{c.split_k}-{'dot' if c.dot else 'fma'}")
+def test_gemv_with_norm_gate_bias_and_residual(cfg: tg.GemvConfig, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 100 + cfg.block_k + cfg.split_k)
+    k, n = 256, 40  # n not a multiple of block_n: the last feature block is partial
+    x = torch.randn(rows, k, generator=gen).to(DTYPE)
+    w = (torch.randn(2 * n, k, generator=gen) / 8).to(DTYPE)
+    bias = torch.randn(2 * n, generator=gen).to(DTYPE)
+    norm_w = (1 + 0.2 * torch.randn(k, generator=gen)).to(DTYPE)
+    residual = torch.randn(rows, n, generator=gen).to(DTYPE)
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+
+    plain = tg.gemv(d(x), d(w[:n]), config=cfg)
+    assert plain.shape == (rows, n) and plain.dtype == DTYPE
+    assert rel_err(plain, x.double() @ w[:n].double().T) < 1e-2
+
+    gated = tg.gemv(d(x), d(w), bias=d(bias), norm_weight=d(norm_w), eps=1e-5, gated=True, config=cfg)
+    gate_up = rms_normed(x, norm_w, 1e-5) @ w.double().T + bias.double()
+    gate, up = gate_up[:, :n], gate_up[:, n:]
+    assert rel_err(gated, torch.nn.functional.silu(gate) * up) < 1e-2
+
+    summed = tg.gemv(d(x), d(w[:n]), residual=d(residual), config=cfg, out_dtype=torch.float32)
+    assert summed.dtype == torch.float32
+    assert rel_err(summed, x.double() @ w[:n].double().T + residual.double()) < 1e-2
+    if cfg.split_k > 1:  # the counters the last programs keep are back at zero for the next launch
+        assert not tg._counters(torch.device(DEVICE), 1).any()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_qkv_projection_with_rope_and_cache_write(rows: int) -> None:
+    """Against gemv + the separate rope_and_store kernel: same q, same cache contents."""
+    gen = torch.Generator().manual_seed(20 + rows)
+    heads, kv_heads, dim, hidden = 4, 2, 32, 128
+    x = torch.randn(rows, hidden, generator=gen).to(DTYPE)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=gen) / 8).to(DTYPE)
+    bias = torch.randn((heads + 2 * kv_heads) * dim, generator=gen).to(DTYPE)
+    norm_w = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(DTYPE)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.outer(torch.arange(64).float(), inv).repeat(1, 2)
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    positions = torch.tensor([5, 40][:rows], device=DEVICE)
+    slots = torch.tensor([3, 17][:rows], device=DEVICE)
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+
+    caches = [torch.zeros(20, kv_heads, dim, dtype=DTYPE, device=DEVICE) for _ in range(4)]
+    q = tg.qkv_rope_store(d(x), d(w), d(bias), d(norm_w), 1e-5, positions, cos, sin, slots,
+                          caches[0], caches[1], heads, kv_heads, dim)
+    qkv = tg.gemv(d(x), d(w), bias=d(bias), norm_weight=d(norm_w), eps=1e-5)
+    q_ref = tk.rope_and_store(qkv, positions, cos, sin, slots, caches[2], caches[3], heads, kv_heads, dim)
+    assert rel_err(q, q_ref.float()) < 1e-2
+    for ours, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert rel_err(ours[slots], ref[slots].float()) < 1e-2
+        untouched = torch.ones(20, dtype=torch.bool)
+        untouched[slots.cpu()] = False
+        assert not ours[untouched.to(DEVICE)].any()
