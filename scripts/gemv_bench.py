@@ -183,6 +183,26 @@ def main() -> None:
             rows.append((label, f"{t * 1e3:.3f} ms", f"{floor / t:.0%} of floor; rel diff to fused {err:.2e}"))
         except Exception as e:
             rows.append((label, "FAILED", repr(e)[:120]))
+    # batch-1 decode attention of the 1B shape (8 kv heads x 4 query heads, head dim 64) over a
+    # 512-token context, 16 layers' caches: split count, tile size, and who combines the splits
+    page, ctx, kvh, dim = 16, 512, 8, 64
+    caches = [(torch.randn(4096, kvh, dim, dtype=dt, device=dev), torch.randn(4096, kvh, dim, dtype=dt, device=dev))
+              for _ in range(LAYERS)]
+    table = torch.randperm(4096 // page, device=dev)[: ctx // page].to(torch.int32)[None]
+    lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    q = torch.randn(1, 4 * kvh, dim, dtype=dt, device=dev)
+    counters = torch.zeros(64, dtype=torch.int32, device=dev)
+    ref = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
+    for splits in (1, 2, 4, 8, 16):
+        for block_n in (16, 32, 64):
+            for combine in ("last", "kernel") if splits > 1 else ("-",):
+                cnt = counters if combine == "last" else None
+                got = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, counters=cnt, block_n=block_n)
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                t = graph_time(lambda: [tk.paged_decode(q, kc, vc, table, lens, page, dim**-0.5, splits,
+                                                        counters=cnt, block_n=block_n) for kc, vc in caches]) / LAYERS
+                rows.append((f"attention ctx {ctx} splits {splits} block_n {block_n} combine {combine}",
+                             f"{t * 1e6:.2f} us", f"rel diff {err:.1e}"))
     # launch gaps: 112 tiny dependent kernels in one graph
     small = torch.randn(1, HIDDEN, dtype=dt, device=dev)
     t = graph_time(lambda: [tk.rms_norm(small, norm_w, 1e-5) for _ in range(112)])

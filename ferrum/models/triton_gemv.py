@@ -144,18 +144,15 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
 
 
 def default_config(n: int, k: int, rows: int) -> GemvConfig:
-    """The multiply-reduce variant (measured faster than the tensor-core one once a norm is fused
-    in, scripts/gemv_bench.py on an H100): 8 output features per program, the widest K slice that
-    divides K, narrower for more rows (registers hold rows x 8 x BLOCK_K products); long K split
-    so that every multiprocessor has several programs' loads in flight."""
-    block_k = 1024 // triton.next_power_of_2(rows)
+    """Measured on an H100 at batch 1 (scripts/gemv_bench.py): the multiply-reduce variant with very
+    few output features per program, so that thousands of programs keep every multiprocessor's
+    loads in flight: 2 features x 1024-wide K slices for the layer projections, 4 x 2048 for long K
+    (the MLP's down projection) and for the LM head. Split-K measured no faster at these sizes."""
+    wide = k >= 8192 or n >= 65536
+    block_n, block_k = (4, 2048) if wide else (2, 1024)
     while k % block_k:
         block_k //= 2
-    block_k = max(block_k, 1)
-    split = 1
-    while n // 8 * split < 1024 and k % (block_k * split * 2) == 0 and k // (split * 2) >= 2048:
-        split *= 2
-    return GemvConfig(block_n=8, block_k=block_k, num_warps=8 if block_k >= 1024 else 4, split_k=split)
+    return GemvConfig(block_n=block_n, block_k=max(block_k, 1), num_warps=8 if wide else 4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -256,8 +253,8 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     m, k = x.shape
     assert m <= 16 and weight.stride(1) == 1 and x.stride(1) == 1
     rows = triton.next_power_of_2(m)
-    block_h = min(4, head_dim // 2)
-    block_k = 1024 // rows
+    block_h = 1  # two rows per program (dim i and i + D/2), as the plain projections (default_config)
+    block_k = 1024
     while k % block_k:
         block_k //= 2
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
@@ -267,6 +264,6 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         positions, cos, sin, slots, q, k_cache, v_cache, m, k,
         x.stride(0), weight.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), eps,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
-        NORM=norm_weight is not None, BIAS=bias is not None, num_warps=8 if block_k >= 1024 else 4, num_stages=2,
+        NORM=norm_weight is not None, BIAS=bias is not None, num_warps=4, num_stages=2,
     )
     return q

@@ -257,7 +257,8 @@ def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, page: int, scale: float, splits: int = 1,
-                 out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                 block_n: int = 64) -> torch.Tensor:
     """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache.
     counters: int32 zeros, at least B * kv heads: the split partials are then combined by the
     last program of each (sequence, kv head) instead of by a second kernel."""
@@ -274,7 +275,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, out, part_acc, part_ml, counters if last_reduces else out, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=64, SPLITS=splits,
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
         PRECISION=_dot_precision(q), LAST_REDUCES=last_reduces, SPLITS_P2=max(2, triton.next_power_of_2(splits)),
         num_warps=4, num_stages=2,
     )
