@@ -34,11 +34,12 @@ SHAPES = {  # name: (weight rows, K, gated)
     "down": (HIDDEN, INTER, False),
     "lm_head": (VOCAB, HIDDEN, False),
 }
+NORM_CONFIGS = [GemvConfig(bn, bk, w) for bn, bk, w in [
+    (2, 1024, 4), (2, 2048, 4), (2, 2048, 8), (4, 2048, 8), (4, 2048, 4), (1, 2048, 4), (2, 512, 4), (8, 2048, 8),
+]]
 CONFIGS = [GemvConfig(bn, bk, w, 2, False, sk) for bn, bk, w, sk in [
-    (8, 1024, 8, 1), (8, 512, 4, 1), (4, 1024, 8, 1), (16, 512, 8, 1), (8, 1024, 8, 2), (8, 512, 4, 2),
-    (4, 1024, 8, 2), (8, 1024, 8, 4), (8, 512, 4, 4), (4, 512, 4, 4), (16, 1024, 8, 4), (8, 2048, 16, 1),
-    (8, 2048, 16, 4), (32, 256, 8, 1), (4, 2048, 8, 1), (2, 1024, 4, 1),
-]] + [GemvConfig(bn, bk, w, s, True) for bn, bk, w, s in [(64, 128, 4, 4), (16, 512, 4, 3)]]
+    (2, 1024, 4, 1), (4, 2048, 8, 1), (2, 2048, 4, 1), (1, 1024, 4, 1), (4, 1024, 4, 1), (8, 1024, 8, 1),
+]]
 
 
 def graph_time(fn, reps: int = 30) -> float:
@@ -90,6 +91,7 @@ def main() -> None:
     rows.append(("read bandwidth (sum of 2 GiB)", f"{big.numel() * 2 / t / 1e9:.0f} GB/s", ""))
     del big
     best: dict[str, tuple[float, GemvConfig]] = {}
+    best_norm: dict[str, GemvConfig] = {}
 
     weights: dict[str, list[torch.Tensor]] = {}
     x = torch.randn(1, INTER, dtype=dt, device=dev)
@@ -128,10 +130,18 @@ def main() -> None:
                          f"{'dot' if cfg.dot else 'fma'} split{cfg.split_k}", f"{t * 1e6:.2f} us",
                          f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%}"))
         best[name] = results[0]
-        if name in ("qkv", "gate_up"):  # with the RMSNorm prologue
-            cfg = results[0][1]
-            t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg, norm_weight=nw[:k]) for w in ws]) / copies
-            rows.append((f"{name} best + norm prologue", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s"))
+        if name in ("qkv", "gate_up", "lm_head"):  # with the RMSNorm prologue
+            normed = []
+            for cfg in NORM_CONFIGS:
+                if k % (cfg.block_k * cfg.split_k):
+                    continue
+                t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg, norm_weight=nw[:k]) for w in ws]) / copies
+                normed.append((t, cfg))
+            normed.sort(key=lambda r: r[0])
+            for t, cfg in normed[:4]:
+                rows.append((f"{name} + norm: bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps}", f"{t * 1e6:.2f} us",
+                             f"{nbytes / t / 1e9:.0f} GB/s"))
+            best_norm[name] = normed[0][1]
 
     # whole chains: 16 layers + LM head, batch 1
     h = torch.randn(1, HIDDEN, dtype=dt, device=dev)
@@ -150,31 +160,34 @@ def main() -> None:
         a, _ = tk.rms_norm(y, norm_w, 1e-5, res)
         return F.linear(a, weights["lm_head"][0]).float()
 
-    def fused_chain(cfgs=None):
+    def fused_chain(cfgs=None, ncfgs=None):
         cfgs = cfgs or {name: b[1] for name, b in best.items()}
+        ncfgs = ncfgs or best_norm
 
         def run():
             res = h
             for i in range(LAYERS):
-                qkv = gemv(res, weights["qkv"][i], norm_weight=norm_w, config=cfgs["qkv"])
+                qkv = gemv(res, weights["qkv"][i], norm_weight=norm_w, config=ncfgs["qkv"])
                 res = gemv(qkv[:, :HIDDEN], weights["o"][i], residual=res, config=cfgs["o"])
-                act = gemv(res, weights["gate_up"][i], norm_weight=norm_w, gated=True, config=cfgs["gate_up"])
+                act = gemv(res, weights["gate_up"][i], norm_weight=norm_w, gated=True, config=ncfgs["gate_up"])
                 res = gemv(act, weights["down"][i], residual=res, config=cfgs["down"])
             return gemv(res, weights["lm_head"][0], norm_weight=norm_w, out_dtype=torch.float32,
-                        config=cfgs["lm_head"])
+                        config=ncfgs["lm_head"])
         return run
 
     from ferrum.models.triton_gemv import default_config
 
     defaults = {name: default_config(SHAPES[name][0] // (2 if SHAPES[name][2] else 1), SHAPES[name][1], 1)
                 for name in SHAPES}
+    defaults_norm = {name: default_config(SHAPES[name][0] // (2 if SHAPES[name][2] else 1), SHAPES[name][1], 1, True)
+                     for name in SHAPES}
     total_bytes = LAYERS * sum(SHAPES[s][0] * SHAPES[s][1] * 2 for s in ("qkv", "o", "gate_up", "down")) \
         + VOCAB * HIDDEN * 2
     floor = total_bytes / bw
     rows.append(("chain floor (weight bytes / copy BW)", f"{floor * 1e3:.3f} ms", f"{total_bytes / 1e9:.2f} GB"))
     for label, fn in [("chain: norms + cuBLAS + silu (today)", cublas_chain),
                       ("chain: fused Triton GEMV, best configs", fused_chain()),
-                      ("chain: fused Triton GEMV, default configs", fused_chain(defaults))]:
+                      ("chain: fused Triton GEMV, default configs", fused_chain(defaults, defaults_norm))]:
         try:
             t = graph_time(fn)
             ref = fused_chain()()
@@ -191,18 +204,15 @@ def main() -> None:
     table = torch.randperm(4096 // page, device=dev)[: ctx // page].to(torch.int32)[None]
     lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
     q = torch.randn(1, 4 * kvh, dim, dtype=dt, device=dev)
-    counters = torch.zeros(64, dtype=torch.int32, device=dev)
     ref = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
-    for splits in (1, 2, 4, 8, 16):
+    for splits in (8, 16, 32):
         for block_n in (16, 32, 64):
-            for combine in ("last", "kernel") if splits > 1 else ("-",):
-                cnt = counters if combine == "last" else None
-                got = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, counters=cnt, block_n=block_n)
-                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = graph_time(lambda: [tk.paged_decode(q, kc, vc, table, lens, page, dim**-0.5, splits,
-                                                        counters=cnt, block_n=block_n) for kc, vc in caches]) / LAYERS
-                rows.append((f"attention ctx {ctx} splits {splits} block_n {block_n} combine {combine}",
-                             f"{t * 1e6:.2f} us", f"rel diff {err:.1e}"))
+            got = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, block_n=block_n)
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            t = graph_time(lambda: [tk.paged_decode(q, kc, vc, table, lens, page, dim**-0.5, splits,
+                                                    block_n=block_n) for kc, vc in caches]) / LAYERS
+            rows.append((f"attention ctx {ctx} splits {splits} block_n {block_n}", f"{t * 1e6:.2f} us",
+                         f"rel diff {err:.1e}"))
     # launch gaps: 112 tiny dependent kernels in one graph
     small = torch.randn(1, HIDDEN, dtype=dt, device=dev)
     t = graph_time(lambda: [tk.rms_norm(small, norm_w, 1e-5) for _ in range(112)])

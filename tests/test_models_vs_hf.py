@@ -195,7 +195,6 @@ def test_fused_small_batch_decode_matches_hf(pair) -> None:
             slot_mapping=torch.tensor([s.block_table[p // 8] * 8 + p % 8 for s, p in zip(seqs, pos)]),
             block_tables=tables, page=8, context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32),
             tiles=None, decode_splits=triton_kernels.decode_splits(2, ours.config.num_kv_heads, 2),
-            split_counters=torch.zeros(2 * ours.config.num_kv_heads, dtype=torch.int32),
         )
         ids = torch.tensor([s.token_at(p) for s, p in zip(seqs, pos)])
         logits = ours.decode_logits_fused(ids, runner.kv_caches, batch)

@@ -20,7 +20,8 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float16
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double().cpu() - ref.double()).norm() / ref.double().norm())
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm())
 
 
 def rms_normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,6 +34,7 @@ CONFIGS = [
     tg.GemvConfig(block_n=8, block_k=32, split_k=2),
     tg.GemvConfig(block_n=4, block_k=32, split_k=4),
     tg.GemvConfig(block_n=16, block_k=64, dot=True),
+    tg.GemvConfig(block_n=2, block_k=256),  # all of K in one slice: the norm applied before the product
 ]
 
 
@@ -64,8 +66,9 @@ def test_gemv_with_norm_gate_bias_and_residual(cfg: tg.GemvConfig, rows: int) ->
         assert not tg._counters(torch.device(DEVICE), 1).any()
 
 
+@pytest.mark.parametrize("block_k", [None, 32])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_qkv_projection_with_rope_and_cache_write(rows: int) -> None:
+def test_qkv_projection_with_rope_and_cache_write(rows: int, block_k: int | None) -> None:
     """Against gemv + the separate rope_and_store kernel: same q, same cache contents."""
     gen = torch.Generator().manual_seed(20 + rows)
     heads, kv_heads, dim, hidden = 4, 2, 32, 128
@@ -82,7 +85,7 @@ def test_qkv_projection_with_rope_and_cache_write(rows: int) -> None:
 
     caches = [torch.zeros(20, kv_heads, dim, dtype=DTYPE, device=DEVICE) for _ in range(4)]
     q = tg.qkv_rope_store(d(x), d(w), d(bias), d(norm_w), 1e-5, positions, cos, sin, slots,
-                          caches[0], caches[1], heads, kv_heads, dim)
+                          caches[0], caches[1], heads, kv_heads, dim, block_k=block_k)
     qkv = tg.gemv(d(x), d(w), bias=d(bias), norm_weight=d(norm_w), eps=1e-5)
     q_ref = tk.rope_and_store(qkv, positions, cos, sin, slots, caches[2], caches[3], heads, kv_heads, dim)
     assert rel_err(q, q_ref.float()) < 1e-2

@@ -242,7 +242,6 @@ class GPUModelRunner:
         # greedy bursts: each replay writes its argmax into row s_step of s_tokens
         self.s_tokens = torch.zeros(self.max_burst, n, dtype=torch.long, device=dev)
         self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
-        self.s_counters = torch.zeros(n * self.model.config.num_kv_heads, dtype=torch.int32, device=dev)
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         batch = TritonAttentionBatch(
@@ -255,7 +254,6 @@ class GPUModelRunner:
             context_lens=self.s_lens[:size],
             tiles=None,
             decode_splits=triton_kernels.decode_splits(size, self.model.config.num_kv_heads, self.num_sms),
-            split_counters=self.s_counters,
         )
         if size <= triton_gemv.MAX_ROWS:  # weight-read bound: fused matrix-vector kernels
             logits = self.model.decode_logits_fused(self.s_ids[:size], self.kv_caches, batch)
@@ -294,7 +292,7 @@ class GPUModelRunner:
         self._graph_sizes = []
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
-        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables", "s_tokens", "s_step", "s_counters"):
+        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables", "s_tokens", "s_step"):
             self.__dict__.pop(name, None)
         gc.collect()
         if torch.cuda.is_available():

@@ -52,14 +52,20 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 @triton.jit
-def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k,
-               stride_xm, NORM: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """One BLOCK_K slice of the product."""
+def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k, K, eps,
+               stride_xm, NORM: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+               WHOLE_K: tl.constexpr = False):
+    """One BLOCK_K slice of the product (WHOLE_K: the slice is all of K)."""
     x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None], other=0.0)
-    if NORM:  # the norm's weight goes in now, the 1/rms factor after the product
+    if NORM:
         xf = x.to(tl.float32)
-        ss += xf * xf  # summed across K once, after the loop
-        x = (tl.load(NW + k).to(tl.float32)[None, :] * xf).to(x.dtype)
+        if WHOLE_K:  # the whole row at hand: HF's order of operations exactly
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
+            normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+            x = (tl.load(NW + k).to(tl.float32)[None, :] * normed).to(x.dtype)
+        else:  # the norm's weight goes in now, the 1/rms factor after the product
+            ss += xf * xf  # summed across K once, after the loop
+            x = (tl.load(NW + k).to(tl.float32)[None, :] * xf).to(x.dtype)
     w = tl.load(w_rows + k[None, :], mask=nmask[:, None], other=0.0)
     if DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -78,7 +84,7 @@ def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k,
 def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                 DOT: tl.constexpr, PRECISION: tl.constexpr):
+                 DOT: tl.constexpr, PRECISION: tl.constexpr, WHOLE_K: tl.constexpr):
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -93,10 +99,14 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
     ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
     w_rows2 = W + (n + N)[:, None].to(tl.int64) * stride_wn
-    k_len = K // SPLIT_K
-    for k0 in range(split * k_len, (split + 1) * k_len, BLOCK_K):
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, stride_xm,
-                                   NORM, GATED, DOT, PRECISION)
+    if WHOLE_K:  # one slice: the norm is applied before the product, as HF applies it
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, K, eps, stride_xm,
+                                   NORM, GATED, DOT, PRECISION, True)
+    else:
+        k_len = K // SPLIT_K
+        for k0 in range(split * k_len, (split + 1) * k_len, BLOCK_K):
+            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, K, eps,
+                                       stride_xm, NORM, GATED, DOT, PRECISION)
     sumsq = tl.sum(ss, axis=1)
     last = True
     if SPLIT_K > 1:
@@ -123,7 +133,7 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
                 if NORM:
                     sumsq += tl.load(theirs + 2 * ROWS * BLOCK_N + rows * BLOCK_N, cache_modifier=".cg")
     if last:
-        if NORM:
+        if NORM and not WHOLE_K:
             rstd = 1.0 / tl.sqrt(sumsq / K + eps)
             acc = acc * rstd[:, None]
             acc2 = acc2 * rstd[:, None]
@@ -143,7 +153,7 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
                  mask=rmask[:, None] & nmask[None, :])
 
 
-def default_config(n: int, k: int, rows: int) -> GemvConfig:
+def default_config(n: int, k: int, rows: int, norm: bool = False) -> GemvConfig:
     """Measured on an H100 at batch 1 (scripts/gemv_bench.py): the multiply-reduce variant with very
     few output features per program, so that thousands of programs keep every multiprocessor's
     loads in flight: 2 features x 1024-wide K slices for the layer projections, 4 x 2048 for long K
@@ -167,7 +177,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
     assert k == k_w, (x.shape, weight.shape)
     assert weight.stride(1) == 1 and x.stride(1) == 1 and m <= 16
     n = rows_w // 2 if gated else rows_w
-    cfg = config or default_config(n, k, m)
+    cfg = config or default_config(n, k, m, norm=norm_weight is not None)
     assert k % (cfg.block_k * cfg.split_k) == 0, f"K={k} must be a multiple of {cfg.block_k} x {cfg.split_k}"
     rows = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
@@ -184,7 +194,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
         ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WHOLE_K=cfg.block_k == k and cfg.split_k == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -193,7 +203,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
 def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
                      stride_xm, stride_wn, stride_cs, stride_qt, stride_qh, stride_kc, stride_kh, eps,
                      H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+                     WHOLE_K: tl.constexpr):
     """The q/k/v projection with rope and the KV-cache write as its epilogue: each program owns
     BLOCK_H dims of the first half of one head and the matching dims of the second half, the
     pairs the rotation mixes."""
@@ -212,10 +223,14 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
     ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
     w_rows2 = W + (n + D // 2)[:, None].to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, stride_xm,
-                                   NORM, True, False, "ieee")
-    if NORM:
+    if WHOLE_K:
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, K, eps, stride_xm,
+                                   NORM, True, False, "ieee", True)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, K, eps,
+                                       stride_xm, NORM, True, False, "ieee")
+    if NORM and not WHOLE_K:
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
         acc = acc * rstd[:, None]
         acc2 = acc2 * rstd[:, None]
@@ -247,14 +262,15 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
 def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    norm_weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_k: int | None = None) -> torch.Tensor:
     """RMSNorm (optional) -> q/k/v projection -> rope on q and k -> k and v into their cache
     slots, in one kernel for a few decode rows. Returns q: [M, H, D]."""
     m, k = x.shape
     assert m <= 16 and weight.stride(1) == 1 and x.stride(1) == 1
     rows = triton.next_power_of_2(m)
     block_h = 1  # two rows per program (dim i and i + D/2), as the plain projections (default_config)
-    block_k = 1024
+    block_k = block_k or default_config(2, k, m, norm=norm_weight is not None).block_k
     while k % block_k:
         block_k //= 2
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
@@ -264,6 +280,6 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         positions, cos, sin, slots, q, k_cache, v_cache, m, k,
         x.stride(0), weight.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), eps,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
-        NORM=norm_weight is not None, BIAS=bias is not None, num_warps=4, num_stages=2,
+        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=block_k == k, num_warps=4, num_stages=2,
     )
     return q
