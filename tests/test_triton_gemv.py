@@ -35,6 +35,7 @@ CONFIGS = [
     tg.GemvConfig(block_n=4, block_k=32, split_k=4),
     tg.GemvConfig(block_n=16, block_k=64, dot=True),
     tg.GemvConfig(block_n=2, block_k=256),  # all of K in one slice: the norm applied before the product
+    tg.GemvConfig(block_n=2, block_k=512),  # ... a slice wider than K (K need not be a power of two)
 ]
 
 
@@ -66,7 +67,7 @@ def test_gemv_with_norm_gate_bias_and_residual(cfg: tg.GemvConfig, rows: int) ->
         assert not tg._counters(torch.device(DEVICE), 1).any()
 
 
-@pytest.mark.parametrize("block_k", [None, 32])
+@pytest.mark.parametrize("block_k", [None, 32, 256])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_qkv_projection_with_rope_and_cache_write(rows: int, block_k: int | None) -> None:
     """Against gemv + the separate rope_and_store kernel: same q, same cache contents."""

@@ -20,7 +20,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
     # GPU: decode iterations run back to back per scheduler step when every running sequence decodes
     # greedily and none waits (one host round trip per burst; tokens after a stop are dropped)
-    num_scheduler_steps: int = 8
+    num_scheduler_steps: int = 16
     seed: int = 0
 
     def __post_init__(self) -> None:

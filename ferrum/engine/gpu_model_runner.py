@@ -54,7 +54,7 @@ class GPUModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         use_cuda_graphs: bool = True,
-        max_burst: int = 8,
+        max_burst: int = 16,
     ) -> None:
         self.model = model
         self.device = torch.device(device)

@@ -55,24 +55,32 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k, K, eps,
                stride_xm, NORM: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                WHOLE_K: tl.constexpr = False):
-    """One BLOCK_K slice of the product (WHOLE_K: the slice is all of K)."""
-    x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None], other=0.0)
+    """One BLOCK_K slice of the product (WHOLE_K: the slice is all of K, masked where K is not a
+    power of two)."""
+    if WHOLE_K:
+        kmask = k < K
+        xmask = rmask[:, None] & kmask[None, :]
+        wmask = nmask[:, None] & kmask[None, :]
+    else:
+        xmask = rmask[:, None]
+        wmask = nmask[:, None]
+    x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
     if NORM:
         xf = x.to(tl.float32)
         if WHOLE_K:  # the whole row at hand: HF's order of operations exactly
             rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
             normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-            x = (tl.load(NW + k).to(tl.float32)[None, :] * normed).to(x.dtype)
+            x = (tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)[None, :] * normed).to(x.dtype)
         else:  # the norm's weight goes in now, the 1/rms factor after the product
             ss += xf * xf  # summed across K once, after the loop
             x = (tl.load(NW + k).to(tl.float32)[None, :] * xf).to(x.dtype)
-    w = tl.load(w_rows + k[None, :], mask=nmask[:, None], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0)
     if DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     else:
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if GATED:
-        w2 = tl.load(w_rows2 + k[None, :], mask=nmask[:, None], other=0.0)
+        w2 = tl.load(w_rows2 + k[None, :], mask=wmask, other=0.0)
         if DOT:
             acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision=PRECISION)
         else:
@@ -156,13 +164,15 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
 def default_config(n: int, k: int, rows: int, norm: bool = False) -> GemvConfig:
     """Measured on an H100 at batch 1 (scripts/gemv_bench.py): the multiply-reduce variant with very
     few output features per program, so that thousands of programs keep every multiprocessor's
-    loads in flight: 2 features x 1024-wide K slices for the layer projections, 4 x 2048 for long K
-    (the MLP's down projection) and for the LM head. Split-K measured no faster at these sizes."""
-    wide = k >= 8192 or n >= 65536
-    block_n, block_k = (4, 2048) if wide else (2, 1024)
+    loads in flight. With a norm, all of K in one slice (up to 4096), so the norm is applied to the
+    whole row before the product; without, 1024-wide slices, and 4 x 2048 for long K (the MLP's
+    down projection). Split-K and the tensor-core variant measured slower at these sizes."""
+    if norm and k <= 4096:
+        return GemvConfig(block_n=2, block_k=triton.next_power_of_2(k), num_warps=4)
+    block_n, block_k, warps = (4, 2048, 8) if k >= 8192 else (2, 1024, 4)
     while k % block_k:
         block_k //= 2
-    return GemvConfig(block_n=block_n, block_k=max(block_k, 1), num_warps=8 if wide else 4)
+    return GemvConfig(block_n=block_n, block_k=max(block_k, 1), num_warps=warps)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -178,7 +188,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
     assert weight.stride(1) == 1 and x.stride(1) == 1 and m <= 16
     n = rows_w // 2 if gated else rows_w
     cfg = config or default_config(n, k, m, norm=norm_weight is not None)
-    assert k % (cfg.block_k * cfg.split_k) == 0, f"K={k} must be a multiple of {cfg.block_k} x {cfg.split_k}"
+    whole_k = cfg.block_k >= k and cfg.split_k == 1
+    assert whole_k or k % (cfg.block_k * cfg.split_k) == 0, f"K={k} must be a multiple of {cfg.block_k} x {cfg.split_k}"
     rows = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     blocks = triton.cdiv(n, cfg.block_n)
@@ -194,7 +205,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
         ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        WHOLE_K=cfg.block_k == k and cfg.split_k == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WHOLE_K=whole_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -271,7 +282,8 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows = triton.next_power_of_2(m)
     block_h = 1  # two rows per program (dim i and i + D/2), as the plain projections (default_config)
     block_k = block_k or default_config(2, k, m, norm=norm_weight is not None).block_k
-    while k % block_k:
+    whole_k = block_k >= k
+    while not whole_k and k % block_k:
         block_k //= 2
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2) // block_h,)
@@ -280,6 +292,6 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         positions, cos, sin, slots, q, k_cache, v_cache, m, k,
         x.stride(0), weight.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), eps,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
-        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=block_k == k, num_warps=4, num_stages=2,
+        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, num_warps=4, num_stages=2,
     )
     return q
