@@ -82,6 +82,8 @@ def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
     expected_stop = single.generate(prompts[:4], stopping)
     near_limit = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)  # 230 + 25 = 255 < 256
     expected_limit = single.generate([prompts[4]], near_limit)
+    longer = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    expected_b = single.generate([prompts[3]], longer)[0]
     single.release()
 
     burst = engine(tiny, "cuda", num_scheduler_steps=8, max_model_len=256)
@@ -92,6 +94,19 @@ def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
     assert burst.generate([prompts[4]], near_limit) == expected_limit
     assert burst.block_manager.num_used == 0  # every block grown for a burst came back
     assert burst.stats().generation_tokens_total == sum(map(len, expected + expected_stop + expected_limit))
+    # an abort while a burst is queued on the device: no further output, blocks back, engine goes on
+    burst.add_request("a", prompts[0], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    burst.add_request("b", prompts[3], longer)
+    while burst.sequences["a"].num_tokens < len(prompts[0]) + 20:
+        burst.step()
+    assert burst._burst is not None  # the next burst is already queued
+    assert burst.abort_request("a").finish_reason == "abort"
+    rest: list[int] = list(burst.sequences["b"].output_token_ids)
+    while burst.has_work:
+        for out in burst.step():
+            assert out.request_id == "b"
+            rest.extend(out.new_token_ids)
+    assert rest == expected_b and burst.block_manager.num_used == 0
     burst.release()
 
 

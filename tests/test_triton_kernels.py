@@ -186,7 +186,8 @@ def test_greedy_advance_picks_argmax_and_moves_one_token_on():
     ids = torch.zeros(rows, dtype=torch.long, device=DEVICE)
     pos, lens = positions.to(DEVICE), (positions + 1).to(DEVICE)
     slots = torch.zeros(rows, dtype=torch.long, device=DEVICE)
-    tk.greedy_advance(logits.to(DEVICE), tokens, step, ids, pos, lens, slots, tables.to(DEVICE), page)
+    tk.greedy_advance(logits.to(DEVICE), tokens, step, ids, pos, lens, slots, tables.to(DEVICE), page,
+                      torch.tensor([rows], device=DEVICE))
     want = logits.argmax(dim=-1)
     assert want.tolist()[1:] == [17, 130]
     assert tokens[2].cpu().tolist() == want.tolist() and ids.cpu().tolist() == want.tolist()
@@ -194,3 +195,8 @@ def test_greedy_advance_picks_argmax_and_moves_one_token_on():
     assert pos.cpu().tolist() == [16, 32, 3] and lens.cpu().tolist() == [17, 33, 4]
     # position 32 is in the third block of row 1 (block 4); row 2 stays in its first (block 5)
     assert slots.cpu().tolist() == [3 * page + 0, 4 * page + 0, 5 * page + 3]
+    # a graph's padding rows (from num_real on) stay put: positions past the table never come
+    tk.greedy_advance(logits.to(DEVICE), tokens, step, ids, pos, lens, slots, tables.to(DEVICE), page,
+                      torch.tensor([2], device=DEVICE))
+    assert pos.cpu().tolist() == [17, 33, 3] and lens.cpu().tolist() == [18, 34, 4] and step.item() == 4
+    assert tokens[3].cpu().tolist() == want.tolist()[:2] + [0]

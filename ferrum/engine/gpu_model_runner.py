@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +27,16 @@ from ferrum.models.gpu_attention import PrefillTiles, TritonAttentionBatch
 from ferrum.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GreedyBurst:
+    """Greedy decode iterations queued on the device: their ids land in host rows start..start+steps."""
+
+    done: torch.cuda.Event
+    start: int
+    steps: int
+    num_seqs: int
 
 
 def eager_bucket(num_tokens: int) -> int:
@@ -120,18 +131,44 @@ class GPUModelRunner:
         return logits[: len(seqs)]
 
     @torch.inference_mode()
-    def decode_greedy(self, seqs: list[Sequence], steps: int) -> list[list[int]]:
-        """Runs `steps` greedy decode iterations back to back (each replay's argmax is the next
-        one's input, positions and slots advanced on the device) and returns the chosen ids,
-        [steps][len(seqs)], in one transfer. The caller has grown every sequence's block table to
-        hold `steps` more tokens; num_computed_tokens is left to the caller (a sequence may stop
-        part-way through)."""
+    def launch_greedy(self, seqs: list[Sequence], steps: int, continued: bool = False) -> GreedyBurst:
+        """Queues `steps` greedy decode iterations of `seqs` (each replay's argmax is the next one's
+        input, positions and slots advanced on the device) and the copy of the chosen ids to the
+        host; returns at once. `continued`: the same sequences carry on from where the last burst
+        left the device's inputs (only their block tables are uploaded again), so the host may
+        queue the next burst before it has looked at the last one's tokens. The caller has grown
+        every block table to hold the burst; num_computed_tokens is left to the caller (a
+        sequence may stop part-way through)."""
         assert steps <= min(self.page, self.max_burst), steps
-        size = self._load_graph_inputs(seqs)
+        n = len(seqs)
+        if continued:
+            size = self._burst_size
+            self._load_tables(seqs, size)
+            start = self.max_burst - self._burst_start  # the other half of the token rows
+            self.s_step.fill_(start)
+        else:
+            size = self._load_graph_inputs(seqs)
+            start = 0
         graph = self.graphs[size][0]
         for _ in range(steps):
             graph.replay()
-        return self.s_tokens[:steps, : len(seqs)].tolist()
+        self.h_tokens[start : start + steps, :n].copy_(self.s_tokens[start : start + steps, :n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._burst_start, self._burst_size = start, size
+        return GreedyBurst(done, start, steps, n)
+
+    def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
+        """Waits for a burst; its chosen ids, [steps][sequences]."""
+        burst.done.synchronize()
+        return self.h_tokens_np[burst.start : burst.start + burst.steps, : burst.num_seqs].tolist()
+
+    def _load_tables(self, seqs: list[Sequence], size: int) -> None:
+        tables = self.h_tables_np
+        width = max(len(seq.block_table) for seq in seqs)
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        self.s_tables[: len(seqs), :width].copy_(self.h_tables[: len(seqs), :width], non_blocking=True)
 
     def _load_graph_inputs(self, seqs: list[Sequence]) -> int:
         """Fills the graphs' static inputs for a decode of `seqs`; returns the bucket size."""
@@ -145,7 +182,7 @@ class GPUModelRunner:
         vec[3] = 1
         width = max(len(seq.block_table) for seq in seqs)
         tables = self.h_tables_np
-        tables[n:size, 0] = self.trash_block  # padded rows stay in the trash block (positions < page)
+        tables[n:size, 0] = self.trash_block  # padded rows stay at position 0 of the trash block
         for i, seq in enumerate(seqs):
             p = seq.num_computed_tokens
             table = seq.block_table
@@ -157,6 +194,7 @@ class GPUModelRunner:
         self.s_vec[:, :size].copy_(self.h_vec[:, :size], non_blocking=True)
         self.s_tables[:size, :width].copy_(self.h_tables[:size, :width], non_blocking=True)
         self.s_step.zero_()
+        self.s_num_real.fill_(n)
         return size
 
     def _run_eager(
@@ -239,9 +277,14 @@ class GPUModelRunner:
         self.h_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
         self.h_vec_np = self.h_vec.numpy()
         self.h_tables_np = self.h_tables.numpy()
-        # greedy bursts: each replay writes its argmax into row s_step of s_tokens
-        self.s_tokens = torch.zeros(self.max_burst, n, dtype=torch.long, device=dev)
+        # greedy bursts: each replay writes its argmax into row s_step of s_tokens (two halves: a
+        # burst queued behind another writes the other half), for the first s_num_real rows
+        self.s_tokens = torch.zeros(2 * self.max_burst, n, dtype=torch.long, device=dev)
+        self.h_tokens = torch.zeros(2 * self.max_burst, n, dtype=torch.long).pin_memory()
+        self.h_tokens_np = self.h_tokens.numpy()
         self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.s_num_real = torch.zeros(1, dtype=torch.long, device=dev)
+        self._burst_start, self._burst_size = 0, 1
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         batch = TritonAttentionBatch(
@@ -262,7 +305,8 @@ class GPUModelRunner:
         # in the graph, after the logits: the greedy choice is recorded and becomes the next replay's
         # input one position on (decode_greedy replays on; _decode_with_graph reloads the inputs)
         triton_kernels.greedy_advance(logits, self.s_tokens, self.s_step, self.s_ids[:size], self.s_pos[:size],
-                                      self.s_lens[:size], self.s_slots[:size], self.s_tables[:size], self.page)
+                                      self.s_lens[:size], self.s_slots[:size], self.s_tables[:size], self.page,
+                                      self.s_num_real)
         return logits
 
     @torch.inference_mode()
@@ -292,7 +336,7 @@ class GPUModelRunner:
         self._graph_sizes = []
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]
-        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables", "s_tokens", "s_step"):
+        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables", "s_tokens", "s_step", "s_num_real"):
             self.__dict__.pop(name, None)
         gc.collect()
         if torch.cuda.is_available():

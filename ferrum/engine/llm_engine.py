@@ -24,7 +24,7 @@ from ferrum.models.loader import load_model
 from ferrum.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from ferrum.engine.gpu_model_runner import GPUModelRunner
+    from ferrum.engine.gpu_model_runner import GPUModelRunner, GreedyBurst
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
+        # greedy decodes queued on the device whose tokens the host has not read yet
+        self._burst: tuple[list[Sequence], GreedyBurst] | None = None
         self._preemptions = 0
         self._finished = 0
         self._prompt_tokens = 0
@@ -191,21 +193,27 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        self._preemptions += plan.num_preempted
-        if plan.empty:
-            return []
-        steps = self._greedy_burst_length(plan)
-        if steps:
-            seqs = [s.seq for s in plan.scheduled]
-            self._decode_greedy(seqs, steps)
+        if self._burst is not None:  # greedy decodes already queued on the device
+            seqs = self._finish_burst()
         else:
-            logits, seqs = self.runner.execute(list(plan.scheduled))
-            if seqs:
-                self.outputs.append(seqs, sample(logits, seqs))
-                self._generation_tokens += len(seqs)
+            plan = self.scheduler.schedule()
+            self._preemptions += plan.num_preempted
+            if plan.empty:
+                return []
+            steps = self._greedy_burst_length(plan)
+            if steps:
+                seqs = [s.seq for s in plan.scheduled]
+                self._burst = (seqs, self.runner.launch_greedy(seqs, steps))
+                seqs = self._finish_burst()
+            else:
+                logits, seqs = self.runner.execute(list(plan.scheduled))
+                if seqs:
+                    self.outputs.append(seqs, sample(logits, seqs))
+                    self._generation_tokens += len(seqs)
         deltas = []
         for seq in seqs:
+            if self.sequences.get(seq.request_id) is not seq:
+                continue  # aborted while its burst ran: abort_request sent its last delta
             delta = OutputProcessor.delta(seq)
             if delta is not None:
                 deltas.append(delta)
@@ -220,8 +228,9 @@ class LLMEngine:
         Only for CUDA-graph decodes of greedy sequences without logprobs or penalties; one
         iteration while requests wait (they are admitted next step); at most num_scheduler_steps,
         and no further than any sequence may still grow."""
-        decode_greedy = getattr(self.runner, "decode_greedy", None)
-        if decode_greedy is None or not self.runner.graphs or len(plan.scheduled) > self.runner.max_num_seqs:
+        if getattr(self.runner, "launch_greedy", None) is None or not self.runner.graphs:
+            return 0
+        if len(plan.scheduled) > self.runner.max_num_seqs:
             return 0
         for s in plan.scheduled:
             p = s.seq.params
@@ -230,22 +239,41 @@ class LLMEngine:
                 return 0
         if self.scheduler.waiting:
             return 1
+        seqs = [s.seq for s in plan.scheduled]
+        steps = self._room(seqs, [len(seq.output_token_ids) for seq in seqs], [seq.num_computed_tokens for seq in seqs])
+        return max(self._grow_for(seqs, [seq.num_computed_tokens for seq in seqs], steps), 1)
+
+    def _room(self, seqs: list[Sequence], outputs: list[int], computed: list[int]) -> int:
+        """Greedy iterations every sequence may still take, from `outputs` tokens out and
+        `computed` in the cache (capped by num_scheduler_steps)."""
         steps = min(self.config.num_scheduler_steps, self.runner.max_burst)
-        for s in plan.scheduled:
-            seq = s.seq
-            steps = min(steps, seq.params.max_tokens - len(seq.output_token_ids),
-                        self.max_model_len - seq.num_computed_tokens)
-        steps = max(steps, 1)
-        blocks = self.block_manager
-        if sum(blocks.blocks_needed(s.seq, s.seq.num_computed_tokens + steps) for s in plan.scheduled) > blocks.num_free:
-            return 1  # the scheduler grew every sequence by one token already
-        for s in plan.scheduled:
-            blocks.grow(s.seq, s.seq.num_computed_tokens + steps)
+        for seq, out, done in zip(seqs, outputs, computed):
+            steps = min(steps, seq.params.max_tokens - out, self.max_model_len - done)
         return steps
 
-    def _decode_greedy(self, seqs: list[Sequence], steps: int) -> None:
-        """Runs a greedy burst and appends its tokens; a sequence that stops part-way drops the rest."""
-        chosen = self.runner.decode_greedy(seqs, steps)
+    def _grow_for(self, seqs: list[Sequence], computed: list[int], steps: int) -> int:
+        """Grows every block table to hold `steps` more tokens; 0 when the free blocks do not
+        suffice (nothing grown)."""
+        blocks = self.block_manager
+        if steps < 1 or sum(blocks.blocks_needed(q, c + steps) for q, c in zip(seqs, computed)) > blocks.num_free:
+            return 0
+        for q, c in zip(seqs, computed):
+            blocks.grow(q, c + steps)
+        return steps
+
+    def _finish_burst(self) -> list[Sequence]:
+        """Takes the queued burst's tokens; when no sequence can have stopped in it (by token,
+        length, or abort) and none waits, queues the next burst of the same sequences on the device
+        first, so that the GPU decodes while the host detokenizes. Returns the burst's sequences."""
+        seqs, burst = self._burst
+        self._burst = None
+        chosen = self.runner.read_greedy(burst)
+        steps = len(chosen)
+        if not self.scheduler.waiting and all(self._keeps_going(seq, [row[i] for row in chosen]) for i, seq in enumerate(seqs)):
+            computed = [seq.num_computed_tokens + steps for seq in seqs]
+            more = self._room(seqs, [len(seq.output_token_ids) + steps for seq in seqs], computed)
+            if self._grow_for(seqs, computed, more):
+                self._burst = (seqs, self.runner.launch_greedy(seqs, more, continued=True))
         for row in chosen:
             live = [(seq, token) for seq, token in zip(seqs, row) if not seq.is_finished]
             if not live:
@@ -254,6 +282,19 @@ class LLMEngine:
                 seq.num_computed_tokens += 1
             self.outputs.append([seq for seq, _ in live], SampleResult([t for _, t in live], [None] * len(live)))
             self._generation_tokens += len(live)
+        return seqs
+
+    def _keeps_going(self, seq: Sequence, tokens: list[int]) -> bool:
+        """Whether `seq` is sure to run on after appending `tokens`, judged without detokenizing:
+        not aborted, no stop token among them, not at its length limits, no stop strings."""
+        p = seq.params
+        if seq.is_finished or p.stop:
+            return False
+        stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | self.outputs.eos_token_ids
+        if stops.intersection(tokens):
+            return False
+        return (len(seq.output_token_ids) + len(tokens) < p.max_tokens
+                and seq.num_tokens + len(tokens) < self.max_model_len)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -339,19 +339,20 @@ def _argmax_chunks_kernel(LOGITS, VALS, IDX, stride_l, V, CHUNK: tl.constexpr, B
 
 
 @triton.jit
-def _advance_kernel(VALS, IDX, TOKENS, STEP, IDS, POS, LENS, SLOTS, TABLES, rows, stride_t, stride_bt, max_blocks,
-                    PAGE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr):
+def _advance_kernel(VALS, IDX, TOKENS, STEP, IDS, POS, LENS, SLOTS, TABLES, NREAL, rows, stride_t, stride_bt,
+                    max_blocks, max_steps, PAGE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program for the whole batch: each row's argmax over its chunks becomes TOKENS[step] and
-    the next input; its position, context length and KV slot move one token on; step += 1."""
+    the next input; its position, context length and KV slot move one token on; step += 1. Rows
+    from NREAL on (padding a graph's batch) stay where they are."""
     r = tl.arange(0, BLOCK_R)
-    rmask = r < rows
+    rmask = (r < rows) & (r < tl.load(NREAL))
     c = tl.arange(0, CHUNKS)
     v = tl.load(VALS + r[:, None] * CHUNKS + c[None, :], mask=rmask[:, None], other=float("-inf"))
     i = tl.load(IDX + r[:, None] * CHUNKS + c[None, :], mask=rmask[:, None], other=2**30)
     top = tl.max(v, axis=1)
     chosen = tl.min(tl.where(v == top[:, None], i, 2**30), axis=1).to(tl.int64)
     step = tl.load(STEP)
-    tl.store(TOKENS + step * stride_t + r, chosen, mask=rmask)
+    tl.store(TOKENS + step * stride_t + r, chosen, mask=rmask & (step < max_steps))  # replays past the rows: not kept
     tl.store(IDS + r, chosen, mask=rmask)
     pos = tl.load(POS + r, mask=rmask, other=0) + 1
     tl.store(POS + r, pos, mask=rmask)
@@ -364,16 +365,17 @@ def _advance_kernel(VALS, IDX, TOKENS, STEP, IDS, POS, LENS, SLOTS, TABLES, rows
 
 def greedy_advance(logits: torch.Tensor, tokens: torch.Tensor, step: torch.Tensor, ids: torch.Tensor,
                    positions: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                   page: int) -> None:
-    """After a decode step's logits [B, V]: tokens[step] = ids = argmax (first index on ties, as
-    torch.argmax); positions and lens += 1; slots = the KV slot of the new position; step += 1.
-    ids, positions and slots are int64 [B], lens int64 [B], tables int32 [B, max_blocks]."""
+                   page: int, num_real: torch.Tensor) -> None:
+    """After a decode step's logits [B, V], for the first num_real rows: tokens[step] = ids = argmax
+    (first index on ties, as torch.argmax); positions and lens += 1; slots = the KV slot of the new
+    position. Then step += 1. ids, positions, slots and lens are int64 [B], tables int32
+    [B, max_blocks], step and num_real int64 [1]."""
     rows, vocab = logits.shape
     chunk = triton.cdiv(vocab, ARGMAX_CHUNKS)
     vals = torch.empty(rows, ARGMAX_CHUNKS, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, ARGMAX_CHUNKS, dtype=torch.int32, device=logits.device)
     _argmax_chunks_kernel[(rows, ARGMAX_CHUNKS)](logits, vals, idx, logits.stride(0), vocab, CHUNK=chunk,
                                                   BLOCK=1024, num_warps=4)
-    _advance_kernel[(1,)](vals, idx, tokens, step, ids, positions, lens, slots, tables, rows, tokens.stride(0),
-                          tables.stride(0), tables.shape[1], PAGE=page, CHUNKS=ARGMAX_CHUNKS,
+    _advance_kernel[(1,)](vals, idx, tokens, step, ids, positions, lens, slots, tables, num_real, rows, tokens.stride(0),
+                          tables.stride(0), tables.shape[1], tokens.shape[0], PAGE=page, CHUNKS=ARGMAX_CHUNKS,
                           BLOCK_R=max(2, triton.next_power_of_2(rows)), num_warps=4)
