@@ -131,19 +131,20 @@ class GPUModelRunner:
         return logits[: len(seqs)]
 
     @torch.inference_mode()
-    def launch_greedy(self, seqs: list[Sequence], steps: int, continued: bool = False) -> GreedyBurst:
+    def launch_greedy(self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None) -> GreedyBurst:
         """Queues `steps` greedy decode iterations of `seqs` (each replay's argmax is the next one's
         input, positions and slots advanced on the device) and the copy of the chosen ids to the
-        host; returns at once. `continued`: the same sequences carry on from where the last burst
-        left the device's inputs (only their block tables are uploaded again), so the host may
-        queue the next burst before it has looked at the last one's tokens. The caller has grown
+        host; returns at once. `continue_at`: the same sequences carry on at these positions from
+        where the last burst left the device's inputs (their block tables and first KV slots are
+        uploaded again: the blocks may be new), so the host may queue the next burst before it has
+        looked at the last one's tokens. The caller has grown
         every block table to hold the burst; num_computed_tokens is left to the caller (a
         sequence may stop part-way through)."""
         assert steps <= min(self.page, self.max_burst), steps
         n = len(seqs)
-        if continued:
+        if continue_at is not None:
             size = self._burst_size
-            self._load_tables(seqs, size)
+            self._load_tables(seqs, continue_at)
             start = self.max_burst - self._burst_start  # the other half of the token rows
             self.s_step.fill_(start)
         else:
@@ -152,7 +153,8 @@ class GPUModelRunner:
         graph = self.graphs[size][0]
         for _ in range(steps):
             graph.replay()
-        self.h_tokens[start : start + steps, :n].copy_(self.s_tokens[start : start + steps, :n], non_blocking=True)
+        # whole rows: a contiguous copy stays asynchronous (a strided one goes through pageable memory)
+        self.h_tokens[start : start + steps].copy_(self.s_tokens[start : start + steps], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         self._burst_start, self._burst_size = start, size
@@ -163,12 +165,14 @@ class GPUModelRunner:
         burst.done.synchronize()
         return self.h_tokens_np[burst.start : burst.start + burst.steps, : burst.num_seqs].tolist()
 
-    def _load_tables(self, seqs: list[Sequence], size: int) -> None:
-        tables = self.h_tables_np
-        width = max(len(seq.block_table) for seq in seqs)
-        for i, seq in enumerate(seqs):
+    def _load_tables(self, seqs: list[Sequence], positions: list[int]) -> None:
+        """Block tables and the KV slot of each sequence's next position, for a continued burst."""
+        tables, slots, page, n = self.h_tables_np, self.h_vec_np[2], self.page, len(seqs)
+        for i, (seq, p) in enumerate(zip(seqs, positions)):
             tables[i, : len(seq.block_table)] = seq.block_table
-        self.s_tables[: len(seqs), :width].copy_(self.h_tables[: len(seqs), :width], non_blocking=True)
+            slots[i] = seq.block_table[p // page] * page + p % page
+        self.s_tables[:n].copy_(self.h_tables[:n], non_blocking=True)
+        self.s_slots[:n].copy_(self.h_vec[2, :n], non_blocking=True)
 
     def _load_graph_inputs(self, seqs: list[Sequence]) -> int:
         """Fills the graphs' static inputs for a decode of `seqs`; returns the bucket size."""
@@ -180,7 +184,6 @@ class GPUModelRunner:
         vec[1] = 0
         vec[2] = self.trash_slot
         vec[3] = 1
-        width = max(len(seq.block_table) for seq in seqs)
         tables = self.h_tables_np
         tables[n:size, 0] = self.trash_block  # padded rows stay at position 0 of the trash block
         for i, seq in enumerate(seqs):
@@ -191,8 +194,9 @@ class GPUModelRunner:
             vec[2, i] = table[p // page] * page + p % page
             vec[3, i] = p + 1
             tables[i, : len(table)] = table
-        self.s_vec[:, :size].copy_(self.h_vec[:, :size], non_blocking=True)
-        self.s_tables[:size, :width].copy_(self.h_tables[:size, :width], non_blocking=True)
+        # whole rows (contiguous): asynchronous copies; the columns past `size` are not read
+        self.s_vec.copy_(self.h_vec, non_blocking=True)
+        self.s_tables[:size].copy_(self.h_tables[:size], non_blocking=True)
         self.s_step.zero_()
         self.s_num_real.fill_(n)
         return size

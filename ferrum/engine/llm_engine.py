@@ -273,7 +273,7 @@ class LLMEngine:
             computed = [seq.num_computed_tokens + steps for seq in seqs]
             more = self._room(seqs, [len(seq.output_token_ids) + steps for seq in seqs], computed)
             if self._grow_for(seqs, computed, more):
-                self._burst = (seqs, self.runner.launch_greedy(seqs, more, continued=True))
+                self._burst = (seqs, self.runner.launch_greedy(seqs, more, continue_at=computed))
         for row in chosen:
             live = [(seq, token) for seq, token in zip(seqs, row) if not seq.is_finished]
             if not live:
