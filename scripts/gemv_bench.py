@@ -35,10 +35,11 @@ SHAPES = {  # name: (weight rows, K, gated)
     "lm_head": (VOCAB, HIDDEN, False),
 }
 NORM_CONFIGS = [GemvConfig(bn, bk, w) for bn, bk, w in [
-    (2, 1024, 4), (2, 2048, 4), (2, 2048, 8), (4, 2048, 8), (4, 2048, 4), (1, 2048, 4), (2, 512, 4), (8, 2048, 8),
+    (2, 2048, 4), (4, 2048, 4), (2, 2048, 2), (4, 2048, 8), (1, 2048, 2), (2, 1024, 4),
 ]]
 CONFIGS = [GemvConfig(bn, bk, w, 2, False, sk) for bn, bk, w, sk in [
-    (2, 1024, 4, 1), (4, 2048, 8, 1), (2, 2048, 4, 1), (1, 1024, 4, 1), (4, 1024, 4, 1), (8, 1024, 8, 1),
+    (2, 1024, 4, 1), (4, 2048, 8, 1), (2, 2048, 4, 1), (4, 8192, 8, 1), (2, 8192, 8, 1), (2, 8192, 4, 1),
+    (4, 4096, 8, 1), (1, 2048, 2, 1), (2, 2048, 2, 1), (8, 8192, 16, 1),
 ]]
 
 
@@ -205,13 +206,17 @@ def main() -> None:
     lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
     q = torch.randn(1, 4 * kvh, dim, dtype=dt, device=dev)
     ref = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
-    for splits in (8, 16, 32):
-        for block_n in (16, 32, 64):
-            got = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, block_n=block_n)
+    for ctx in (256, 1024):
+        lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+        table = torch.randperm(4096 // page, device=dev)[: ctx // page].to(torch.int32)[None]
+        ref = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
+        for splits, block_n, warps in [(16, 32, 4), (16, 32, 2), (8, 32, 2), (16, 16, 2), (32, 16, 2), (8, 64, 4),
+                                       (32, 32, 2)]:
+            got = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, block_n=block_n, num_warps=warps)
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
             t = graph_time(lambda: [tk.paged_decode(q, kc, vc, table, lens, page, dim**-0.5, splits,
-                                                    block_n=block_n) for kc, vc in caches]) / LAYERS
-            rows.append((f"attention ctx {ctx} splits {splits} block_n {block_n}", f"{t * 1e6:.2f} us",
+                                                    block_n=block_n, num_warps=warps) for kc, vc in caches]) / LAYERS
+            rows.append((f"attention ctx {ctx} splits {splits} block_n {block_n} warps {warps}", f"{t * 1e6:.2f} us",
                          f"rel diff {err:.1e}"))
     # launch gaps: 112 tiny dependent kernels in one graph
     small = torch.randn(1, HIDDEN, dtype=dt, device=dev)

@@ -239,7 +239,7 @@ def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, page: int, scale: float, splits: int = 1,
-                 out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+                 out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache;
     block_n: cache tokens per step of each program's loop."""
     batch, heads, dim = q.shape
@@ -255,7 +255,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=_dot_precision(q), num_warps=4, num_stages=2,
+        PRECISION=_dot_precision(q), num_warps=num_warps, num_stages=2,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, heads)](
