@@ -162,17 +162,26 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
 
 
 def default_config(n: int, k: int, rows: int, norm: bool = False) -> GemvConfig:
-    """Measured on an H100 at batch 1 (scripts/gemv_bench.py): the multiply-reduce variant with very
-    few output features per program, so that thousands of programs keep every multiprocessor's
-    loads in flight. With a norm, all of K in one slice (up to 4096), so the norm is applied to the
-    whole row before the product; without, 1024-wide slices, and 4 x 2048 for long K (the MLP's
-    down projection). Split-K and the tensor-core variant measured slower at these sizes."""
-    if norm and k <= 4096:
+    """Measured on an H100 at batch 1 (scripts/gemv_bench.py): the multiply-reduce variant with two
+    output features per program, so that thousands of programs keep every multiprocessor's loads
+    in flight, and all of K in one slice where it fits (up to 4096, or 8192 with 8 warps): the
+    loads of a program are all issued at once, and a norm is applied to the whole row before the
+    product, as HF applies it. Longer K goes in 2048-wide slices. Split-K and the tensor-core
+    variant measured slower at these sizes. For 2-4 rows the slices shrink with the rows, so that
+    the rows x features x slice products stay in registers."""
+    if rows > 1:
+        block_k = 2048 // triton.next_power_of_2(rows)
+        while k % block_k:
+            block_k //= 2
+        return GemvConfig(block_n=2, block_k=max(block_k, 1), num_warps=4)
+    if k <= 4096:
         return GemvConfig(block_n=2, block_k=triton.next_power_of_2(k), num_warps=4)
-    block_n, block_k, warps = (4, 2048, 8) if k >= 8192 else (2, 1024, 4)
+    if k == 8192:
+        return GemvConfig(block_n=2, block_k=8192, num_warps=8)
+    block_k = 2048
     while k % block_k:
         block_k //= 2
-    return GemvConfig(block_n=block_n, block_k=max(block_k, 1), num_warps=warps)
+    return GemvConfig(block_n=4, block_k=max(block_k, 1), num_warps=8)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
