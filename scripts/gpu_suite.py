@@ -213,10 +213,10 @@ def iter_prefix(a: list[int], b: list[int]):
         yield x
 
 
-def time_batch1_decode(folder: Path, prompt_len: int = 128, new_tokens: int = 256) -> float:
+def time_batch1_decode(folder: Path, prompt_len: int = 128, new_tokens: int = 256, **overrides) -> float:
     from ferrum.engine.sampling_params import SamplingParams
 
-    engine = make_engine(folder, max_num_seqs=8, max_model_len=2048)
+    engine = make_engine(folder, max_num_seqs=8, max_model_len=2048, **overrides)
     rng = random.Random(1)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -262,7 +262,12 @@ def phase_decode(args, bandwidth: float) -> None:
         per_token = time_batch1_decode(folder)
         record("decode", f"{shape} batch-1 decode", round(per_token * 1e3, 3), "ms/token",
                f"{1 / per_token:.0f} tok/s; floor {floor * 1e3:.3f} ms ({nbytes / 1e9:.2f} GB / {bandwidth / 1e9:.0f} GB/s)"
-               f" -> {floor / per_token:.0%} of floor")
+               f" -> {floor / per_token:.1%} of floor")
+        if shape == "llama-3.2-1b" and args.burst_sweep:
+            for steps in (1, 8, 32, 64):
+                t = time_batch1_decode(folder, num_scheduler_steps=steps)
+                record("decode", f"{shape} batch-1 decode, num_scheduler_steps {steps}", round(t * 1e3, 3), "ms/token",
+                       f"{floor / t:.1%} of floor")
         if args.with_hf:
             hf = hf_batch1_tokens_per_s(folder)
             record("decode", f"{shape} HF generate batch 1 (eager, bf16)", round(hf, 1), "tok/s",
@@ -624,6 +629,7 @@ def main() -> None:
     parser.add_argument("--with-8b", action="store_true")
     parser.add_argument("--serve-levels", default="8,16,32,64")
     parser.add_argument("--with-hf", action="store_true")
+    parser.add_argument("--burst-sweep", action="store_true", help="decode: also time other num_scheduler_steps")
     args = parser.parse_args()
     phases = args.phases.split(",")
     import logging

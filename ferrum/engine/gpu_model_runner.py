@@ -84,7 +84,7 @@ class GPUModelRunner:
         ]
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
-        self.max_burst = max(1, min(max_burst, block_size))
+        self.max_burst = max(1, max_burst)  # greedy decodes per burst (padding rows do not move)
         cuda = self.device.type == "cuda"  # elsewhere only in tests, with Triton's interpreter
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 1
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -140,7 +140,7 @@ class GPUModelRunner:
         looked at the last one's tokens. The caller has grown
         every block table to hold the burst; num_computed_tokens is left to the caller (a
         sequence may stop part-way through)."""
-        assert steps <= min(self.page, self.max_burst), steps
+        assert steps <= self.max_burst, steps
         n = len(seqs)
         if continue_at is not None:
             size = self._burst_size
