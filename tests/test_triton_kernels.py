@@ -51,11 +51,10 @@ def scattered_cache(seqs_kv, num_blocks, page, kv_heads, dim, gen):
     return k_cache.to(DEVICE), v_cache.to(DEVICE), table_tensor.to(DEVICE)
 
 
-@pytest.mark.parametrize("fma", [False, True], ids=["tensor-cores", "fma"])
 @pytest.mark.parametrize("block_n", [32, 64])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (6, 2, 64)])
-def test_paged_decode_matches_reference(heads, kv_heads, dim, splits, block_n, fma):
+def test_paged_decode_matches_reference(heads, kv_heads, dim, splits, block_n):
     gen = torch.Generator().manual_seed(heads * dim)
     page = 16
     lengths = [1, 17, 200, 5]  # with 16 splits most of a short sequence's splits are empty
@@ -65,7 +64,7 @@ def test_paged_decode_matches_reference(heads, kv_heads, dim, splits, block_n, f
     q = torch.randn(len(lengths), heads, dim, generator=gen).to(DTYPE)
     out = tk.paged_decode(q.to(DEVICE), k_cache, v_cache, tables,
                           torch.tensor(lengths, dtype=torch.int32, device=DEVICE), page, dim**-0.5, splits,
-                          block_n=block_n, fma=fma)
+                          block_n=block_n)
     for b, n in enumerate(lengths):
         ref = reference_attention(q[b : b + 1], kv[b][0], kv[b][1], past=n - 1)
         assert rel_err(out[b : b + 1].cpu(), ref) < 1e-2

@@ -169,42 +169,12 @@ def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_sc
     return m, l, acc
 
 
-@triton.jit
-def _attend_pages_fma(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_scale,
-                      ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_attend_pages for a few query rows without the tensor cores: products and sums in float32
-    registers (no shared-memory staging of dot operands: less latency for a decode's tiny tiles)."""
-    d = tl.arange(0, D)
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    qf = q.to(tl.float32)
-    for start in range(begin, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        valid = n < end
-        page = tl.load(table + n // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + n % PAGE
-        off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
-        k = tl.load(KC + off, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
-        s = tl.sum(qf[:, None, :] * k[None, :, :], axis=2) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        pv = p.to(v.dtype).to(tl.float32)  # as the tensor-core path rounds p to the cache dtype
-        acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m = m_new
-    return m, l, acc
-
-
 # The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (sequence, kv head, split): its G query heads against one slice of the
     sequence's cache. With one split the result is final; with several, each writes its partial
     (running max, sum, unnormalised output) for _decode_reduce_kernel to combine. (Combining them
@@ -221,12 +191,8 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
     d = tl.arange(0, D)
     gmask = g < G
     q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    if FMA:
-        m, l, acc = _attend_pages_fma(q, KC, VC, TABLES + b * stride_bt, begin, end, kvh, stride_kc, stride_kh,
-                                      scale * 1.4426950408889634, BLOCK_G, D, PAGE, BLOCK_N)
-    else:
-        m, l, acc = _attend_pages(q, KC, VC, TABLES + b * stride_bt, begin, end, kvh, stride_kc, stride_kh,
-                                  scale * 1.4426950408889634, g, BLOCK_G, D, PAGE, BLOCK_N, False, PRECISION)
+    m, l, acc = _attend_pages(q, KC, VC, TABLES + b * stride_bt, begin, end, kvh, stride_kc, stride_kh,
+                              scale * 1.4426950408889634, g, BLOCK_G, D, PAGE, BLOCK_N, False, PRECISION)
     heads = kvh * G + g
     if SPLITS == 1:
         out = acc / l[:, None]
@@ -273,8 +239,7 @@ def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, page: int, scale: float, splits: int = 1,
-                 out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                 fma: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache;
     block_n: cache tokens per step of each program's loop."""
     batch, heads, dim = q.shape
@@ -289,9 +254,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=group, BLOCK_G=triton.next_power_of_2(group) if fma else max(16, triton.next_power_of_2(group)), D=dim,
-        PAGE=page, BLOCK_N=block_n, SPLITS=splits, PRECISION=_dot_precision(q), FMA=fma, num_warps=num_warps,
-        num_stages=2,
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
+        PRECISION=_dot_precision(q), num_warps=num_warps, num_stages=2,
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, heads)](
