@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -272,6 +273,42 @@ def phase_decode(args, bandwidth: float) -> None:
             hf = hf_batch1_tokens_per_s(folder)
             record("decode", f"{shape} HF generate batch 1 (eager, bf16)", round(hf, 1), "tok/s",
                    f"ferrum {1 / per_token / hf:.1f}x")
+
+
+def phase_bursts(args) -> None:
+    """Host timeline of greedy bursts at batch 1 (1B): how long the host waits for each burst, how
+    long from a burst's tokens to the next burst's launch, how long the launch call takes."""
+    from ferrum.engine.sampling_params import SamplingParams
+
+    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    engine = make_engine(folder, max_num_seqs=8, max_model_len=2048)
+    runner = engine.runner
+    marks: list[tuple[str, float]] = []
+    read, launch = runner.read_greedy, runner.launch_greedy
+
+    def timed_read(burst):
+        marks.append(("read>", time.perf_counter()))
+        out = read(burst)
+        marks.append(("read<", time.perf_counter()))
+        return out
+
+    def timed_launch(*a, **k):
+        marks.append(("launch>", time.perf_counter()))
+        out = launch(*a, **k)
+        marks.append(("launch<", time.perf_counter()))
+        return out
+
+    runner.read_greedy, runner.launch_greedy = timed_read, timed_launch
+    engine.generate([list(range(1, 129))], SamplingParams(max_tokens=512, temperature=0, ignore_eos=True))
+    gaps: dict[str, list[float]] = {"wait in read": [], "read -> next launch": [], "launch call": []}
+    names = {("read>", "read<"): "wait in read", ("read<", "launch>"): "read -> next launch",
+             ("launch>", "launch<"): "launch call"}
+    for (a, ta), (b, tb) in zip(marks, marks[1:]):
+        if (a, b) in names:
+            gaps[names[(a, b)]].append((tb - ta) * 1e3)
+    record("bursts", "llama-3.2-1b burst host timeline (ms, median)",
+           ", ".join(f"{k} {statistics.median(v):.3f} (n={len(v)})" for k, v in gaps.items() if v))
+    engine.release()
 
 
 def phase_profile(args) -> None:
@@ -654,6 +691,8 @@ def main() -> None:
                 phase_eager(args)
             elif phase == "profile":
                 phase_profile(args)
+            elif phase == "bursts":
+                phase_bursts(args)
             elif phase == "offline":
                 ferrum_rate = phase_offline(args)
             elif phase == "serve":
