@@ -167,12 +167,23 @@ class GPUModelRunner:
 
     def _load_tables(self, seqs: list[Sequence], positions: list[int]) -> None:
         """Block tables and the KV slot of each sequence's next position, for a continued burst."""
-        tables, slots, page, n = self.h_tables_np, self.h_vec_np[2], self.page, len(seqs)
+        slots, page, n = self.h_vec_np[2], self.page, len(seqs)
         for i, (seq, p) in enumerate(zip(seqs, positions)):
-            tables[i, : len(seq.block_table)] = seq.block_table
             slots[i] = seq.block_table[p // page] * page + p % page
-        self.s_tables[:n].copy_(self.h_tables[:n], non_blocking=True)
+        self._upload_tables(seqs, n)
         self.s_slots[:n].copy_(self.h_vec[2, :n], non_blocking=True)
+
+    def _upload_tables(self, seqs: list[Sequence], rows: int) -> None:
+        """The block tables of `seqs` into the first `rows` rows of the graphs' table (rows past the
+        sequences point at the trash block), through a pinned staging block as wide as the
+        longest table: a contiguous source keeps the copy asynchronous and small."""
+        width = max(len(seq.block_table) for seq in seqs)
+        staging = self.h_tables[: rows * width].view(rows, width)
+        host = staging.numpy()
+        for i, seq in enumerate(seqs):
+            host[i, : len(seq.block_table)] = seq.block_table
+        host[len(seqs) :, 0] = self.trash_block
+        self.s_tables[:rows, :width].copy_(staging, non_blocking=True)
 
     def _load_graph_inputs(self, seqs: list[Sequence]) -> int:
         """Fills the graphs' static inputs for a decode of `seqs`; returns the bucket size."""
@@ -184,8 +195,6 @@ class GPUModelRunner:
         vec[1] = 0
         vec[2] = self.trash_slot
         vec[3] = 1
-        tables = self.h_tables_np
-        tables[n:size, 0] = self.trash_block  # padded rows stay at position 0 of the trash block
         for i, seq in enumerate(seqs):
             p = seq.num_computed_tokens
             table = seq.block_table
@@ -193,10 +202,9 @@ class GPUModelRunner:
             vec[1, i] = p
             vec[2, i] = table[p // page] * page + p % page
             vec[3, i] = p + 1
-            tables[i, : len(table)] = table
-        # whole rows (contiguous): asynchronous copies; the columns past `size` are not read
+        # whole rows (contiguous): an asynchronous copy; the columns past `size` are not read
         self.s_vec.copy_(self.h_vec, non_blocking=True)
-        self.s_tables[:size].copy_(self.h_tables[:size], non_blocking=True)
+        self._upload_tables(seqs, size)  # padded rows stay at position 0 of the trash block
         self.s_step.zero_()
         self.s_num_real.fill_(n)
         return size
@@ -278,9 +286,8 @@ class GPUModelRunner:
         self.s_ids, self.s_pos, self.s_slots, self.s_lens = self.s_vec.unbind(0)
         self.s_tables = torch.full((n, self.max_blocks), self.trash_block, dtype=torch.int32, device=dev)
         self.h_vec = torch.zeros(4, n, dtype=torch.long).pin_memory()
-        self.h_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
+        self.h_tables = torch.zeros(n * self.max_blocks, dtype=torch.int32).pin_memory()  # staging, see _upload_tables
         self.h_vec_np = self.h_vec.numpy()
-        self.h_tables_np = self.h_tables.numpy()
         # greedy bursts: each replay writes its argmax into row s_step of s_tokens (two halves: a
         # burst queued behind another writes the other half), for the first s_num_real rows
         self.s_tokens = torch.zeros(2 * self.max_burst, n, dtype=torch.long, device=dev)
