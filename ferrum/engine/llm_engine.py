@@ -226,8 +226,8 @@ class LLMEngine:
     def _greedy_burst_length(self, plan) -> int:
         """Decode iterations to run on the device in one go for this plan (0: the ordinary step).
         Only for CUDA-graph decodes of greedy sequences without logprobs or penalties; one
-        iteration while requests wait (they are admitted next step); at most num_scheduler_steps,
-        and no further than any sequence may still grow."""
+        iteration while a waiting request could be admitted (it is, next step); at most
+        num_scheduler_steps, and no further than any sequence may still grow."""
         if getattr(self.runner, "launch_greedy", None) is None or not self.runner.graphs:
             return 0
         if len(plan.scheduled) > self.runner.max_num_seqs:
@@ -237,7 +237,7 @@ class LLMEngine:
             if not (s.is_decode and p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
                     and not p.presence_penalty and not p.frequency_penalty):
                 return 0
-        if self.scheduler.waiting:
+        if self._admission_pending():
             return 1
         seqs = [s.seq for s in plan.scheduled]
         steps = self._room(seqs, [len(seq.output_token_ids) for seq in seqs], [seq.num_computed_tokens for seq in seqs])
@@ -263,13 +263,15 @@ class LLMEngine:
 
     def _finish_burst(self) -> list[Sequence]:
         """Takes the queued burst's tokens; when no sequence can have stopped in it (by token,
-        length, or abort) and none waits, queues the next burst of the same sequences on the device
-        first, so that the GPU decodes while the host detokenizes. Returns the burst's sequences."""
+        length, or abort) and no request waits for a free slot, queues the next burst of the same
+        sequences on the device first, so that the GPU decodes while the host detokenizes.
+        Returns the burst's sequences."""
         seqs, burst = self._burst
         self._burst = None
         chosen = self.runner.read_greedy(burst)
         steps = len(chosen)
-        if not self.scheduler.waiting and all(self._keeps_going(seq, [row[i] for row in chosen]) for i, seq in enumerate(seqs)):
+        if not self._admission_pending() and all(self._keeps_going(seq, [row[i] for row in chosen])
+                                                 for i, seq in enumerate(seqs)):
             computed = [seq.num_computed_tokens + steps for seq in seqs]
             more = self._room(seqs, [len(seq.output_token_ids) + steps for seq in seqs], computed)
             if self._grow_for(seqs, computed, more):
@@ -283,6 +285,11 @@ class LLMEngine:
             self.outputs.append([seq for seq, _ in live], SampleResult([t for _, t in live], [None] * len(live)))
             self._generation_tokens += len(live)
         return seqs
+
+    def _admission_pending(self) -> bool:
+        """A request waits and a running slot is free for it (with every slot taken, it waits for
+        a sequence to finish, which ends the burst anyway)."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.scheduler.max_num_seqs
 
     def _keeps_going(self, seq: Sequence, tokens: list[int]) -> bool:
         """Whether `seq` is sure to run on after appending `tokens`, judged without detokenizing:
