@@ -6,6 +6,11 @@ buffers, padded rows point at a spare "trash" KV block, and the graph computes t
 every row. Other steps (prefills, chunks, mixed batches) run eagerly: their decode rows through the
 decode kernel, their prompts through the prefill kernel, the step padded to a token-count bucket
 that start-up has already run once. Logits stay on the device for sampling.
+
+Each decode graph ends with the greedy choice of every row, written where the next replay reads
+its input (one position on): greedy bursts (launch_greedy / read_greedy) replay a graph several
+times in a row with no host work between, and copy the chosen ids back once. Batches of 1-4 run
+the fused matrix-vector path (LlamaForCausalLM.decode_logits_fused).
 """
 
 from __future__ import annotations
@@ -137,9 +142,8 @@ class GPUModelRunner:
         host; returns at once. `continue_at`: the same sequences carry on at these positions from
         where the last burst left the device's inputs (their block tables and first KV slots are
         uploaded again: the blocks may be new), so the host may queue the next burst before it has
-        looked at the last one's tokens. The caller has grown
-        every block table to hold the burst; num_computed_tokens is left to the caller (a
-        sequence may stop part-way through)."""
+        looked at the last one's tokens. The caller has grown every block table to hold the burst;
+        num_computed_tokens is left to the caller (a sequence may stop part-way through)."""
         assert steps <= self.max_burst, steps
         n = len(seqs)
         if continue_at is not None:
@@ -314,7 +318,7 @@ class GPUModelRunner:
         else:
             logits = self.model.compute_logits(self.model(self.s_ids[:size], self.kv_caches, batch))
         # in the graph, after the logits: the greedy choice is recorded and becomes the next replay's
-        # input one position on (decode_greedy replays on; _decode_with_graph reloads the inputs)
+        # input one position on (launch_greedy replays on; _decode_with_graph reloads the inputs)
         triton_kernels.greedy_advance(logits, self.s_tokens, self.s_step, self.s_ids[:size], self.s_pos[:size],
                                       self.s_lens[:size], self.s_slots[:size], self.s_tables[:size], self.page,
                                       self.s_num_real)
