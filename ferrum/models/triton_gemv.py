@@ -5,15 +5,17 @@ matrix for a handful of activation rows. cuBLAS runs the large ones near the mem
 the small ones (q/k/v, o) well under it, and every norm, activation and residual add between them
 is one more launch. Here one kernel does what sits around a projection:
 
-    prologue   RMSNorm of the input rows (the norm's weight applied as x is read, 1/rms after the
-               product, so that the weights stream from the first instruction)
+    prologue   RMSNorm of the input rows: when one slice holds all of K (the default up to 4096),
+               applied to the whole row first, in HF's order; otherwise the norm's weight as x
+               is read and 1/rms after the product
     product    y = x @ W.T (+ bias), float32 accumulation, W read once in [BLOCK_N, BLOCK_K] tiles
     epilogue   silu(gate) * up for a fused gate/up weight, or + residual
 
-so a decoder layer is four of these plus rope/cache write and attention. Each program owns
-BLOCK_N output features and one of SPLIT_K slices of K; with several slices each program leaves
-its partial sums and the last of a feature block to finish adds them up in a fixed order
-(deterministic) and runs the epilogue.
+so a decoder layer is three of these plus the q/k/v projection with rope and the KV-cache write
+(qkv_rope_store) and attention. Each program owns BLOCK_N output features. Two variants measured
+slower on an H100 and kept for other shapes and for the benchmark (scripts/gemv_bench.py), off by
+default: a tensor-core product (rows padded to 16), and SPLIT_K slices of K whose partial sums
+the last program of a feature block adds up in a fixed order (deterministic) before the epilogue.
 """
 
 from __future__ import annotations
