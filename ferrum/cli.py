@@ -49,7 +49,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True,
                    help="GPU: no CUDA graphs for decode")
     p.add_argument("--num-scheduler-steps", dest="num_scheduler_steps", type=int,
-                   help="GPU: greedy decode iterations per scheduler step while no request waits (default 16, at most the block size)")
+                   help="GPU: greedy decode iterations per host round trip while no request waits for a slot (default 16)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
                    help="do not reuse the KV of prompt prefixes shared with earlier requests")
     p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),

@@ -18,8 +18,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on GPUs: the share of device memory Ferrum may fill (weights + KV)
     enforce_eager: bool = False  # on GPUs: no CUDA graphs for decode
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
-    # GPU: decode iterations run back to back per scheduler step when every running sequence decodes
-    # greedily and none waits (one host round trip per burst; tokens after a stop are dropped)
+    # GPU: greedy decodes run back to back per host round trip while every running sequence decodes
+    # greedily and no request waits for a free slot (tokens after a stop are dropped)
     num_scheduler_steps: int = 16
     seed: int = 0
 
