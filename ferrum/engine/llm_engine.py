@@ -240,8 +240,9 @@ class LLMEngine:
         if self._admission_pending():
             return 1
         seqs = [s.seq for s in plan.scheduled]
-        steps = self._room(seqs, [len(seq.output_token_ids) for seq in seqs], [seq.num_computed_tokens for seq in seqs])
-        return max(self._grow_for(seqs, [seq.num_computed_tokens for seq in seqs], steps), 1)
+        computed = [seq.num_computed_tokens for seq in seqs]
+        steps = self._room(seqs, [len(seq.output_token_ids) for seq in seqs], computed)
+        return max(self._grow_for(seqs, computed, steps), 1)
 
     def _room(self, seqs: list[Sequence], outputs: list[int], computed: list[int]) -> int:
         """Greedy iterations every sequence may still take, from `outputs` tokens out and
