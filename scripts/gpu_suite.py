@@ -4,7 +4,8 @@
 
 Phases:
   env      GPU, versions, measured device-to-device copy bandwidth (bytes read + written)
-  kernels  the Triton kernel tests, compiled (tests/test_triton_kernels.py, tests/test_*gpu*.py)
+  kernels  the Triton kernel tests, compiled (tests/test_triton_kernels.py, tests/test_triton_gemv.py,
+           tests/test_*gpu*.py)
   correct  bf16 logits (prefill and decode, through the CUDA graphs) and greedy outputs vs HF
            transformers on the same random-weight Llama-3.2-1B and Qwen3-0.6B checkpoints
   decode   batch-1 decode ms/token vs the floor of weight bytes over measured bandwidth (1B; 8B
@@ -12,6 +13,7 @@ Phases:
   offline  the offline workload (256 requests, 100-1024 in, 100-1024 out, ignore EOS) on the 1B
   hf       HF transformers' generate_batch (continuous batching) on the same requests, 512 out
   cold     time from `ferrum serve` to ready for the 8B shape; load rate vs safetensors load_file
+  graphab  GPU time of the 1B batch-1 decode graph under --pdl-modes / --decode-splits variants
   serve    `ferrum bench serve` against `ferrum serve` at concurrency 64 vs offline at max_num_seqs 64
 Random-weight checkpoints are made under --ckpt (scripts/make_random_checkpoint.py).
 """
@@ -101,7 +103,8 @@ def phase_env(args) -> float:
 
 
 def phase_kernels(args) -> None:
-    tests = ["tests/test_triton_kernels.py"] + [str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_*gpu*.py")]
+    tests = ["tests/test_triton_kernels.py", "tests/test_triton_gemv.py"]
+    tests += [str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_*gpu*.py")]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=ROOT, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
@@ -255,7 +258,10 @@ def hf_batch1_tokens_per_s(folder: Path, new_tokens: int = 64) -> float:
 
 
 def phase_decode(args, bandwidth: float) -> None:
+    from ferrum.models import triton_kernels
+
     shapes = ["llama-3.2-1b"] + (["llama-3.1-8b"] if args.with_8b else [])
+    default_mode, default_splits = triton_kernels.PDL_MODE, triton_kernels.decode_splits
     for shape in shapes:
         folder = checkpoint(shape, args.ckpt)
         nbytes = weight_bytes_read_per_token(folder)
@@ -263,7 +269,21 @@ def phase_decode(args, bandwidth: float) -> None:
         per_token = time_batch1_decode(folder)
         record("decode", f"{shape} batch-1 decode", round(per_token * 1e3, 3), "ms/token",
                f"{1 / per_token:.0f} tok/s; floor {floor * 1e3:.3f} ms ({nbytes / 1e9:.2f} GB / {bandwidth / 1e9:.0f} GB/s)"
-               f" -> {floor / per_token:.1%} of floor")
+               f" -> {floor / per_token:.1%} of floor; PDL mode {default_mode}")
+        # A/B of programmatic dependent launch modes and batch-1 attention splits, interleaved
+        variants = [(int(m), None) for m in args.pdl_modes.split(",") if m] if args.pdl_modes else []
+        variants += [(default_mode, int(n)) for n in args.decode_splits.split(",") if n] if args.decode_splits else []
+        for _ in range(args.ab_repeat if variants else 0):
+            for mode, splits in variants:
+                triton_kernels.PDL_MODE = mode
+                if splits is not None:
+                    triton_kernels.decode_splits = lambda batch, kv, sms=132, n=splits: n if batch == 1 else default_splits(batch, kv, sms)
+                try:
+                    t = time_batch1_decode(folder)
+                finally:
+                    triton_kernels.PDL_MODE, triton_kernels.decode_splits = default_mode, default_splits
+                label = f"PDL mode {mode}" + (f", batch-1 attention splits {splits}" if splits is not None else "")
+                record("decode", f"{shape} batch-1 decode, {label}", round(t * 1e3, 3), "ms/token", f"{floor / t:.1%} of floor")
         if shape == "llama-3.2-1b" and args.burst_sweep:
             for steps in (1, 8, 32, 64):
                 t = time_batch1_decode(folder, num_scheduler_steps=steps)
@@ -292,9 +312,15 @@ def phase_bursts(args) -> None:
         marks.append(("read<", time.perf_counter()))
         return out
 
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+
     def timed_launch(*a, **k):
         marks.append(("launch>", time.perf_counter()))
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
         out = launch(*a, **k)
+        e1.record()
+        events.append((e0, e1, out.steps))
         marks.append(("launch<", time.perf_counter()))
         return out
 
@@ -308,6 +334,13 @@ def phase_bursts(args) -> None:
             gaps[names[(a, b)]].append((tb - ta) * 1e3)
     record("bursts", "llama-3.2-1b burst host timeline (ms, median)",
            ", ".join(f"{k} {statistics.median(v):.3f} (n={len(v)})" for k, v in gaps.items() if v))
+    torch.cuda.synchronize()
+    # the device's view: how long each burst kept the GPU busy, and how long it sat idle between
+    busy = [e0.elapsed_time(e1) / steps for e0, e1, steps in events]
+    idle = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
+    record("bursts", "llama-3.2-1b GPU per token within a burst / idle between bursts (ms, median)",
+           f"{statistics.median(busy):.4f} / {statistics.median(idle):.3f}",
+           note=f"{len(events)} bursts; idle total {sum(idle):.2f} ms over {sum(s for *_, s in events)} tokens")
     engine.release()
 
 
@@ -396,6 +429,94 @@ def phase_profile(args) -> None:
         engine.release()
         del engine
         torch.cuda.empty_cache()
+
+
+def phase_graphab(args) -> None:
+    """GPU time of the batch-1 decode graph (1B) under variants of the kernels (PDL modes, attention
+    splits), re-captured in one engine and timed in interleaved rounds: an A/B without the host's
+    noise. Each timing replays the graph 200 times from the same sequence state (context 160-360)."""
+    from ferrum.engine.sampling_params import SamplingParams
+    from ferrum.models import triton_kernels
+
+    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    engine = make_engine(folder, max_num_seqs=8, max_model_len=2048)
+    runner = engine.runner
+    engine.add_request("p", list(range(1, 129)), SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True))
+    while engine.sequences["p"].num_computed_tokens < 160:
+        engine.step()
+    torch.cuda.synchronize()  # a burst may still be queued: its tokens are not needed here
+    seq = engine.sequences["p"]
+    default_mode, default_splits = triton_kernels.PDL_MODE, triton_kernels.decode_splits
+    variants = [(int(m), None) for m in (args.pdl_modes or "0,1").split(",")]
+    variants += [(default_mode, int(n)) for n in args.decode_splits.split(",") if n] if args.decode_splits else []
+    if args.no_attention:  # splits 0: attention left out of the graph (its cost in the chain, not a result)
+        variants.append((default_mode, 0))
+    times: dict[tuple, list[float]] = {v: [] for v in variants}
+    from ferrum.models.gpu_attention import TritonAttentionBatch
+
+    attend_stored = TritonAttentionBatch.attend_stored
+    kept: list[dict] = []
+    with torch.inference_mode():
+        for _ in range(args.ab_repeat):
+            for mode, splits in variants:
+                triton_kernels.PDL_MODE = mode
+                if splits:
+                    triton_kernels.decode_splits = lambda b, kv, sms=132, n=splits: n if b == 1 else default_splits(b, kv, sms)
+                if splits == 0:
+                    TritonAttentionBatch.attend_stored = lambda self, layer, q, cache: q.view(-1, layer.q_size)
+                try:
+                    kept.append(runner.graphs)  # not destroyed mid-run: a fresh set beside them
+                    runner.graphs = {}
+                    runner._capture_graphs()
+                finally:
+                    triton_kernels.PDL_MODE, triton_kernels.decode_splits = default_mode, default_splits
+                    TritonAttentionBatch.attend_stored = attend_stored
+                graph = runner.graphs[1][0]
+                runner._load_graph_inputs([seq])
+                for _ in range(10):
+                    graph.replay()
+                runner._load_graph_inputs([seq])
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(200):
+                    graph.replay()
+                b.record()
+                b.synchronize()
+                times[(mode, splits)].append(a.elapsed_time(b) / 200)
+        # the engine's own graphs (captured at start-up), and bursts as the engine queues them: a
+        # burst of 16 replays (with its table upload and token copy) queued behind another
+        init_graph = kept[0][1][0]
+        runner.graphs = kept[0]
+        burst_times, init_times = [], []
+        engine.block_manager.grow(seq, seq.num_computed_tokens + 64)
+        for _ in range(args.ab_repeat):
+            runner._load_graph_inputs([seq])
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(200):
+                init_graph.replay()
+            b.record()
+            b.synchronize()
+            init_times.append(a.elapsed_time(b) / 200)
+            for _ in range(5):
+                runner._load_graph_inputs([seq])
+                runner.launch_greedy([seq], 16)
+                a.record()
+                runner.launch_greedy([seq], 16, continue_at=[seq.num_computed_tokens + 16])
+                b.record()
+                b.synchronize()
+                burst_times.append(a.elapsed_time(b) / 16)
+    record("graphab", "1B batch-1 decode graph captured at start-up", round(min(init_times) * 1e3, 1),
+           "us (GPU, best round)", "rounds: " + ", ".join(f"{t * 1e3:.1f}" for t in init_times))
+    record("graphab", "1B batch-1 burst of 16 behind another, per token", round(statistics.median(burst_times) * 1e3, 1),
+           "us (GPU, median)", "all: " + ", ".join(f"{t * 1e3:.1f}" for t in burst_times))
+    for (mode, splits), ts in times.items():
+        label = f"PDL mode {mode}" + (f", attention splits {splits}" if splits else "") + (", NO attention" if splits == 0 else "")
+        record("graphab", f"1B batch-1 decode graph, {label}", round(min(ts) * 1e3, 1), "us (GPU, best round)",
+               "rounds: " + ", ".join(f"{t * 1e3:.1f}" for t in ts))
+    engine.release()
+    del engine
+    torch.cuda.empty_cache()
 
 
 def phase_timeline(args) -> None:
@@ -665,6 +786,10 @@ def main() -> None:
     parser.add_argument("--serve-levels", default="8,16,32,64")
     parser.add_argument("--with-hf", action="store_true")
     parser.add_argument("--burst-sweep", action="store_true", help="decode: also time other num_scheduler_steps")
+    parser.add_argument("--pdl-modes", default="", help="decode: also time these PDL modes, e.g. 0,1,2")
+    parser.add_argument("--decode-splits", default="", help="decode: also time these batch-1 attention splits")
+    parser.add_argument("--no-attention", action="store_true", help="graphab: also time the graph without attention")
+    parser.add_argument("--ab-repeat", type=int, default=2, help="rounds of the --pdl-modes/--decode-splits variants")
     args = parser.parse_args()
     phases = args.phases.split(",")
     import logging
@@ -689,6 +814,8 @@ def main() -> None:
                 phase_eager(args)
             elif phase == "profile":
                 phase_profile(args)
+            elif phase == "graphab":
+                phase_graphab(args)
             elif phase == "bursts":
                 phase_bursts(args)
             elif phase == "offline":
@@ -705,8 +832,8 @@ def main() -> None:
             traceback.print_exc()
             record(phase, "FAILED", repr(exc)[:300])
         print(f"--- phase {phase} took {time.perf_counter() - started:.1f}s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_suite.json").write_text(json.dumps(RESULTS, indent=2))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_suite.json").write_text(json.dumps(RESULTS, indent=2))  # kept if a later phase is cut off
     print("\n==== results ====")
     for r in RESULTS:
         print(f"{r['phase']:8} | {r['name'][:60]:60} | {r['value']} {r['unit']} | {r['note']}")

@@ -171,11 +171,13 @@ class GPUModelRunner:
 
     def _load_tables(self, seqs: list[Sequence], positions: list[int]) -> None:
         """Block tables and the KV slot of each sequence's next position, for a continued burst."""
+        self._staging_free()
         slots, page, n = self.h_vec_np[2], self.page, len(seqs)
         for i, (seq, p) in enumerate(zip(seqs, positions)):
             slots[i] = seq.block_table[p // page] * page + p % page
         self._upload_tables(seqs, n)
         self.s_slots[:n].copy_(self.h_vec[2, :n], non_blocking=True)
+        self._staged_now()
 
     def _upload_tables(self, seqs: list[Sequence], rows: int) -> None:
         """The block tables of `seqs` into the first `rows` rows of the graphs' table (rows past the
@@ -194,6 +196,7 @@ class GPUModelRunner:
         n = len(seqs)
         size = next(s for s in self._graph_sizes if s >= n)
         page = self.page
+        self._staging_free()
         vec = self.h_vec_np[:, :size]  # rows: token ids, positions, slots, context lengths
         vec[0] = 0
         vec[1] = 0
@@ -211,6 +214,7 @@ class GPUModelRunner:
         self._upload_tables(seqs, size)  # padded rows stay at position 0 of the trash block
         self.s_step.zero_()
         self.s_num_real.fill_(n)
+        self._staged_now()
         return size
 
     def _run_eager(
@@ -289,7 +293,7 @@ class GPUModelRunner:
         self.s_vec[3] = 1
         self.s_ids, self.s_pos, self.s_slots, self.s_lens = self.s_vec.unbind(0)
         self.s_tables = torch.full((n, self.max_blocks), self.trash_block, dtype=torch.int32, device=dev)
-        self.h_vec = torch.zeros(4, n, dtype=torch.long).pin_memory()
+        self.h_vec = self.s_vec.cpu().pin_memory()  # columns past a graph's rows: padding (trash slot, length 1)
         self.h_tables = torch.zeros(n * self.max_blocks, dtype=torch.int32).pin_memory()  # staging, see _upload_tables
         self.h_vec_np = self.h_vec.numpy()
         # greedy bursts: each replay writes its argmax into row s_step of s_tokens (two halves: a
@@ -300,6 +304,18 @@ class GPUModelRunner:
         self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
         self.s_num_real = torch.zeros(1, dtype=torch.long, device=dev)
         self._burst_start, self._burst_size = 0, 1
+        # the last burst's uploads from the pinned staging above (the host must not refill it
+        # before they ran: a burst may be queued behind one still running)
+        self._staged: torch.cuda.Event | None = None
+
+    def _staged_now(self) -> None:
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+
+    def _staging_free(self) -> None:
+        if self._staged is not None:
+            self._staged.synchronize()  # long done in practice: the uploads run first in their burst
+            self._staged = None
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         batch = TritonAttentionBatch(

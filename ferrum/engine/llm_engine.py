@@ -266,17 +266,17 @@ class LLMEngine:
         """Takes the queued burst's tokens; when no sequence can have stopped in it (by token,
         length, or abort) and no request waits for a free slot, queues the next burst of the same
         sequences on the device first, so that the GPU decodes while the host detokenizes.
-        Returns the burst's sequences."""
+        Small batches queue it even before the host has the tokens (_queue_ahead). Returns the
+        burst's sequences."""
         seqs, burst = self._burst
         self._burst = None
+        following = self._queue_ahead(seqs, burst.steps)
         chosen = self.runner.read_greedy(burst)
-        steps = len(chosen)
-        if not self._admission_pending() and all(self._keeps_going(seq, [row[i] for row in chosen])
-                                                 for i, seq in enumerate(seqs)):
-            computed = [seq.num_computed_tokens + steps for seq in seqs]
-            more = self._room(seqs, [len(seq.output_token_ids) + steps for seq in seqs], computed)
-            if self._grow_for(seqs, computed, more):
-                self._burst = (seqs, self.runner.launch_greedy(seqs, more, continue_at=computed))
+        if following is None and not self._admission_pending() and all(
+                self._keeps_going(seq, [row[i] for row in chosen]) for i, seq in enumerate(seqs)):
+            following = self._continue(seqs, len(chosen))
+        if following is not None:
+            self._burst = (seqs, following)
         for row in chosen:
             live = [(seq, token) for seq, token in zip(seqs, row) if not seq.is_finished]
             if not live:
@@ -286,6 +286,33 @@ class LLMEngine:
             self.outputs.append([seq for seq, _ in live], SampleResult([t for _, t in live], [None] * len(live)))
             self._generation_tokens += len(live)
         return seqs
+
+    def _continue(self, seqs: list[Sequence], steps: int) -> GreedyBurst | None:
+        """Queues the next burst of `seqs` on the device, carrying on from the end of the one
+        queued before it (`steps` decodes the host has not counted yet); None when the sequences'
+        limits or the free blocks leave no room."""
+        computed = [seq.num_computed_tokens + steps for seq in seqs]
+        more = self._room(seqs, [len(seq.output_token_ids) + steps for seq in seqs], computed)
+        if not self._grow_for(seqs, computed, more):
+            return None
+        return self.runner.launch_greedy(seqs, more, continue_at=computed)
+
+    # Batches up to this size queue the next burst before the host has waited for the last: their
+    # decode steps are short (about 1 ms at batch 1 on an H100), so the host's turn-around between
+    # bursts (waking, reading, launching: ~0.13 ms) would leave the GPU idle for a visible share.
+    QUEUE_AHEAD_MAX_SEQS = 4
+
+    def _queue_ahead(self, seqs: list[Sequence], steps: int) -> GreedyBurst | None:
+        """For a small batch, queues the next burst behind the one about to be read, as if none of
+        its sequences stops in it (stop tokens are not known yet; lengths are). A sequence that
+        does stop has the rest of its rows dropped when they are read, as after any stop, and
+        the following burst is not queued ahead. Not while a request waits for a free slot (it
+        would wait one burst longer), nor for sequences with stop strings."""
+        if len(seqs) > self.QUEUE_AHEAD_MAX_SEQS or self._admission_pending():
+            return None
+        if any(seq.is_finished or seq.params.stop for seq in seqs):
+            return None
+        return self._continue(seqs, steps)
 
     def _admission_pending(self) -> bool:
         """A request waits and a running slot is free for it (with every slot taken, it waits for

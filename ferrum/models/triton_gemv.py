@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.models.triton_kernels import pdl_launch, pdl_mode, pdl_wait
+
 MAX_ROWS = 4  # decode batches up to this size take the fused kernels
 
 
@@ -56,9 +58,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 @triton.jit
 def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k, K, eps,
                stride_xm, NORM: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-               WHOLE_K: tl.constexpr = False):
+               WHOLE_K: tl.constexpr = False, w=None, w2=None):
     """One BLOCK_K slice of the product (WHOLE_K: the slice is all of K, masked where K is not a
-    power of two)."""
+    power of two; w, w2: the slice of the weights, when already loaded)."""
     if WHOLE_K:
         kmask = k < K
         xmask = rmask[:, None] & kmask[None, :]
@@ -76,13 +78,15 @@ def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k, K, 
         else:  # the norm's weight goes in now, the 1/rms factor after the product
             ss += xf * xf  # summed across K once, after the loop
             x = (tl.load(NW + k).to(tl.float32)[None, :] * xf).to(x.dtype)
-    w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0)
+    if w is None:
+        w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0)
     if DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     else:
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if GATED:
-        w2 = tl.load(w_rows2 + k[None, :], mask=wmask, other=0.0)
+        if w2 is None:
+            w2 = tl.load(w_rows2 + k[None, :], mask=wmask, other=0.0)
         if DOT:
             acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision=PRECISION)
         else:
@@ -91,10 +95,23 @@ def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k, K, 
 
 
 @triton.jit
+def _first_weights(w_rows, w_rows2, nmask, kk, K, GATED: tl.constexpr, PDL: tl.constexpr):
+    """The weights of a program's first K slice, loaded before pdl_wait: they do not depend on the
+    kernel before."""
+    wmask = nmask[:, None] & (kk < K)[None, :]
+    w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0)
+    w2 = w
+    if GATED:
+        w2 = tl.load(w_rows2 + kk[None, :], mask=wmask, other=0.0)
+    pdl_wait(PDL)
+    return w, w2
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                 DOT: tl.constexpr, PRECISION: tl.constexpr, WHOLE_K: tl.constexpr):
+                 DOT: tl.constexpr, PRECISION: tl.constexpr, WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0):
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -109,12 +126,18 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
     ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
     w_rows2 = W + (n + N)[:, None].to(tl.int64) * stride_wn
-    if WHOLE_K:  # one slice: the norm is applied before the product, as HF applies it
+    k_len = K // SPLIT_K
+    k_begin = split * k_len
+    if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
+        w, w2 = _first_weights(w_rows, w_rows2, nmask, k_begin + kk, K, GATED, PDL)
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k_begin + kk, K, eps,
+                                   stride_xm, NORM, GATED, DOT, PRECISION, WHOLE_K, w, w2)
+        k_begin += BLOCK_K
+    elif WHOLE_K:  # one slice: the norm is applied before the product, as HF applies it
         acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, K, eps, stride_xm,
                                    NORM, GATED, DOT, PRECISION, True)
-    else:
-        k_len = K // SPLIT_K
-        for k0 in range(split * k_len, (split + 1) * k_len, BLOCK_K):
+    if not WHOLE_K:
+        for k0 in range(k_begin, (split + 1) * k_len, BLOCK_K):
             acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, K, eps,
                                        stride_xm, NORM, GATED, DOT, PRECISION)
     sumsq = tl.sum(ss, axis=1)
@@ -204,6 +227,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
     rows = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     blocks = triton.cdiv(n, cfg.block_n)
+    pdl = pdl_mode(x) if cfg.split_k == 1 else 0  # split-K's counters: one kernel at a time
     if cfg.split_k > 1:
         part = torch.empty(blocks * cfg.split_k * 3 * rows * cfg.block_n, dtype=torch.float32, device=x.device)
         counts = _counters(x.device, blocks)
@@ -216,7 +240,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
         ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        WHOLE_K=whole_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WHOLE_K=whole_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
 
@@ -226,7 +250,7 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
                      stride_xm, stride_wn, stride_cs, stride_qt, stride_qh, stride_kc, stride_kh, eps,
                      H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-                     WHOLE_K: tl.constexpr):
+                     WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0):
     """The q/k/v projection with rope and the KV-cache write as its epilogue: each program owns
     BLOCK_H dims of the first half of one head and the matching dims of the second half, the
     pairs the rotation mixes."""
@@ -245,11 +269,22 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
     ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
     w_rows2 = W + (n + D // 2)[:, None].to(tl.int64) * stride_wn
-    if WHOLE_K:
+    # the step's positions and slots are set before it starts (see _decode_kernel): read before the wait
+    slot = tl.load(SLOTS + rows, mask=rmask, other=0)
+    pos = tl.load(POS + rows, mask=rmask, other=0)
+    c = tl.load(COS + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
+    s = tl.load(SIN + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
+    k_begin = 0
+    if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
+        w, w2 = _first_weights(w_rows, w_rows2, nmask, kk, K, True, PDL)
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, K, eps, stride_xm,
+                                   NORM, True, False, "ieee", WHOLE_K, w, w2)
+        k_begin = BLOCK_K
+    elif WHOLE_K:
         acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, K, eps, stride_xm,
                                    NORM, True, False, "ieee", True)
-    else:
-        for k0 in range(0, K, BLOCK_K):
+    if not WHOLE_K:
+        for k0 in range(k_begin, K, BLOCK_K):
             acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, K, eps,
                                        stride_xm, NORM, True, False, "ieee")
     if NORM and not WHOLE_K:
@@ -261,11 +296,7 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
         acc2 += tl.load(B + n + D // 2).to(tl.float32)[None, :]
     x1 = acc.to(act_ty).to(tl.float32)
     x2 = acc2.to(act_ty).to(tl.float32)
-    slot = tl.load(SLOTS + rows, mask=rmask, other=0)
     if head < H + KV:
-        pos = tl.load(POS + rows, mask=rmask, other=0)
-        c = tl.load(COS + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
-        s = tl.load(SIN + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
         y1 = x1 * c - x2 * s
         y2 = x2 * c + x1 * s
     else:
@@ -298,11 +329,13 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         block_k //= 2
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2) // block_h,)
+    pdl = pdl_mode(x)
     _qkv_rope_kernel[grid](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         positions, cos, sin, slots, q, k_cache, v_cache, m, k,
         x.stride(0), weight.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), eps,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
-        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, num_warps=4, num_stages=2,
+        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl, num_warps=4, num_stages=2,
+        **pdl_launch(pdl),
     )
     return q

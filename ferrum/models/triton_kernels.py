@@ -10,11 +10,56 @@ token at position p of a sequence lives in slot block_table[p // page] * page + 
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634
+
+
+# -- programmatic dependent launch --------------------------------------------------------------
+
+# On Hopper and later, each kernel of a decode step is launched while the one before it still runs
+# (programmatic dependent launch): it issues the loads that do not depend on that kernel (its
+# weights), then waits for it (griddepcontrol.wait: the earlier kernel complete, its writes
+# visible) before reading or writing anything else. The launch latency and the first weight loads
+# hide behind the previous kernel's tail. Mode 1 lets the next kernel launch once every program of
+# this one has issued those loads, mode 2 once every program is past its wait; 0 turns it off.
+PDL_MODE = int(os.environ.get("FERRUM_PDL", "1"))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_mode(t: torch.Tensor) -> int:
+    """The PDL mode for kernels on t's device: PDL_MODE on a CUDA device of compute capability 9.0
+    or later, else 0."""
+    if PDL_MODE == 0 or t.device.type != "cuda":
+        return 0
+    return PDL_MODE if _capability(t.device.index or 0) >= (9, 0) else 0
+
+
+def pdl_launch(mode: int) -> dict:
+    """Extra launch arguments for a kernel that calls pdl_wait(mode)."""
+    return {"launch_pdl": True} if mode else {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Called once by every program of a kernel launched with pdl_launch(PDL), after the loads that
+    do not depend on the kernel before and before anything that does."""
+    if PDL == 1:
+        gdc_launch_dependents()
+    if PDL > 0:
+        gdc_wait()
+    if PDL == 2:
+        gdc_launch_dependents()
 
 
 # -- norms and activations ----------------------------------------------------------------
@@ -81,7 +126,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_store_kernel(QKV, POS, COS, SIN, SLOTS, QOUT, KC, VC, QNW, KNW,
                        stride_t, stride_qt, stride_qh, stride_cs, stride_kc, stride_kh, eps,
-                       H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
+                       H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+                       PDL: tl.constexpr = 0):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1 q heads, H..H+KV-1 k heads, then v heads
     half = tl.arange(0, D // 2)
@@ -124,11 +171,12 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     into their cache slots, returns q: [T, H, D]."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    pdl = pdl_mode(qkv)
     _rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
         qkv, positions, cos, sin, slots, q, k_cache, v_cache,
         q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
         qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), eps,
-        H=num_heads, KV=num_kv_heads, D=head_dim, QK_NORM=q_norm is not None, num_warps=1,
+        H=num_heads, KV=num_kv_heads, D=head_dim, QK_NORM=q_norm is not None, PDL=pdl, num_warps=1, **pdl_launch(pdl),
     )
     return q
 
@@ -150,23 +198,39 @@ def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_sc
     for start in range(begin, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < end
-        page = tl.load(table + n // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + n % PAGE
-        off = slot[:, None] * stride_kc + kvh * stride_kh + d[None, :]
+        off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         keep = valid[None, :]
         if CAUSAL:
             keep = keep & (n[None, :] <= qpos[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _softmax_step(q, k, VC + off, valid, keep, m, l, acc, qk_scale, PRECISION)
     return m, l, acc
+
+
+@triton.jit
+def _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D: tl.constexpr, PAGE: tl.constexpr):
+    """Offsets of the k (or v) rows of cache positions n [BLOCK_N] in one kv head: [BLOCK_N, D]."""
+    page = tl.load(table + n // PAGE, mask=valid, other=0)
+    slot = page.to(tl.int64) * PAGE + n % PAGE
+    return slot[:, None] * stride_kc + kvh * stride_kh + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def _softmax_step(q, k, v, valid, keep, m, l, acc, qk_scale, PRECISION: tl.constexpr):
+    """One block of keys k [BLOCK_N, D] into the running max m, sum l and output acc of q's rows
+    (v: the block's values, or pointers to load them from, masked by valid; keep: which scores
+    count). A block where a row keeps nothing leaves that row as it was."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept yet: no -inf - -inf
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, axis=1)
+    if v.dtype.is_ptr():
+        v = tl.load(v, mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
 
 
 # The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
@@ -174,12 +238,17 @@ def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_sc
 def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
     """One program per (sequence, kv head, split): its G query heads against one slice of the
     sequence's cache. With one split the result is final; with several, each writes its partial
     (running max, sum, unnormalised output) for _decode_reduce_kernel to combine. (Combining them
     in the last program to finish, counted with an atomic, measured slower on an H100: 6.7 vs 4.5 us
-    for a 512-token context at batch 1, scripts/gemv_bench.py.)"""
+    for a 512-token context at batch 1, scripts/gemv_bench.py.)
+
+    With PDL, the lengths, block tables and the k/v of every token but the newest are read before
+    the wait: in a decode step only the kernels before this one write the newest token's k/v and
+    q; the lengths and tables come from before the step (host copies, or the last step's
+    _advance_kernel, which a plain kernel at the start of each step waits for)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -190,9 +259,33 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     gmask = g < G
+    table = TABLES + b * stride_bt
+    n = begin + tl.arange(0, BLOCK_N)  # the first block of keys
+    valid = n < end
+    off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
+    if PDL > 0:
+        old = (valid & (n < length - 1))[:, None]
+        k = tl.load(KC + off, mask=old, other=0.0)
+        v = tl.load(VC + off, mask=old, other=0.0)
+        pdl_wait(PDL)
+        new = (valid & (n == length - 1))[:, None]
+        k = tl.where(new, tl.load(KC + off, mask=new, other=0.0), k)
+        v = tl.where(new, tl.load(VC + off, mask=new, other=0.0), v)
+    else:
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
     q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    m, l, acc = _attend_pages(q, KC, VC, TABLES + b * stride_bt, begin, end, kvh, stride_kc, stride_kh,
-                              scale * 1.4426950408889634, g, BLOCK_G, D, PAGE, BLOCK_N, False, PRECISION)
+    qk_scale = scale * 1.4426950408889634
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    m, l, acc = _softmax_step(q, k, v, valid, valid[None, :], m, l, acc, qk_scale, PRECISION)
+    for start in range(begin + BLOCK_N, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < end
+        off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        m, l, acc = _softmax_step(q, k, VC + off, valid, valid[None, :], m, l, acc, qk_scale, PRECISION)
     heads = kvh * G + g
     if SPLITS == 1:
         out = acc / l[:, None]
@@ -208,7 +301,8 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
 
 @triton.jit
 def _decode_reduce_kernel(PART_ACC, PART_ML, OUT, stride_ot, stride_oh,
-                          D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                          D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -233,8 +327,9 @@ def _dot_precision(q: torch.Tensor) -> str:
 def decode_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
     """Splits of each sequence's cache so that small and middling batches still fill the GPU (about
     four programs per multiprocessor: each program's loop over its slice is latency-bound); large
-    batches need none."""
-    return max(1, min(16, -(-4 * num_sms // (batch * kv_heads))))
+    batches need none. At most 32 (batch 1 on an H100: 32 splits' graph ran 4-6 us faster than 16
+    in two A/B runs of 1.07 ms, level in a third; scripts/gpu_suite.py --phases graphab)."""
+    return max(1, min(32, -(-4 * num_sms // (batch * kv_heads))))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -247,6 +342,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = heads // kv_heads
     out = torch.empty_like(q) if out is None else out
     part_acc = part_ml = out
+    pdl = pdl_mode(q)
     if splits > 1:
         part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
@@ -255,12 +351,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=_dot_precision(q), num_warps=num_warps, num_stages=2,
+        PRECISION=_dot_precision(q), PDL=pdl, num_warps=num_warps, num_stages=2, **pdl_launch(pdl),
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),
-            D=dim, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1,
+            D=dim, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl, num_warps=1,
+            **pdl_launch(pdl),
         )
     return out
 
@@ -320,8 +417,10 @@ ARGMAX_CHUNKS = 32
 
 
 @triton.jit
-def _argmax_chunks_kernel(LOGITS, VALS, IDX, stride_l, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(LOGITS, VALS, IDX, stride_l, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = 0):
     """Program (row, c): the largest logit of chunk c of the row, and its first index."""
+    pdl_wait(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -340,10 +439,12 @@ def _argmax_chunks_kernel(LOGITS, VALS, IDX, stride_l, V, CHUNK: tl.constexpr, B
 
 @triton.jit
 def _advance_kernel(VALS, IDX, TOKENS, STEP, IDS, POS, LENS, SLOTS, TABLES, NREAL, rows, stride_t, stride_bt,
-                    max_blocks, max_steps, PAGE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr):
+                    max_blocks, max_steps, PAGE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PDL: tl.constexpr = 0):
     """One program for the whole batch: each row's argmax over its chunks becomes TOKENS[step] and
     the next input; its position, context length and KV slot move one token on; step += 1. Rows
     from NREAL on (padding a graph's batch) stay where they are."""
+    pdl_wait(PDL)
     r = tl.arange(0, BLOCK_R)
     rmask = (r < rows) & (r < tl.load(NREAL))
     c = tl.arange(0, CHUNKS)
@@ -374,8 +475,9 @@ def greedy_advance(logits: torch.Tensor, tokens: torch.Tensor, step: torch.Tenso
     chunk = triton.cdiv(vocab, ARGMAX_CHUNKS)
     vals = torch.empty(rows, ARGMAX_CHUNKS, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, ARGMAX_CHUNKS, dtype=torch.int32, device=logits.device)
+    pdl = pdl_mode(logits)
     _argmax_chunks_kernel[(rows, ARGMAX_CHUNKS)](logits, vals, idx, logits.stride(0), vocab, CHUNK=chunk,
-                                                  BLOCK=1024, num_warps=4)
+                                                  BLOCK=1024, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     _advance_kernel[(1,)](vals, idx, tokens, step, ids, positions, lens, slots, tables, num_real, rows, tokens.stride(0),
                           tables.stride(0), tables.shape[1], tokens.shape[0], PAGE=page, CHUNKS=ARGMAX_CHUNKS,
-                          BLOCK_R=max(2, triton.next_power_of_2(rows)), num_warps=4)
+                          BLOCK_R=max(2, triton.next_power_of_2(rows)), PDL=pdl, num_warps=4, **pdl_launch(pdl))
