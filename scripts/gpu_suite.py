@@ -432,13 +432,13 @@ def phase_profile(args) -> None:
 
 
 def phase_graphab(args) -> None:
-    """GPU time of the batch-1 decode graph (1B) under variants of the kernels (PDL modes, attention
+    """GPU time of the batch-1 decode graph (1B, or --graphab-shape) under variants of the kernels (PDL modes, attention
     splits), re-captured in one engine and timed in interleaved rounds: an A/B without the host's
     noise. Each timing replays the graph 200 times from the same sequence state (context 160-360)."""
     from ferrum.engine.sampling_params import SamplingParams
     from ferrum.models import triton_kernels
 
-    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    folder = checkpoint(args.graphab_shape, args.ckpt)
     engine = make_engine(folder, max_num_seqs=8, max_model_len=2048)
     runner = engine.runner
     engine.add_request("p", list(range(1, 129)), SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True))
@@ -451,6 +451,39 @@ def phase_graphab(args) -> None:
     variants += [(default_mode, int(n)) for n in args.decode_splits.split(",") if n] if args.decode_splits else []
     if args.no_attention:  # splits 0: attention left out of the graph (its cost in the chain, not a result)
         variants.append((default_mode, 0))
+    # ("gemv", name): one projection's batch-1 kernel configuration replaced (1B shapes)
+    from ferrum.models import triton_gemv
+    from ferrum.models.triton_gemv import GemvConfig
+
+    default_config = triton_gemv.default_config
+    gemv_variants = {  # name: ((n, k), config)
+        "o_bn4": ((2048, 2048), GemvConfig(block_n=4, block_k=2048)),
+        "o_bn1": ((2048, 2048), GemvConfig(block_n=1, block_k=2048, num_warps=2)),
+        "gate_up_bn4": ((8192, 2048), GemvConfig(block_n=4, block_k=2048)),
+        "gate_up_w2": ((8192, 2048), GemvConfig(block_n=2, block_k=2048, num_warps=2)),
+        "down_w4": ((2048, 8192), GemvConfig(block_n=2, block_k=8192, num_warps=4)),
+        "down_bk4096": ((2048, 8192), GemvConfig(block_n=2, block_k=4096, num_warps=4)),
+        "down_bn1": ((2048, 8192), GemvConfig(block_n=1, block_k=8192, num_warps=4)),
+        "lm_head_bn4": ((128256, 2048), GemvConfig(block_n=4, block_k=2048)),
+        "lm_head_w8": ((128256, 2048), GemvConfig(block_n=4, block_k=2048, num_warps=8)),
+        "down_bk8192_w8": ((2048, 8192), GemvConfig(block_n=2, block_k=8192, num_warps=8)),
+        "down_bk2048": ((2048, 8192), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+        "down_bk4096_w8": ((2048, 8192), GemvConfig(block_n=2, block_k=4096, num_warps=8)),
+        "down_bn4_bk4096": ((2048, 8192), GemvConfig(block_n=4, block_k=4096, num_warps=4)),
+        "gate_up_bk1024": ((8192, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
+        "o_bk1024": ((2048, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
+        "lm_head_bk1024": ((128256, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
+        "down_bk4096": ((2048, 8192), GemvConfig(block_n=2, block_k=4096, num_warps=4)),
+        # 8B shapes
+        "8b_o_bk2048": ((4096, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+        "8b_gate_up_bk2048": ((14336, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+        "8b_down_bn2_w4": ((4096, 14336), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+        "8b_lm_head_bk2048": ((128256, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+    }
+    qkv_block_k = triton_gemv.qkv_block_k
+    qkv_variants = {"qkv_whole": lambda k, rows: default_config(2, k, rows).block_k}
+    variants += [(default_mode, ("gemv", name)) for name in filter(None, args.gemv_variants.split(","))]
+    variants += [(default_mode, ("qkv", name)) for name in filter(None, args.qkv_variants.split(","))]
     times: dict[tuple, list[float]] = {v: [] for v in variants}
     from ferrum.models.gpu_attention import TritonAttentionBatch
 
@@ -460,7 +493,13 @@ def phase_graphab(args) -> None:
         for _ in range(args.ab_repeat):
             for mode, splits in variants:
                 triton_kernels.PDL_MODE = mode
-                if splits:
+                if isinstance(splits, tuple) and splits[0] == "qkv":
+                    triton_gemv.qkv_block_k = qkv_variants[splits[1]]
+                elif isinstance(splits, tuple):
+                    (vn, vk), cfg = gemv_variants[splits[1]]
+                    triton_gemv.default_config = (lambda n, k, rows, norm=False, vn=vn, vk=vk, cfg=cfg:
+                                                  cfg if (n, k, rows) == (vn, vk, 1) else default_config(n, k, rows, norm))
+                elif splits:
                     triton_kernels.decode_splits = lambda b, kv, sms=132, n=splits: n if b == 1 else default_splits(b, kv, sms)
                 if splits == 0:
                     TritonAttentionBatch.attend_stored = lambda self, layer, q, cache: q.view(-1, layer.q_size)
@@ -471,6 +510,8 @@ def phase_graphab(args) -> None:
                 finally:
                     triton_kernels.PDL_MODE, triton_kernels.decode_splits = default_mode, default_splits
                     TritonAttentionBatch.attend_stored = attend_stored
+                    triton_gemv.default_config = default_config
+                    triton_gemv.qkv_block_k = qkv_block_k
                 graph = runner.graphs[1][0]
                 runner._load_graph_inputs([seq])
                 for _ in range(10):
@@ -485,8 +526,8 @@ def phase_graphab(args) -> None:
                 times[(mode, splits)].append(a.elapsed_time(b) / 200)
         # the engine's own graphs (captured at start-up), and bursts as the engine queues them: a
         # burst of 16 replays (with its table upload and token copy) queued behind another
-        init_graph = kept[0][1][0]
         runner.graphs = kept[0]
+        init_graph = runner.graphs[1][0]
         burst_times, init_times = [], []
         engine.block_manager.grow(seq, seq.num_computed_tokens + 64)
         for _ in range(args.ab_repeat):
@@ -498,6 +539,7 @@ def phase_graphab(args) -> None:
             b.record()
             b.synchronize()
             init_times.append(a.elapsed_time(b) / 200)
+
             for _ in range(5):
                 runner._load_graph_inputs([seq])
                 runner.launch_greedy([seq], 16)
@@ -506,13 +548,19 @@ def phase_graphab(args) -> None:
                 b.record()
                 b.synchronize()
                 burst_times.append(a.elapsed_time(b) / 16)
-    record("graphab", "1B batch-1 decode graph captured at start-up", round(min(init_times) * 1e3, 1),
+    record("graphab", f"{args.graphab_shape} batch-1 decode graph captured at start-up", round(min(init_times) * 1e3, 1),
            "us (GPU, best round)", "rounds: " + ", ".join(f"{t * 1e3:.1f}" for t in init_times))
-    record("graphab", "1B batch-1 burst of 16 behind another, per token", round(statistics.median(burst_times) * 1e3, 1),
+    record("graphab", f"{args.graphab_shape} batch-1 burst of 16 behind another, per token", round(statistics.median(burst_times) * 1e3, 1),
            "us (GPU, median)", "all: " + ", ".join(f"{t * 1e3:.1f}" for t in burst_times))
     for (mode, splits), ts in times.items():
-        label = f"PDL mode {mode}" + (f", attention splits {splits}" if splits else "") + (", NO attention" if splits == 0 else "")
-        record("graphab", f"1B batch-1 decode graph, {label}", round(min(ts) * 1e3, 1), "us (GPU, best round)",
+        if isinstance(splits, tuple) and splits[0] == "qkv":
+            label = f"PDL mode {mode}, q/k/v variant {splits[1]}"
+        elif isinstance(splits, tuple):
+            label = f"PDL mode {mode}, GEMV variant {splits[1]}: {gemv_variants[splits[1]][1]}"
+        else:
+            label = f"PDL mode {mode}" + (f", attention splits {splits}" if splits else "")
+            label += ", NO attention" if splits == 0 else ""
+        record("graphab", f"{args.graphab_shape} batch-1 decode graph, {label}", round(min(ts) * 1e3, 1), "us (GPU, best round)",
                "rounds: " + ", ".join(f"{t * 1e3:.1f}" for t in ts))
     engine.release()
     del engine
@@ -788,6 +836,9 @@ def main() -> None:
     parser.add_argument("--burst-sweep", action="store_true", help="decode: also time other num_scheduler_steps")
     parser.add_argument("--pdl-modes", default="", help="decode: also time these PDL modes, e.g. 0,1,2")
     parser.add_argument("--decode-splits", default="", help="decode: also time these batch-1 attention splits")
+    parser.add_argument("--qkv-variants", default="", help="graphab: also time these q/k/v slicings (qkv_whole)")
+    parser.add_argument("--graphab-shape", default="llama-3.2-1b", help="graphab: the checkpoint shape")
+    parser.add_argument("--gemv-variants", default="", help="graphab: also time these GEMV configurations (names in phase_graphab)")
     parser.add_argument("--no-attention", action="store_true", help="graphab: also time the graph without attention")
     parser.add_argument("--ab-repeat", type=int, default=2, help="rounds of the --pdl-modes/--decode-splits variants")
     args = parser.parse_args()

@@ -95,3 +95,17 @@ def test_qkv_projection_with_rope_and_cache_write(rows: int, block_k: int | None
         untouched = torch.ones(20, dtype=torch.bool)
         untouched[slots.cpu()] = False
         assert not ours[untouched.to(DEVICE)].any()
+
+
+def test_gemv_reads_its_rows_from_a_table():
+    """The first decoder layer's projections read their input and residual rows straight from the
+    embedding table (x_rows / residual_rows) instead of a gathered copy."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn(50, 64, generator=gen).to(DTYPE).to(DEVICE)
+    w = (torch.randn(32, 64, generator=gen) / 8).to(DTYPE).to(DEVICE)
+    rows = torch.tensor([7, 0, 49], dtype=torch.int64, device=DEVICE)
+    norm = (torch.rand(64, generator=gen) + 0.5).to(DTYPE).to(DEVICE)
+    assert torch.equal(tg.gemv(table, w, norm_weight=norm, x_rows=rows), tg.gemv(table[rows], w, norm_weight=norm))
+    x = torch.randn(3, 32, generator=gen).to(DTYPE).to(DEVICE)
+    w2 = (torch.randn(64, 32, generator=gen) / 8).to(DTYPE).to(DEVICE)
+    assert torch.equal(tg.gemv(x, w2, residual=table, residual_rows=rows), tg.gemv(x, w2, residual=table[rows]))

@@ -83,18 +83,21 @@ class LlamaForCausalLM(nn.Module):
         epilogue (ferrum.models.triton_gemv). Equal to the layered path up to rounding order."""
         from ferrum.models.triton_gemv import gemv, qkv_rope_store
 
-        h = self.embed_tokens(input_ids)
+        # the first layer reads its input rows straight from the embedding table (no gather kernel)
+        h, rows = self.embed_tokens.weight, input_ids
         for layer, cache in zip(self.layers, kv_caches):
             attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
             if attn.q_norm is None:  # rope and the cache write in the projection's epilogue
                 q = qkv_rope_store(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
                                    batch.positions, batch.cos_table, batch.sin_table, batch.slot_mapping,
-                                   cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                                   cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, x_rows=rows)
                 out = batch.attend_stored(attn, q, cache)
             else:  # per-head q/k norms need whole heads: a separate rope kernel
-                qkv = gemv(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
+                qkv = gemv(h, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps,
+                           x_rows=rows)
                 out = batch.attend(attn, qkv, cache)
-            h = gemv(out, attn.o_proj.weight, residual=h)
+            h = gemv(out, attn.o_proj.weight, residual=h, residual_rows=rows)
+            rows = None
             act = gemv(h, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight,
                        eps=norm2.eps, gated=True)
             h = gemv(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, residual=h)

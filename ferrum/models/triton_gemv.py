@@ -56,7 +56,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 @triton.jit
-def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k, K, eps,
+def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k, K, eps,
                stride_xm, NORM: tl.constexpr, GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                WHOLE_K: tl.constexpr = False, w=None, w2=None):
     """One BLOCK_K slice of the product (WHOLE_K: the slice is all of K, masked where K is not a
@@ -68,7 +68,7 @@ def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k, K, 
     else:
         xmask = rmask[:, None]
         wmask = nmask[:, None]
-    x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
+    x = tl.load(X + xrows[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
     if NORM:
         xf = x.to(tl.float32)
         if WHOLE_K:  # the whole row at hand: HF's order of operations exactly
@@ -95,6 +95,21 @@ def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k, K, 
 
 
 @triton.jit
+def _row_offsets(IDX, rows, rmask, X_GATHER: tl.constexpr, R_GATHER: tl.constexpr):
+    """The rows of X and of R that the product's rows 0..M-1 read: themselves, or IDX's entries
+    (set before the step: read before the PDL wait)."""
+    xrows = rows.to(tl.int64)
+    rrows = rows.to(tl.int64)
+    if X_GATHER or R_GATHER:
+        picked = tl.load(IDX + rows, mask=rmask, other=0).to(tl.int64)
+        if X_GATHER:
+            xrows = picked
+        if R_GATHER:
+            rrows = picked
+    return xrows, rrows
+
+
+@triton.jit
 def _first_weights(w_rows, w_rows2, nmask, kk, K, GATED: tl.constexpr, PDL: tl.constexpr):
     """The weights of a program's first K slice, loaded before pdl_wait: they do not depend on the
     kernel before."""
@@ -108,10 +123,13 @@ def _first_weights(w_rows, w_rows2, nmask, kk, K, GATED: tl.constexpr, PDL: tl.c
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, IDX, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                 DOT: tl.constexpr, PRECISION: tl.constexpr, WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0):
+                 DOT: tl.constexpr, PRECISION: tl.constexpr, WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0,
+                 X_GATHER: tl.constexpr = False, R_GATHER: tl.constexpr = False):
+    """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
+    (the embedding table, for the first layer: no separate gather kernel)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -126,19 +144,20 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
     ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
     w_rows2 = W + (n + N)[:, None].to(tl.int64) * stride_wn
+    xrows, rrows = _row_offsets(IDX, rows, rmask, X_GATHER, R_GATHER)
     k_len = K // SPLIT_K
     k_begin = split * k_len
     if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
         w, w2 = _first_weights(w_rows, w_rows2, nmask, k_begin + kk, K, GATED, PDL)
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k_begin + kk, K, eps,
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k_begin + kk, K, eps,
                                    stride_xm, NORM, GATED, DOT, PRECISION, WHOLE_K, w, w2)
         k_begin += BLOCK_K
     elif WHOLE_K:  # one slice: the norm is applied before the product, as HF applies it
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, K, eps, stride_xm,
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, kk, K, eps, stride_xm,
                                    NORM, GATED, DOT, PRECISION, True)
     if not WHOLE_K:
         for k0 in range(k_begin, (split + 1) * k_len, BLOCK_K):
-            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, K, eps,
+            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k0 + kk, K, eps,
                                        stride_xm, NORM, GATED, DOT, PRECISION)
     sumsq = tl.sum(ss, axis=1)
     last = True
@@ -179,7 +198,7 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, M, N, K, stride_xm, stride_w
             up = acc2.to(act_ty).to(tl.float32)
             y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
         if RESIDUAL:
-            y = y.to(act_ty).to(tl.float32) + tl.load(R + rows[:, None] * stride_rm + n[None, :],
+            y = y.to(act_ty).to(tl.float32) + tl.load(R + rrows[:, None] * stride_rm + n[None, :],
                                                       mask=rmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
         y = y.to(act_ty)
         tl.store(OUT + rows[:, None] * stride_om + n[None, :], y.to(OUT.dtype.element_ty),
@@ -201,8 +220,8 @@ def default_config(n: int, k: int, rows: int, norm: bool = False) -> GemvConfig:
         return GemvConfig(block_n=2, block_k=max(block_k, 1), num_warps=4)
     if k <= 4096:
         return GemvConfig(block_n=2, block_k=triton.next_power_of_2(k), num_warps=4)
-    if k == 8192:
-        return GemvConfig(block_n=2, block_k=8192, num_warps=8)
+    if k == 8192:  # 2048-wide slices of 4 warps: a 1B step 21-25 us shorter than one slice of 8 warps
+        return GemvConfig(block_n=2, block_k=2048, num_warps=4)
     block_k = 2048
     while k % block_k:
         block_k //= 2
@@ -212,11 +231,16 @@ def default_config(n: int, k: int, rows: int, norm: bool = False) -> GemvConfig:
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
          residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, x_rows: torch.Tensor | None = None,
+         residual_rows: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] with M <= 16; weight: [N, K] (or [2N, K] gate then up when gated).
     Returns [M, N]: x (RMS-normed first when norm_weight is given) times weight.T, plus bias,
-    then silu(gate) * up when gated, then + residual."""
-    m, k = x.shape
+    then silu(gate) * up when gated, then + residual. x_rows / residual_rows (int64 [M], the same
+    tensor when both are given): x / residual are tables and these rows of them are the M rows."""
+    index = x_rows if x_rows is not None else residual_rows
+    assert x_rows is None or residual_rows is None or x_rows is residual_rows
+    m = index.shape[0] if index is not None else x.shape[0]
+    k = x.shape[1]
     rows_w, k_w = weight.shape
     assert k == k_w, (x.shape, weight.shape)
     assert weight.stride(1) == 1 and x.stride(1) == 1 and m <= 16
@@ -235,22 +259,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
         part = counts = out
     _gemv_kernel[(blocks, cfg.split_k)](
         x, weight, bias if bias is not None else x, residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x, out, part, counts,
+        norm_weight if norm_weight is not None else x, out, part, counts, index if index is not None else x,
         m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        WHOLE_K=whole_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
+        WHOLE_K=whole_k, PDL=pdl, X_GATHER=x_rows is not None, R_GATHER=residual_rows is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )
     return out
 
 
 @triton.jit
-def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
+def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, IDX, M, K,
                      stride_xm, stride_wn, stride_cs, stride_qt, stride_qh, stride_kc, stride_kh, eps,
                      H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-                     WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0):
+                     WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False):
     """The q/k/v projection with rope and the KV-cache write as its epilogue: each program owns
     BLOCK_H dims of the first half of one head and the matching dims of the second half, the
     pairs the rotation mixes."""
@@ -269,7 +294,9 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
     ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
     w_rows2 = W + (n + D // 2)[:, None].to(tl.int64) * stride_wn
-    # the step's positions and slots are set before it starts (see _decode_kernel): read before the wait
+    # the step's positions, slots (and ids) are set before it starts (see _decode_kernel): read
+    # before the wait
+    xrows, _ = _row_offsets(IDX, rows, rmask, X_GATHER, False)
     slot = tl.load(SLOTS + rows, mask=rmask, other=0)
     pos = tl.load(POS + rows, mask=rmask, other=0)
     c = tl.load(COS + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
@@ -277,15 +304,15 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
     k_begin = 0
     if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
         w, w2 = _first_weights(w_rows, w_rows2, nmask, kk, K, True, PDL)
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, K, eps, stride_xm,
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, kk, K, eps, stride_xm,
                                    NORM, True, False, "ieee", WHOLE_K, w, w2)
         k_begin = BLOCK_K
     elif WHOLE_K:
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, kk, K, eps, stride_xm,
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, kk, K, eps, stride_xm,
                                    NORM, True, False, "ieee", True)
     if not WHOLE_K:
         for k0 in range(k_begin, K, BLOCK_K):
-            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, rows, rmask, nmask, k0 + kk, K, eps,
+            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k0 + kk, K, eps,
                                        stride_xm, NORM, True, False, "ieee")
     if NORM and not WHOLE_K:
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
@@ -312,18 +339,29 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, M, K,
     tl.store(dst + D // 2 + d[None, :], y2.to(act_ty), mask=rmask[:, None])
 
 
+def qkv_block_k(k: int, rows: int) -> int:
+    """K slice of the q/k/v kernel. A program holds four weight rows (the rotation's pairs): from
+    K = 2048 on, two slices keep twice the programs resident, so that all of them load their first
+    slice while the kernel before runs (PDL): a 1B step 15 us shorter on an H100 than with one
+    slice (scripts/gpu_suite.py --phases graphab; the norm's 1/rms then comes after the product)."""
+    block_k = default_config(2, k, rows).block_k
+    return min(block_k, k // 2) if rows == 1 and k >= 2048 else block_k
+
+
 def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    norm_weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                   block_k: int | None = None) -> torch.Tensor:
+                   block_k: int | None = None, x_rows: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm (optional) -> q/k/v projection -> rope on q and k -> k and v into their cache
-    slots, in one kernel for a few decode rows. Returns q: [M, H, D]."""
-    m, k = x.shape
+    slots, in one kernel for a few decode rows. Returns q: [M, H, D]. x_rows (int64 [M]): x is a
+    table (the embedding) and these are the rows."""
+    m = x_rows.shape[0] if x_rows is not None else x.shape[0]
+    k = x.shape[1]
     assert m <= 16 and weight.stride(1) == 1 and x.stride(1) == 1
     rows = triton.next_power_of_2(m)
     block_h = 1  # two rows per program (dim i and i + D/2), as the plain projections (default_config)
-    block_k = block_k or default_config(2, k, m, norm=norm_weight is not None).block_k
+    block_k = block_k or qkv_block_k(k, m)
     whole_k = block_k >= k
     while not whole_k and k % block_k:
         block_k //= 2
@@ -332,10 +370,11 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     pdl = pdl_mode(x)
     _qkv_rope_kernel[grid](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
-        positions, cos, sin, slots, q, k_cache, v_cache, m, k,
+        positions, cos, sin, slots, q, k_cache, v_cache, x_rows if x_rows is not None else x, m, k,
         x.stride(0), weight.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), eps,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
-        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl, num_warps=4, num_stages=2,
+        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl, X_GATHER=x_rows is not None,
+        num_warps=4, num_stages=2,
         **pdl_launch(pdl),
     )
     return q

@@ -264,13 +264,17 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
     valid = n < end
     off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
     if PDL > 0:
-        old = (valid & (n < length - 1))[:, None]
+        last = length - 1  # the newest token: its k/v are this step's
+        old = (valid & (n < last))[:, None]
         k = tl.load(KC + off, mask=old, other=0.0)
         v = tl.load(VC + off, mask=old, other=0.0)
+        last_page = tl.load(table + last // PAGE).to(tl.int64)
+        last_off = (last_page * PAGE + last % PAGE) * stride_kc + kvh * stride_kh + d
         pdl_wait(PDL)
-        new = (valid & (n == length - 1))[:, None]
-        k = tl.where(new, tl.load(KC + off, mask=new, other=0.0), k)
-        v = tl.where(new, tl.load(VC + off, mask=new, other=0.0), v)
+        here = (last >= begin) & (last < end) & (last < begin + BLOCK_N)  # in this first block
+        new = (n == last)[:, None]
+        k = tl.where(new, tl.load(KC + last_off, mask=(d < D) & here, other=0.0)[None, :], k)
+        v = tl.where(new, tl.load(VC + last_off, mask=(d < D) & here, other=0.0)[None, :], v)
     else:
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
