@@ -206,26 +206,27 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, IDX, M, N, K, stride_xm, str
 
 
 def default_config(n: int, k: int, rows: int, norm: bool = False) -> GemvConfig:
-    """Measured on an H100 at batch 1 (scripts/gemv_bench.py): the multiply-reduce variant with two
-    output features per program, so that thousands of programs keep every multiprocessor's loads
-    in flight, and all of K in one slice where it fits (up to 4096, or 8192 with 8 warps): the
-    loads of a program are all issued at once, and a norm is applied to the whole row before the
-    product, as HF applies it. Longer K goes in 2048-wide slices. Split-K and the tensor-core
-    variant measured slower at these sizes. For 2-4 rows the slices shrink with the rows, so that
-    the rows x features x slice products stay in registers."""
+    """Measured on an H100 at batch 1 (scripts/gemv_bench.py, then whole decode graphs with
+    scripts/gpu_suite.py --phases graphab): the multiply-reduce variant with two output features
+    per program, so that thousands of programs keep every multiprocessor's loads in flight. A
+    projection with the norm fused in reads all of K in one slice up to 4096, so that the norm is
+    applied to the whole row before the product, as HF applies it. Without a norm, K past 2048 goes
+    in 2048-wide slices of 4 warps: twice the programs fit on the GPU at once, so all of them load
+    their first slice while the kernel before runs (PDL); a 1B step 21-25 us and an 8B step 67 us
+    (o_proj, K=4096) plus 97 us (down_proj, K=14336) shorter than one slice of 8 warps. Split-K
+    and the tensor-core variant measured slower at these sizes. For 2-4 rows the slices shrink
+    with the rows, so that the rows x features x slice products stay in registers."""
     if rows > 1:
         block_k = 2048 // triton.next_power_of_2(rows)
         while k % block_k:
             block_k //= 2
         return GemvConfig(block_n=2, block_k=max(block_k, 1), num_warps=4)
-    if k <= 4096:
+    if k <= 4096 and (norm or k <= 2048 or k % 2048):
         return GemvConfig(block_n=2, block_k=triton.next_power_of_2(k), num_warps=4)
-    if k == 8192:  # 2048-wide slices of 4 warps: a 1B step 21-25 us shorter than one slice of 8 warps
-        return GemvConfig(block_n=2, block_k=2048, num_warps=4)
     block_k = 2048
     while k % block_k:
         block_k //= 2
-    return GemvConfig(block_n=4, block_k=max(block_k, 1), num_warps=8)
+    return GemvConfig(block_n=2, block_k=max(block_k, 1), num_warps=4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
