@@ -5,14 +5,18 @@ matrix for a handful of activation rows. cuBLAS runs the large ones near the mem
 the small ones (q/k/v, o) well under it, and every norm, activation and residual add between them
 is one more launch. Here one kernel does what sits around a projection:
 
-    prologue   RMSNorm of the input rows: when one slice holds all of K (the default up to 4096),
-               applied to the whole row first, in HF's order; otherwise the norm's weight as x
-               is read and 1/rms after the product
+    prologue   RMSNorm of the input rows: when one slice holds all of K (the default with a
+               norm up to 4096), applied to the whole row first, in HF's order; otherwise the
+               norm's weight as x is read and 1/rms after the product
     product    y = x @ W.T (+ bias), float32 accumulation, W read once in [BLOCK_N, BLOCK_K] tiles
     epilogue   silu(gate) * up for a fused gate/up weight, or + residual
 
 so a decoder layer is three of these plus the q/k/v projection with rope and the KV-cache write
-(qkv_rope_store) and attention. Each program owns BLOCK_N output features. Two variants measured
+(qkv_rope_store) and attention; the first layer reads its rows from the embedding table. Each
+program owns BLOCK_N output features. With programmatic dependent launch (Hopper on, see
+triton_kernels.PDL_MODE) a program loads its first weight slice, then waits for the kernel before
+and only then reads the activations: the configurations keep enough programs resident for all of
+them to have that slice in flight while the kernel before finishes. Two variants measured
 slower on an H100 and kept for other shapes and for the benchmark (scripts/gemv_bench.py), off by
 default: a tensor-core product (rows padded to 16), and SPLIT_K slices of K whose partial sums
 the last program of a feature block adds up in a fixed order (deterministic) before the epilogue.
