@@ -29,7 +29,14 @@ LOG2E = 1.4426950408889634
 # visible) before reading or writing anything else. The launch latency and the first weight loads
 # hide behind the previous kernel's tail. Mode 1 lets the next kernel launch once every program of
 # this one has issued those loads, mode 2 once every program is past its wait; 0 turns it off.
-PDL_MODE = int(os.environ.get("FERRUM_PDL", "1"))
+def _pdl_setting() -> int:
+    value = os.environ.get("FERRUM_PDL", "1").strip()
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"FERRUM_PDL must be 0 (off), 1 or 2, not {value!r}")
+    return int(value)
+
+
+PDL_MODE = _pdl_setting()
 
 
 @functools.lru_cache(maxsize=None)
