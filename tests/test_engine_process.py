@@ -196,10 +196,13 @@ async def test_abort_and_close_free_the_request(client: EngineClient) -> None:
 
 
 @on_module_loop
-async def test_slow_reader_gets_merged_deltas(engine: LLMEngine, client: EngineClient) -> None:
+async def test_slow_reader_gets_merged_deltas(client: EngineClient) -> None:
     prompt = client.tokenizer.encode(PROMPTS[0])
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
-    expected = engine.generate([prompt], params)[0]
+    # the reference through the same client, read at once (not engine.generate: the thread
+    # client's loop thread drives that engine, and two threads must not step it at once)
+    expected = _tokens(await asyncio.wait_for(_collect(client, "fast", prompt, params), 60))
+    assert len(expected) == 24
     outs: list[RequestOutput] = []
     async for out in client.generate("slow", prompt, params):
         outs.append(out)

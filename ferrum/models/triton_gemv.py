@@ -133,7 +133,7 @@ def _gemv_kernel(X, W, B, R, NW, OUT, PART, COUNTS, IDX, M, N, K, stride_xm, str
                  DOT: tl.constexpr, PRECISION: tl.constexpr, WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0,
                  X_GATHER: tl.constexpr = False, R_GATHER: tl.constexpr = False):
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
-    (the embedding table, for the first layer: no separate gather kernel)."""
+    (the embedding table, for the first layer: no separate gather kernel; see STEP_START)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -256,7 +256,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
     rows = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     blocks = triton.cdiv(n, cfg.block_n)
-    pdl = pdl_mode(x) if cfg.split_k == 1 else 0  # split-K's counters: one kernel at a time
+    # split-K's counters: one kernel at a time; input rows from a table: the step's first kernel,
+    # launched without PDL (see STEP_START)
+    pdl = pdl_mode(x) if cfg.split_k == 1 and x_rows is None else 0
     if cfg.split_k > 1:
         part = torch.empty(blocks * cfg.split_k * 3 * rows * cfg.block_n, dtype=torch.float32, device=x.device)
         counts = _counters(x.device, blocks)
@@ -344,6 +346,14 @@ def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, IDX, M, K,
     tl.store(dst + D // 2 + d[None, :], y2.to(act_ty), mask=rmask[:, None])
 
 
+# STEP_START: the kernels of a decode step read before their PDL wait what the step's inputs hold
+# (ids, positions, slots, lengths, tables, the older KV cache), written by the step before (its
+# argmax/advance kernel) or by host copies. So the step's first kernel, the first layer's (which
+# reads its rows from the embedding table), is launched without PDL: it starts only once the
+# step before has completed, and every later kernel launches after it. (In a CUDA graph the first
+# node waits for the work before it anyway.)
+
+
 def qkv_block_k(k: int, rows: int) -> int:
     """K slice of the q/k/v kernel. A program holds four weight rows (the rotation's pairs): from
     K = 2048 on, two slices keep twice the programs resident, so that all of them load their first
@@ -372,7 +382,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         block_k //= 2
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2) // block_h,)
-    pdl = pdl_mode(x)
+    pdl = pdl_mode(x) if x_rows is None else 0  # the first layer starts the step: see STEP_START
     _qkv_rope_kernel[grid](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         positions, cos, sin, slots, q, k_cache, v_cache, x_rows if x_rows is not None else x, m, k,
