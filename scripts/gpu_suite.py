@@ -452,6 +452,8 @@ def phase_graphab(args) -> None:
     if args.no_attention:  # splits 0: attention left out of the graph (its cost in the chain, not a result)
         variants.append((default_mode, 0))
     # ("gemv", name): one projection's batch-1 kernel configuration replaced (1B shapes)
+    import triton
+
     from ferrum.models import triton_gemv
     from ferrum.models.triton_gemv import GemvConfig
 
@@ -473,7 +475,6 @@ def phase_graphab(args) -> None:
         "gate_up_bk1024": ((8192, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
         "o_bk1024": ((2048, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
         "lm_head_bk1024": ((128256, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
-        "down_bk4096": ((2048, 8192), GemvConfig(block_n=2, block_k=4096, num_warps=4)),
         # 8B shapes
         "8b_o_bk2048": ((4096, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
         "8b_gate_up_bk2048": ((14336, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
@@ -481,7 +482,7 @@ def phase_graphab(args) -> None:
         "8b_lm_head_bk2048": ((128256, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
     }
     qkv_block_k = triton_gemv.qkv_block_k
-    qkv_variants = {"qkv_whole": lambda k, rows: default_config(2, k, rows).block_k}
+    qkv_variants = {"qkv_whole": lambda k, rows: triton.next_power_of_2(k) if rows == 1 else qkv_block_k(k, rows)}
     variants += [(default_mode, ("gemv", name)) for name in filter(None, args.gemv_variants.split(","))]
     variants += [(default_mode, ("qkv", name)) for name in filter(None, args.qkv_variants.split(","))]
     times: dict[tuple, list[float]] = {v: [] for v in variants}
@@ -489,6 +490,20 @@ def phase_graphab(args) -> None:
 
     attend_stored = TritonAttentionBatch.attend_stored
     kept: list[dict] = []
+
+    def replay_time(graph: torch.cuda.CUDAGraph, warm_up: int = 0, n: int = 200) -> float:
+        """GPU ms a replay, over n replays from the sequence's state (after warm_up replays)."""
+        for _ in range(warm_up):
+            graph.replay()
+        runner._load_graph_inputs([seq])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
     with torch.inference_mode():
         for _ in range(args.ab_repeat):
             for mode, splits in variants:
@@ -512,34 +527,16 @@ def phase_graphab(args) -> None:
                     TritonAttentionBatch.attend_stored = attend_stored
                     triton_gemv.default_config = default_config
                     triton_gemv.qkv_block_k = qkv_block_k
-                graph = runner.graphs[1][0]
-                runner._load_graph_inputs([seq])
-                for _ in range(10):
-                    graph.replay()
-                runner._load_graph_inputs([seq])
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(200):
-                    graph.replay()
-                b.record()
-                b.synchronize()
-                times[(mode, splits)].append(a.elapsed_time(b) / 200)
+                times[(mode, splits)].append(replay_time(runner.graphs[1][0], warm_up=10))
         # the engine's own graphs (captured at start-up), and bursts as the engine queues them: a
         # burst of 16 replays (with its table upload and token copy) queued behind another
         runner.graphs = kept[0]
         init_graph = runner.graphs[1][0]
         burst_times, init_times = [], []
         engine.block_manager.grow(seq, seq.num_computed_tokens + 64)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(args.ab_repeat):
-            runner._load_graph_inputs([seq])
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(200):
-                init_graph.replay()
-            b.record()
-            b.synchronize()
-            init_times.append(a.elapsed_time(b) / 200)
-
+            init_times.append(replay_time(init_graph))
             for _ in range(5):
                 runner._load_graph_inputs([seq])
                 runner.launch_greedy([seq], 16)

@@ -198,7 +198,6 @@ def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_sc
     """Online-softmax attention of q [ROWS, D] over one sequence's cached keys begin .. end-1 (`table`
     points at its block-table row; with CAUSAL, row i sees keys up to position qpos[i]). Returns the
     running max and sum (base 2) and the unnormalised output."""
-    d = tl.arange(0, D)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
