@@ -304,18 +304,15 @@ class GPUModelRunner:
         self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
         self.s_num_real = torch.zeros(1, dtype=torch.long, device=dev)
         self._burst_start, self._burst_size = 0, 1
-        # the last burst's uploads from the pinned staging above (the host must not refill it
-        # before they ran: a burst may be queued behind one still running)
-        self._staged: torch.cuda.Event | None = None
+        # recorded after each upload from the pinned staging above: the host must not refill it
+        # before the last upload ran (a burst may be queued behind one still running)
+        self._staged = torch.cuda.Event()
 
     def _staged_now(self) -> None:
-        self._staged = torch.cuda.Event()
         self._staged.record()
 
     def _staging_free(self) -> None:
-        if self._staged is not None:
-            self._staged.synchronize()  # long done in practice: the uploads run first in their burst
-            self._staged = None
+        self._staged.synchronize()  # long done in practice: the uploads run first in their burst
 
     def _decode_forward(self, size: int) -> torch.Tensor:
         batch = TritonAttentionBatch(
