@@ -216,7 +216,7 @@ def default_config(n: int, k: int, rows: int, norm: bool = False) -> GemvConfig:
     projection with the norm fused in reads all of K in one slice up to 4096, so that the norm is
     applied to the whole row before the product, as HF applies it. Without a norm, K past 2048 goes
     in 2048-wide slices of 4 warps: twice the programs fit on the GPU at once, so all of them load
-    their first slice while the kernel before runs (PDL); a 1B step 21-25 us and an 8B step 67 us
+    their first slice while the kernel before runs (PDL); a 1B step 21-26 us and an 8B step 67 us
     (o_proj, K=4096) plus 97 us (down_proj, K=14336) shorter than one slice of 8 warps. Split-K
     and the tensor-core variant measured slower at these sizes. For 2-4 rows the slices shrink
     with the rows, so that the rows x features x slice products stay in registers."""
