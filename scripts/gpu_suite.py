@@ -21,6 +21,7 @@ Random-weight checkpoints are made under --ckpt (scripts/make_random_checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -35,6 +36,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from ferrum.models.triton_gemv import GemvConfig  # noqa: E402
 
 RESULTS: list[dict] = []
 
@@ -261,7 +264,7 @@ def phase_decode(args, bandwidth: float) -> None:
     from ferrum.models import triton_kernels
 
     shapes = ["llama-3.2-1b"] + (["llama-3.1-8b"] if args.with_8b else [])
-    default_mode, default_splits = triton_kernels.PDL_MODE, triton_kernels.decode_splits
+    default_mode = triton_kernels.PDL_MODE
     for shape in shapes:
         folder = checkpoint(shape, args.ckpt)
         nbytes = weight_bytes_read_per_token(folder)
@@ -275,15 +278,10 @@ def phase_decode(args, bandwidth: float) -> None:
         variants += [(default_mode, int(n)) for n in args.decode_splits.split(",") if n] if args.decode_splits else []
         for _ in range(args.ab_repeat if variants else 0):
             for mode, splits in variants:
-                triton_kernels.PDL_MODE = mode
-                if splits is not None:
-                    triton_kernels.decode_splits = lambda batch, kv, sms=132, n=splits: n if batch == 1 else default_splits(batch, kv, sms)
-                try:
+                with kernel_variant(mode, splits):
                     t = time_batch1_decode(folder)
-                finally:
-                    triton_kernels.PDL_MODE, triton_kernels.decode_splits = default_mode, default_splits
-                label = f"PDL mode {mode}" + (f", batch-1 attention splits {splits}" if splits is not None else "")
-                record("decode", f"{shape} batch-1 decode, {label}", round(t * 1e3, 3), "ms/token", f"{floor / t:.1%} of floor")
+                record("decode", f"{shape} batch-1 decode, {variant_label(mode, splits)}", round(t * 1e3, 3), "ms/token",
+                       f"{floor / t:.1%} of floor")
         if shape == "llama-3.2-1b" and args.burst_sweep:
             for steps in (1, 8, 32, 64):
                 t = time_batch1_decode(folder, num_scheduler_steps=steps)
@@ -431,6 +429,73 @@ def phase_profile(args) -> None:
         torch.cuda.empty_cache()
 
 
+# Kernel variants the decode and graphab phases time against the defaults: (PDL mode, spec), spec
+# None (the defaults), n > 0 (n attention splits at batch 1), 0 (no attention at all: its cost in
+# the chain, not a result), ("gemv", name) (a projection configuration below) or ("qkv",
+# "qkv_whole") (q/k/v in one K slice).
+GEMV_VARIANTS = {  # name: ((n, k) of the projection, its batch-1 configuration)
+    "o_bn4": ((2048, 2048), GemvConfig(block_n=4, block_k=2048)),
+    "o_bn1": ((2048, 2048), GemvConfig(block_n=1, block_k=2048, num_warps=2)),
+    "gate_up_bn4": ((8192, 2048), GemvConfig(block_n=4, block_k=2048)),
+    "gate_up_w2": ((8192, 2048), GemvConfig(block_n=2, block_k=2048, num_warps=2)),
+    "down_w4": ((2048, 8192), GemvConfig(block_n=2, block_k=8192, num_warps=4)),
+    "down_bk4096": ((2048, 8192), GemvConfig(block_n=2, block_k=4096, num_warps=4)),
+    "down_bn1": ((2048, 8192), GemvConfig(block_n=1, block_k=8192, num_warps=4)),
+    "lm_head_bn4": ((128256, 2048), GemvConfig(block_n=4, block_k=2048)),
+    "lm_head_w8": ((128256, 2048), GemvConfig(block_n=4, block_k=2048, num_warps=8)),
+    "down_bk8192_w8": ((2048, 8192), GemvConfig(block_n=2, block_k=8192, num_warps=8)),
+    "down_bk2048": ((2048, 8192), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+    "down_bk4096_w8": ((2048, 8192), GemvConfig(block_n=2, block_k=4096, num_warps=8)),
+    "down_bn4_bk4096": ((2048, 8192), GemvConfig(block_n=4, block_k=4096, num_warps=4)),
+    "gate_up_bk1024": ((8192, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
+    "o_bk1024": ((2048, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
+    "lm_head_bk1024": ((128256, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
+    # 8B shapes
+    "8b_o_bk2048": ((4096, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+    "8b_gate_up_bk2048": ((14336, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+    "8b_down_bn2_w4": ((4096, 14336), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+    "8b_lm_head_bk2048": ((128256, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
+}
+
+
+@contextlib.contextmanager
+def kernel_variant(mode: int, spec):
+    """Kernels launched (and CUDA graphs captured) inside use the variant; the defaults after."""
+    import triton
+
+    from ferrum.models import triton_gemv, triton_kernels
+    from ferrum.models.gpu_attention import TritonAttentionBatch
+
+    saved = (triton_kernels.PDL_MODE, triton_kernels.decode_splits, triton_gemv.default_config,
+             triton_gemv.qkv_block_k, TritonAttentionBatch.attend_stored)
+    splits, config, qkv_block_k = saved[1], saved[2], saved[3]
+    triton_kernels.PDL_MODE = mode
+    if spec == ("qkv", "qkv_whole"):
+        triton_gemv.qkv_block_k = lambda k, rows: triton.next_power_of_2(k) if rows == 1 else qkv_block_k(k, rows)
+    elif isinstance(spec, tuple):
+        (vn, vk), cfg = GEMV_VARIANTS[spec[1]]
+        triton_gemv.default_config = (lambda n, k, rows, norm=False:
+                                      cfg if (n, k, rows) == (vn, vk, 1) else config(n, k, rows, norm))
+    elif spec == 0:
+        TritonAttentionBatch.attend_stored = lambda self, layer, q, cache: q.view(-1, layer.q_size)
+    elif spec is not None:
+        triton_kernels.decode_splits = lambda b, kv, sms=132: spec if b == 1 else splits(b, kv, sms)
+    try:
+        yield
+    finally:
+        (triton_kernels.PDL_MODE, triton_kernels.decode_splits, triton_gemv.default_config,
+         triton_gemv.qkv_block_k, TritonAttentionBatch.attend_stored) = saved
+
+
+def variant_label(mode: int, spec) -> str:
+    if isinstance(spec, tuple):
+        what = "q/k/v in one K slice" if spec[0] == "qkv" else f"GEMV variant {spec[1]}: {GEMV_VARIANTS[spec[1]][1]}"
+        return f"PDL mode {mode}, {what}"
+    if spec == 0:
+        return f"PDL mode {mode}, NO attention"
+    return f"PDL mode {mode}" + (f", batch-1 attention splits {spec}" if spec else "")
+
+
 def phase_graphab(args) -> None:
     """GPU time of the batch-1 decode graph (1B, or --graphab-shape) under variants of the kernels (PDL modes, attention
     splits), re-captured in one engine and timed in interleaved rounds: an A/B without the host's
@@ -446,49 +511,14 @@ def phase_graphab(args) -> None:
         engine.step()
     torch.cuda.synchronize()  # a burst may still be queued: its tokens are not needed here
     seq = engine.sequences["p"]
-    default_mode, default_splits = triton_kernels.PDL_MODE, triton_kernels.decode_splits
+    default_mode = triton_kernels.PDL_MODE
     variants = [(int(m), None) for m in (args.pdl_modes or "0,1").split(",")]
     variants += [(default_mode, int(n)) for n in args.decode_splits.split(",") if n] if args.decode_splits else []
     if args.no_attention:  # splits 0: attention left out of the graph (its cost in the chain, not a result)
         variants.append((default_mode, 0))
-    # ("gemv", name): one projection's batch-1 kernel configuration replaced (1B shapes)
-    import triton
-
-    from ferrum.models import triton_gemv
-    from ferrum.models.triton_gemv import GemvConfig
-
-    default_config = triton_gemv.default_config
-    gemv_variants = {  # name: ((n, k), config)
-        "o_bn4": ((2048, 2048), GemvConfig(block_n=4, block_k=2048)),
-        "o_bn1": ((2048, 2048), GemvConfig(block_n=1, block_k=2048, num_warps=2)),
-        "gate_up_bn4": ((8192, 2048), GemvConfig(block_n=4, block_k=2048)),
-        "gate_up_w2": ((8192, 2048), GemvConfig(block_n=2, block_k=2048, num_warps=2)),
-        "down_w4": ((2048, 8192), GemvConfig(block_n=2, block_k=8192, num_warps=4)),
-        "down_bk4096": ((2048, 8192), GemvConfig(block_n=2, block_k=4096, num_warps=4)),
-        "down_bn1": ((2048, 8192), GemvConfig(block_n=1, block_k=8192, num_warps=4)),
-        "lm_head_bn4": ((128256, 2048), GemvConfig(block_n=4, block_k=2048)),
-        "lm_head_w8": ((128256, 2048), GemvConfig(block_n=4, block_k=2048, num_warps=8)),
-        "down_bk8192_w8": ((2048, 8192), GemvConfig(block_n=2, block_k=8192, num_warps=8)),
-        "down_bk2048": ((2048, 8192), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
-        "down_bk4096_w8": ((2048, 8192), GemvConfig(block_n=2, block_k=4096, num_warps=8)),
-        "down_bn4_bk4096": ((2048, 8192), GemvConfig(block_n=4, block_k=4096, num_warps=4)),
-        "gate_up_bk1024": ((8192, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
-        "o_bk1024": ((2048, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
-        "lm_head_bk1024": ((128256, 2048), GemvConfig(block_n=2, block_k=1024, num_warps=4)),
-        # 8B shapes
-        "8b_o_bk2048": ((4096, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
-        "8b_gate_up_bk2048": ((14336, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
-        "8b_down_bn2_w4": ((4096, 14336), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
-        "8b_lm_head_bk2048": ((128256, 4096), GemvConfig(block_n=2, block_k=2048, num_warps=4)),
-    }
-    qkv_block_k = triton_gemv.qkv_block_k
-    qkv_variants = {"qkv_whole": lambda k, rows: triton.next_power_of_2(k) if rows == 1 else qkv_block_k(k, rows)}
     variants += [(default_mode, ("gemv", name)) for name in filter(None, args.gemv_variants.split(","))]
     variants += [(default_mode, ("qkv", name)) for name in filter(None, args.qkv_variants.split(","))]
     times: dict[tuple, list[float]] = {v: [] for v in variants}
-    from ferrum.models.gpu_attention import TritonAttentionBatch
-
-    attend_stored = TritonAttentionBatch.attend_stored
     kept: list[dict] = []
 
     def replay_time(graph: torch.cuda.CUDAGraph, warm_up: int = 0, n: int = 200) -> float:
@@ -507,26 +537,10 @@ def phase_graphab(args) -> None:
     with torch.inference_mode():
         for _ in range(args.ab_repeat):
             for mode, splits in variants:
-                triton_kernels.PDL_MODE = mode
-                if isinstance(splits, tuple) and splits[0] == "qkv":
-                    triton_gemv.qkv_block_k = qkv_variants[splits[1]]
-                elif isinstance(splits, tuple):
-                    (vn, vk), cfg = gemv_variants[splits[1]]
-                    triton_gemv.default_config = (lambda n, k, rows, norm=False, vn=vn, vk=vk, cfg=cfg:
-                                                  cfg if (n, k, rows) == (vn, vk, 1) else default_config(n, k, rows, norm))
-                elif splits:
-                    triton_kernels.decode_splits = lambda b, kv, sms=132, n=splits: n if b == 1 else default_splits(b, kv, sms)
-                if splits == 0:
-                    TritonAttentionBatch.attend_stored = lambda self, layer, q, cache: q.view(-1, layer.q_size)
-                try:
-                    kept.append(runner.graphs)  # not destroyed mid-run: a fresh set beside them
-                    runner.graphs = {}
+                kept.append(runner.graphs)  # not destroyed mid-run: a fresh set beside them
+                runner.graphs = {}
+                with kernel_variant(mode, splits):
                     runner._capture_graphs()
-                finally:
-                    triton_kernels.PDL_MODE, triton_kernels.decode_splits = default_mode, default_splits
-                    TritonAttentionBatch.attend_stored = attend_stored
-                    triton_gemv.default_config = default_config
-                    triton_gemv.qkv_block_k = qkv_block_k
                 times[(mode, splits)].append(replay_time(runner.graphs[1][0], warm_up=10))
         # the engine's own graphs (captured at start-up), and bursts as the engine queues them: a
         # burst of 16 replays (with its table upload and token copy) queued behind another
@@ -550,14 +564,7 @@ def phase_graphab(args) -> None:
     record("graphab", f"{args.graphab_shape} batch-1 burst of 16 behind another, per token", round(statistics.median(burst_times) * 1e3, 1),
            "us (GPU, median)", "all: " + ", ".join(f"{t * 1e3:.1f}" for t in burst_times))
     for (mode, splits), ts in times.items():
-        if isinstance(splits, tuple) and splits[0] == "qkv":
-            label = f"PDL mode {mode}, q/k/v variant {splits[1]}"
-        elif isinstance(splits, tuple):
-            label = f"PDL mode {mode}, GEMV variant {splits[1]}: {gemv_variants[splits[1]][1]}"
-        else:
-            label = f"PDL mode {mode}" + (f", attention splits {splits}" if splits else "")
-            label += ", NO attention" if splits == 0 else ""
-        record("graphab", f"{args.graphab_shape} batch-1 decode graph, {label}", round(min(ts) * 1e3, 1), "us (GPU, best round)",
+        record("graphab", f"{args.graphab_shape} batch-1 decode graph, {variant_label(mode, splits)}", round(min(ts) * 1e3, 1), "us (GPU, best round)",
                "rounds: " + ", ".join(f"{t * 1e3:.1f}" for t in ts))
     engine.release()
     del engine
