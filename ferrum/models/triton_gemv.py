@@ -84,18 +84,22 @@ def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k, K,
             x = (tl.load(NW + k).to(tl.float32)[None, :] * xf).to(x.dtype)
     if w is None:
         w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0)
+    acc = _product(acc, x, w, DOT, PRECISION)
+    if GATED:
+        if w2 is None:
+            w2 = tl.load(w_rows2 + k[None, :], mask=wmask, other=0.0)
+        acc2 = _product(acc2, x, w2, DOT, PRECISION)
+    return acc, acc2, ss
+
+
+@triton.jit
+def _product(acc, x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [ROWS, BLOCK_N] + x [ROWS, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T, in float32."""
     if DOT:
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     else:
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if GATED:
-        if w2 is None:
-            w2 = tl.load(w_rows2 + k[None, :], mask=wmask, other=0.0)
-        if DOT:
-            acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision=PRECISION)
-        else:
-            acc2 += tl.sum(x.to(tl.float32)[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
-    return acc, acc2, ss
+    return acc
 
 
 @triton.jit
