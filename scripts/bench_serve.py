@@ -2,24 +2,27 @@
 """Serving benchmark: Ferrum vs `transformers serve --continuous-batching` on the same model folder.
 
 Not a test. Starts one server at a time (Ferrum first, then transformers serve), measures its time to
-ready, sends one warm-up request, then runs the same streaming chat workload over the OpenAI HTTP API at
-each concurrency level, stops the server, and moves on. Prints a table and writes JSON.
+ready, sends one warm-up request, then measures each concurrency level (a phase) with
+`ferrum.bench.serve.run_serve`, stops the server, and moves on. Prints a table and writes JSON. This
+script only launches and watches the servers; requests and metrics are `ferrum bench serve`'s.
 
     python scripts/bench_serve.py --model models/SmolLM2-135M-Instruct            # both servers
-    python scripts/bench_serve.py --concurrency 1 8 --requests-per-worker 4       # shorter
+    python scripts/bench_serve.py --concurrency 1 8 --requests-per-level 4 16     # shorter
     python scripts/bench_serve.py --skip-transformers --ferrum-args="--max-num-seqs 16"   # note the =
 
-Workload: a fixed list of 16 short chat prompts, temperature 0, `max_tokens` (default 64), streaming,
-`stream_options.include_usage`. No ignore_eos: answers end where the model stops, so output tokens are
-counted, not assumed: from the `usage` a server reports in its stream (both servers here do; transformers
-serve sends it on the final chunk even though it ignores `stream_options`), else from the number of content
-chunks; the JSON and the table say which was used. Concurrency N means N client workers, each sending its
-requests back to back; prompts are handed out round-robin over all requests of a phase.
+Workload (`ferrum bench serve --endpoint chat` with a prompt list): the 16 short chat prompts below,
+temperature 0, `max_tokens` (default 64), streaming, `stream_options.include_usage`, no ignore_eos:
+answers end where the model stops, so output tokens are counted, not assumed: from the `usage` a server
+reports in its stream (both servers here do; transformers serve sends it on the final chunk even though it
+ignores `stream_options`), else from the number of content chunks; the JSON and the table say which was
+used. Concurrency N means at most N requests in flight, the next sent as soon as one finishes; request i
+of a phase gets prompt i mod 16. Default requests per phase: 8 at c=1, else 4 per slot (32 at c=8).
 
-Metrics per phase: output tok/s = all output tokens / wall time of the phase; TTFT = time to the first
-non-empty content delta; TPOT = (e2e - TTFT) / (output tokens - 1), for requests with > 1 token. Time to
-ready: from process spawn to the first 200 on the health endpoint (GET /health on both servers; both load
-the model before they start listening).
+Metrics per phase (ferrum.bench.metrics): output tok/s = all output tokens / wall time of the phase;
+TTFT = time to the first non-empty content delta; TPOT = (e2e - TTFT) / (output tokens - 1), for requests
+with > 1 token. Time to ready: from process spawn to the first 200 on the health endpoint (GET /health on
+both servers; both load the model before they start listening). The warm-up is the phase's first prompt,
+sent alone and untimed by the phases.
 
 Both servers get the same dtype (--dtype, default bfloat16: the checkpoint's own, which transformers'
 `auto` keeps and Ferrum's CPU `auto` picks where the CPU has bf16 matmul units) and the same KV cache
@@ -30,7 +33,7 @@ transformers (with HF_HUB_OFFLINE=1):
         transformers serve ABS_MODEL_PATH --continuous-batching --device cpu --dtype DTYPE \
             --cb-num-blocks 182 --cb-max-batch-tokens 1024 --host 127.0.0.1 --port P+1
   - the positional model preloads and pins the model before the server listens, so /health means loaded,
-    and requests must name that exact string as `model`;
+    and requests must name that exact string as `model` (its /v1/models lists the HF cache instead);
   - `--dtype`: the same on both, so the comparison is like for like;
   - `--cb-num-blocks`: blocks of 256 tokens of KV for the whole model, sized to --kv-cache-gb; left
     alone, CB on CPU takes 60% of RAM for its cache (~11 GB RSS for this 135M model, and 15 s to set up
@@ -55,18 +58,24 @@ import os
 import platform
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-
-import aiohttp
+from typing import Any, BinaryIO
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this checkout's ferrum, not an installed one
+    sys.path.insert(0, str(ROOT))
 
-PROMPTS = [
+from ferrum.bench.errors import BenchError
+from ferrum.bench.metrics import RequestRecord
+from ferrum.bench.report import level_json
+from ferrum.bench.serve import LevelRun, ServeOptions, run_serve
+from ferrum.bench.workload import LengthRange, WorkloadSpec
+
+PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "Explain photosynthesis in one sentence.",
@@ -83,7 +92,10 @@ PROMPTS = [
     "Write one sentence about autumn.",
     "What is the largest ocean on Earth?",
     "How many legs does a spider have?",
-]
+)
+
+# CPU flags worth printing for a CPU inference benchmark (the JSON keeps all of them).
+_SIMD_PREFIXES = ("sse4", "avx", "amx", "fma", "f16c")
 
 
 # -- servers ------------------------------------------------------------------------------------------
@@ -118,7 +130,7 @@ class ServerProcess:
         self.name, self.cmd, self.env, self.log_path = name, cmd, env, log_path
         self.base_url, self.health_path = base_url, health_path
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
 
     def start(self) -> float:
         """Spawn and wait for the first 200 on the health endpoint; returns seconds from spawn to ready."""
@@ -185,6 +197,13 @@ class ServerProcess:
             except (OSError, ValueError, IndexError):
                 continue
         return round(total_kb / 1024, 1) if total_kb else None
+
+    @property
+    def pgid(self) -> int:
+        """The process group of the started server (its leader's pid)."""
+        if self.proc is None:
+            raise ServerError(f"{self.name} was not started")
+        return self.proc.pid
 
     def stop(self) -> None:
         proc = self.proc
@@ -282,195 +301,180 @@ def wait_for_quiet(max_wait_s: float, threshold_pct: float) -> float:
             announced = True
 
 
-# -- client -------------------------------------------------------------------------------------------
+# -- the machine -------------------------------------------------------------------------------------
 
 
-@dataclass
-class RequestResult:
-    prompt_idx: int
-    ok: bool
-    error: str | None = None
-    ttft: float | None = None
-    e2e: float | None = None
-    tokens: int = 0
-    token_source: str | None = None  # "usage" | "chunks"
-    content_chunks: int = 0
-    finish_reason: str | None = None
-    text: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.ok or self.tokens < 2 or self.ttft is None or self.e2e is None:
-            return None
-        return (self.e2e - self.ttft) / (self.tokens - 1)
-
-
-async def stream_chat(
-    session: aiohttp.ClientSession, url: str, model: str, prompt_idx: int, max_tokens: int
-) -> RequestResult:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": PROMPTS[prompt_idx]}],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    res = RequestResult(prompt_idx=prompt_idx, ok=False)
-    pieces: list[str] = []
-    usage_tokens: int | None = None
-    t0 = time.perf_counter()
+def cpu_info() -> dict[str, Any]:
+    """The CPU's model name and flags, from the first processor of /proc/cpuinfo."""
+    info: dict[str, Any] = {"model": platform.processor() or platform.machine(), "flags": []}
     try:
-        async with session.post(url, json=body) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                return res
-            buf = b""
-            done = False
-            async for data in resp.content.iter_any():
-                buf += data
-                while b"\n" in buf:
-                    raw, buf = buf.split(b"\n", 1)
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(payload)
-                    if "error" in chunk:
-                        res.error = f"stream error: {chunk['error']}"
-                        return res
-                    for choice in chunk.get("choices") or []:
-                        content = (choice.get("delta") or {}).get("content")
-                        if content:
-                            if res.ttft is None:
-                                res.ttft = time.perf_counter() - t0
-                            res.content_chunks += 1
-                            pieces.append(content)
-                        if choice.get("finish_reason"):
-                            res.finish_reason = choice["finish_reason"]
-                    usage = chunk.get("usage")
-                    if usage and usage.get("completion_tokens") is not None:
-                        usage_tokens = int(usage["completion_tokens"])
-                if done:
-                    break
-        res.e2e = time.perf_counter() - t0
-    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-        return res
-    res.text = "".join(pieces)
-    if usage_tokens is not None:
-        res.tokens, res.token_source = usage_tokens, "usage"
-    else:
-        res.tokens, res.token_source = res.content_chunks, "chunks"
-    if res.ttft is None:  # no content at all (e.g. immediate EOS): TTFT undefined, count as done
-        res.ttft = res.e2e
-    res.ok = True
-    return res
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return info
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            info["model"] = value.strip()
+        elif key.strip() == "flags":
+            info["flags"] = value.split()
+            break
+    return info
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+def simd_flags(flags: list[str]) -> list[str]:
+    """The vector-unit flags among `flags` (SSE4, AVX*, AMX*, FMA, F16C, and any *bf16* / *vnni*)."""
+    return [f for f in flags if f.startswith(_SIMD_PREFIXES) or "bf16" in f or "vnni" in f]
 
 
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(x * 1000.0, 2)
+# -- phases -------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PhaseResult:
-    concurrency: int
-    requests: int
-    ok: int
-    errors: int
-    output_tokens: int
-    wall_s: float
-    tok_per_s: float
-    req_per_s: float
-    ttft_ms: dict
-    tpot_ms: dict
-    e2e_ms: dict
-    token_source: str
-    finish_reasons: dict
-    first_errors: list[str] = field(default_factory=list)
+def requests_for(concurrency: int) -> int:
+    """The default number of requests of a phase: 8 at c=1, else 4 per slot (32 at c=8)."""
+    return concurrency * max(4, 8 // concurrency)
 
 
-async def run_phase(
-    url: str, model: str, concurrency: int, requests_per_worker: int, max_tokens: int, timeout_s: float
-) -> tuple[PhaseResult, list[RequestResult]]:
-    total = concurrency * requests_per_worker
-    next_idx = 0
-    results: list[RequestResult] = []
-
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    connector = aiohttp.TCPConnector(limit=concurrency + 2)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-
-        async def worker() -> None:
-            nonlocal next_idx
-            for _ in range(requests_per_worker):
-                i = next_idx
-                next_idx += 1
-                results.append(await stream_chat(session, url, model, i % len(PROMPTS), max_tokens))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-
-    ok = [r for r in results if r.ok]
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    tpot = [r.tpot for r in ok if r.tpot is not None]
-    e2e = [r.e2e for r in ok if r.e2e is not None]
-    out_tokens = sum(r.tokens for r in ok)
-    sources = sorted({r.token_source for r in ok if r.token_source})
-    reasons: dict[str, int] = {}
-    for r in ok:
-        reasons[str(r.finish_reason)] = reasons.get(str(r.finish_reason), 0) + 1
-
-    def summary(xs: list[float]) -> dict:
-        return {
-            "mean": _ms(statistics.fmean(xs)) if xs else None,
-            "p50": _ms(percentile(xs, 50)),
-            "p90": _ms(percentile(xs, 90)),
-            "p99": _ms(percentile(xs, 99)),
-            "n": len(xs),
-        }
-
-    phase = PhaseResult(
-        concurrency=concurrency,
-        requests=total,
-        ok=len(ok),
-        errors=total - len(ok),
-        output_tokens=out_tokens,
-        wall_s=round(wall, 3),
-        tok_per_s=round(out_tokens / wall, 2) if wall > 0 else 0.0,
-        req_per_s=round(len(ok) / wall, 3) if wall > 0 else 0.0,
-        ttft_ms=summary(ttft),
-        tpot_ms=summary(tpot),
-        e2e_ms=summary(e2e),
-        token_source="+".join(sources) or "none",
-        finish_reasons=reasons,
-        first_errors=[r.error for r in results if not r.ok][:3],
+def phase_sizes(args: argparse.Namespace) -> list[int]:
+    """The number of requests of each phase, in --concurrency order."""
+    return (
+        list(args.requests_per_level)
+        if args.requests_per_level
+        else [requests_for(c) for c in args.concurrency]
     )
-    return phase, results
 
 
-# -- orchestration ------------------------------------------------------------------------------------
+def workload(args: argparse.Namespace, requests: int) -> WorkloadSpec:
+    """The chat workload of one phase: request i asks prompt i mod 16, with max_tokens --max-tokens."""
+    return WorkloadSpec(
+        num_prompts=requests,
+        output_len=LengthRange(args.max_tokens, args.max_tokens),
+        ignore_eos=False,
+        prompts=PROMPTS,
+    )
 
 
-def requests_per_worker_for(concurrency: int, flag: int | None) -> int:
-    # Default: 8 requests at c=1, 4 per worker above that (32 at c=8).
-    if flag is not None:
-        return flag
-    return max(4, 8 // concurrency)
+def run_phase(
+    base_url: str, model: str, concurrency: int, requests: int, args: argparse.Namespace
+) -> LevelRun:
+    """One concurrency level through ferrum.bench.serve.run_serve, without its warm-up request."""
+    options = ServeOptions(
+        base_url,
+        workload(args, requests),
+        (concurrency,),
+        model=model,
+        timeout_s=args.request_timeout,
+        endpoint="chat",
+        warmup=False,
+    )
+    return asyncio.run(run_serve(options)).levels[0]
+
+
+def warm_up(base_url: str, model: str, args: argparse.Namespace) -> tuple[float, RequestRecord]:
+    """Seconds taken by the first request (the first prompt, alone), and its record."""
+    t0 = time.perf_counter()
+    record = run_phase(base_url, model, 1, 1, args).records[0]
+    if not record.ok:
+        raise ServerError(f"warm-up request failed: {record.error}")
+    return time.perf_counter() - t0, record
+
+
+def measured_phase(
+    server: ServerProcess, model: str, concurrency: int, requests: int, args: argparse.Namespace
+) -> tuple[dict, LevelRun]:
+    """One phase (re-run while other processes took too much CPU): its JSON record and its run."""
+    discarded: list[dict] = []
+    for attempt in range(args.contention_retries + 1):
+        if attempt:
+            print(f"   re-running c={concurrency} (attempt {attempt + 1})", flush=True)
+            if args.quiet_wait > 0:
+                wait_for_quiet(args.quiet_wait, args.quiet_threshold)
+        load_before = os.getloadavg()[0]
+        meter = CpuMeter(server.pgid)
+        run = run_phase(server.base_url, model, concurrency, requests, args)
+        cpu = meter.read()
+        # CPU shares during the phase (100% = all CPUs) and the 1-minute load average: a phase where other
+        # processes took a real share of the CPUs measured the machine, not the server.
+        record = {
+            **level_json(run, with_requests=False),
+            "cpu": cpu,
+            "loadavg_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+        }
+        _print_phase(run, cpu)
+        record["contended"] = (cpu["other_cpu_pct"] or 0) > args.quiet_threshold
+        if not record["contended"]:
+            break
+        print(
+            f"   WARNING: other processes took {cpu['other_cpu_pct']}% of the CPUs during this phase: its "
+            "numbers are not reliable",
+            flush=True,
+        )
+        if attempt < args.contention_retries:
+            discarded.append(record)
+    record["discarded_contended_attempts"] = discarded
+    return record, run
+
+
+def _print_phase(run: LevelRun, cpu: dict) -> None:
+    r = run.result
+    print(
+        f"   c={r.concurrency}: {r.completed}/{r.num_requests} ok, {r.total_output_tokens} tok in "
+        f"{r.duration_s:.2f}s = {r.output_throughput:.1f} tok/s, TTFT p50 {fmt(r.ttft.median_ms)} ms, "
+        f"TPOT p50 {fmt(r.tpot.median_ms)} ms; CPU server {cpu['server_cpu_pct']}% others "
+        f"{cpu['other_cpu_pct']}%",
+        flush=True,
+    )
+    if r.failed:
+        print(f"   errors: {r.failed}, first: {r.first_error}", flush=True)
+
+
+def bench_server(
+    name: str,
+    server: ServerProcess,
+    model: str,
+    args: argparse.Namespace,
+    check_log: Callable[[ServerProcess], dict] | None = None,
+) -> dict:
+    """Starts `server`, warms it up, measures every phase, stops it; the server's JSON record."""
+    out: dict = {"name": name, "cmd": shlex.join(server.cmd), "log": str(server.log_path), "model": model}
+    print(f"\n== {name}: {out['cmd']}", flush=True)
+    out["loadavg_1m_before_start"] = round(os.getloadavg()[0], 2)
+    if args.quiet_wait > 0:
+        out["other_cpu_pct_before_start"] = wait_for_quiet(args.quiet_wait, args.quiet_threshold)
+    try:
+        meter = CpuMeter(None)
+        ready = server.start()
+        out["ready_s"] = round(ready, 3)
+        out["cpu_during_start"] = meter.read(spawned_pgid=server.pgid)
+        print(f"   ready in {ready:.2f}s", flush=True)
+        warmup_s, w = warm_up(server.base_url, model, args)
+        out["warmup_s"] = round(warmup_s, 3)
+        print(
+            f"   warm-up {warmup_s:.2f}s, {w.output_tokens} tokens ({w.token_source}): {w.text[:80]!r}",
+            flush=True,
+        )
+        phases = []
+        answers: dict[int, str] = {}
+        for c, n in zip(args.concurrency, phase_sizes(args), strict=True):
+            record, run = measured_phase(server, model, c, n, args)
+            phases.append(record)
+            for i, r in enumerate(run.records):
+                if r.ok:
+                    answers.setdefault(i % len(PROMPTS), r.text)
+        out["phases"] = phases
+        out["answers"] = {str(k): v for k, v in sorted(answers.items())}
+        out["peak_rss_mb"] = server.group_peak_rss_mb()
+        if check_log is not None:
+            out.update(check_log(server))
+    except (ServerError, BenchError) as exc:
+        out["error"] = str(exc)
+        print(f"   FAILED: {exc}", file=sys.stderr, flush=True)
+    finally:
+        t0 = time.perf_counter()
+        server.stop()
+        out["stop_s"] = round(time.perf_counter() - t0, 2)
+        if server.proc is not None:
+            out["exit_code"] = server.proc.returncode
+    return out
 
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
@@ -482,106 +486,12 @@ def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
 
 
-def transformers_num_blocks(model_dir: Path, kv_cache_gb: float, dtype_bytes: int, page_size: int = 256) -> int:
+def transformers_num_blocks(
+    model_dir: Path, kv_cache_gb: float, dtype_bytes: int, page_size: int = 256
+) -> int:
     """transformers' --cb-num-blocks counts whole-model blocks of `page_size` (256) tokens: size it to the same
     float32 KV bytes as Ferrum's --kv-cache-memory-gb."""
     return max(1, int(kv_cache_gb * 1024**3 // (page_size * kv_bytes_per_token(model_dir, dtype_bytes))))
-
-
-def bench_server(
-    name: str, server: ServerProcess, chat_url: str, model_field: str, args, check_log=None
-) -> dict:
-    out: dict = {"name": name, "cmd": shlex.join(server.cmd), "log": str(server.log_path)}
-    print(f"\n== {name}: {out['cmd']}", flush=True)
-    out["loadavg_1m_before_start"] = round(os.getloadavg()[0], 2)
-    if args.quiet_wait > 0:
-        out["other_cpu_pct_before_start"] = wait_for_quiet(args.quiet_wait, args.quiet_threshold)
-    try:
-        meter = CpuMeter(None)
-        ready = server.start()
-        out["ready_s"] = round(ready, 3)
-        out["cpu_during_start"] = meter.read(spawned_pgid=server.proc.pid)
-        print(f"   ready in {ready:.2f}s", flush=True)
-
-        async def warm() -> RequestResult:
-            timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-            async with aiohttp.ClientSession(timeout=timeout) as session:
-                return await stream_chat(session, chat_url, model_field, 0, args.max_tokens)
-
-        t0 = time.perf_counter()
-        w = asyncio.run(warm())
-        out["warmup_s"] = round(time.perf_counter() - t0, 3)
-        if not w.ok:
-            raise ServerError(f"warm-up request failed: {w.error}")
-        print(
-            f"   warm-up {out['warmup_s']:.2f}s, {w.tokens} tokens ({w.token_source}): {w.text[:80]!r}",
-            flush=True,
-        )
-
-        phases = []
-        answers: dict[int, str] = {}
-        for c in args.concurrency:
-            rpw = requests_per_worker_for(c, args.requests_per_worker)
-            discarded = []
-            for attempt in range(args.contention_retries + 1):
-                if attempt:
-                    print(f"   re-running c={c} (attempt {attempt + 1})", flush=True)
-                    if args.quiet_wait > 0:
-                        wait_for_quiet(args.quiet_wait, args.quiet_threshold)
-                load_before = os.getloadavg()[0]
-                meter = CpuMeter(server.proc.pid)
-                phase, results = asyncio.run(
-                    run_phase(chat_url, model_field, c, rpw, args.max_tokens, args.request_timeout)
-                )
-                cpu = meter.read()
-                # CPU shares during the phase (100% = all CPUs) and the 1-minute load average: a phase where other
-                # processes took a real share of the CPUs measured the machine, not the server.
-                record = {
-                    **asdict(phase),
-                    "cpu": cpu,
-                    "loadavg_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
-                }
-                print(
-                    f"   c={c}: {phase.ok}/{phase.requests} ok, {phase.output_tokens} tok in {phase.wall_s:.2f}s "
-                    f"= {phase.tok_per_s:.1f} tok/s, TTFT p50 {phase.ttft_ms['p50']} ms, "
-                    f"TPOT p50 {phase.tpot_ms['p50']} ms; CPU server {cpu['server_cpu_pct']}% "
-                    f"others {cpu['other_cpu_pct']}%",
-                    flush=True,
-                )
-                if phase.errors:
-                    print(f"   errors: {phase.first_errors}", flush=True)
-                contended = (cpu["other_cpu_pct"] or 0) > args.quiet_threshold
-                record["contended"] = contended
-                if contended:
-                    print(
-                        f"   WARNING: other processes took {cpu['other_cpu_pct']}% of the CPUs during this "
-                        "phase: its numbers are not reliable",
-                        flush=True,
-                    )
-                    if attempt < args.contention_retries:
-                        discarded.append(record)
-                        continue
-                break
-            record["discarded_contended_attempts"] = discarded
-            phases.append(record)
-            for r in results:
-                if r.ok and r.prompt_idx not in answers:
-                    answers[r.prompt_idx] = r.text
-        out["phases"] = phases
-        out["answers"] = {str(k): v for k, v in sorted(answers.items())}
-        out["peak_rss_mb"] = server.group_peak_rss_mb()
-        if check_log is not None:
-            out.update(check_log(server))
-    except ServerError as exc:
-        out["error"] = str(exc)
-        print(f"   FAILED: {exc}", file=sys.stderr, flush=True)
-    finally:
-        t0 = time.perf_counter()
-        server.stop()
-        out["stop_s"] = round(time.perf_counter() - t0, 2)
-        if server.proc is not None:
-            out["exit_code"] = server.proc.returncode
-    return out
 
 
 def transformers_cb_check(server: ServerProcess) -> dict:
@@ -613,8 +523,40 @@ def versions() -> dict:
     return info
 
 
-def fmt(x, spec: str = ".1f") -> str:
+# -- report -------------------------------------------------------------------------------------------
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def ratios(fe: dict, tf: dict) -> dict[str, dict[str, float | None]]:
+    """Ferrum / transformers per concurrency level: output tok/s, TTFT p50 and TPOT p50."""
+    out = {}
+    for pf in fe["phases"]:
+        pt = next((p for p in tf["phases"] if p["concurrency"] == pf["concurrency"]), None)
+        if pt is not None:
+            out[str(pf["concurrency"])] = {
+                "tok_per_s_ratio": _ratio(pf["output_throughput"], pt["output_throughput"]),
+                "ttft_p50_ratio": _ratio(pf["ttft_ms"]["median"], pt["ttft_ms"]["median"]),
+                "tpot_p50_ratio": _ratio(pf["tpot_ms"]["median"], pt["tpot_ms"]["median"]),
+            }
+    return out
+
+
+def answer_agreement(fe: dict, tf: dict) -> dict:
+    """How many prompts got the same greedy answer from both servers."""
+    common = sorted(set(fe.get("answers", {})) & set(tf.get("answers", {})), key=int)
+    same = [k for k in common if fe["answers"][k].strip() == tf["answers"][k].strip()]
+    return {
+        "compared": len(common),
+        "identical": len(same),
+        "differing_prompts": [int(k) for k in common if k not in same],
+    }
 
 
 def print_table(report: dict) -> None:
@@ -626,11 +568,12 @@ def print_table(report: dict) -> None:
     print("-" * len(header))
     for s in report["servers"]:
         for p in s.get("phases", []):
+            source = "+".join(p["output_token_sources"]) or "none"
             print(
-                f"{s['name']:<13} {p['concurrency']:>4} {p['requests']:>5} {p['errors']:>3} "
-                f"{p['output_tokens']:>7} {p['token_source']:>7} {p['wall_s']:>7.2f} {p['tok_per_s']:>7.1f} "
-                f"{fmt(p['ttft_ms']['mean']):>9} {fmt(p['ttft_ms']['p50']):>8} {fmt(p['ttft_ms']['p99']):>8} "
-                f"{fmt(p['tpot_ms']['mean']):>9} {fmt(p['tpot_ms']['p50']):>8} "
+                f"{s['name']:<13} {p['concurrency']:>4} {p['num_requests']:>5} {p['failed']:>3} "
+                f"{p['total_output_tokens']:>7} {source:>7} {p['duration_s']:>7.2f} {p['output_throughput']:>7.1f} "
+                f"{fmt(p['ttft_ms']['mean']):>9} {fmt(p['ttft_ms']['median']):>8} {fmt(p['ttft_ms']['p99']):>8} "
+                f"{fmt(p['tpot_ms']['mean']):>9} {fmt(p['tpot_ms']['median']):>8} "
                 f"{fmt(p['cpu']['other_cpu_pct'], '.0f') + '%':>6}{' !' if p.get('contended') else ''}"
             )
     print(
@@ -651,7 +594,7 @@ def print_table(report: dict) -> None:
         )
     for c, r in report.get("ratios", {}).items():
         print(
-            f"ferrum/transformers tok/s at c={c}: {r['tok_per_s_ratio']:.2f}x "
+            f"ferrum/transformers tok/s at c={c}: {fmt(r['tok_per_s_ratio'], '.2f')}x "
             f"(TTFT p50 ratio {fmt(r['ttft_p50_ratio'], '.2f')}, TPOT p50 ratio {fmt(r['tpot_p50_ratio'], '.2f')})"
         )
     if "answer_agreement" in report:
@@ -659,22 +602,29 @@ def print_table(report: dict) -> None:
         print(f"identical greedy answers, ferrum vs transformers: {a['identical']}/{a['compared']} prompts")
 
 
-def main(argv: list[str] | None = None) -> int:
+# -- main ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct", help="HF model folder")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="client workers per phase")
+    ap.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 8], help="most requests in flight, per phase"
+    )
+    ap.add_argument(
+        "--requests-per-level",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="requests of each phase, one per --concurrency value (default: 8 at c=1, else 4 per slot)",
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--dtype",
         default="bfloat16",
         choices=["bfloat16", "float32"],
         help="dtype for both servers (default: bfloat16, the checkpoint's own dtype)",
-    )
-    ap.add_argument(
-        "--requests-per-worker",
-        type=int,
-        default=None,
-        help="requests each worker sends back to back (default: 8 at c=1, else 4)",
     )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-ferrum", action="store_true")
@@ -732,7 +682,66 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default="bench-results/serve.json")
     args = ap.parse_args(argv)
+    if min(args.concurrency) < 1:
+        ap.error("--concurrency values must be at least 1")
+    if args.requests_per_level is not None and (
+        len(args.requests_per_level) != len(args.concurrency) or min(args.requests_per_level) < 1
+    ):
+        ap.error("--requests-per-level needs one count >= 1 per --concurrency value")
+    return args
 
+
+def ferrum_command(args: argparse.Namespace, model_dir: Path, served_name: str, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ferrum.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend",
+        "cpu",
+        "--dtype",
+        args.dtype,
+        "--served-model-name",
+        served_name,
+        "--kv-cache-memory-gb",
+        str(args.kv_cache_gb),
+        "--log-level",
+        "warning",
+        *shlex.split(args.ferrum_args),
+    ]
+
+
+def transformers_command(
+    args: argparse.Namespace, model_dir: Path, cb_num_blocks: int, port: int
+) -> list[str]:
+    exe = Path(sys.executable).with_name("transformers")
+    cmd = [
+        str(exe) if exe.exists() else "transformers",
+        "serve",
+        str(model_dir),
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--dtype",
+        args.dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    if not args.transformers_cb_defaults:
+        cmd += ["--cb-num-blocks", str(cb_num_blocks), "--cb-max-batch-tokens", str(args.max_batch_tokens)]
+    return cmd + shlex.split(args.transformers_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)
     ServerProcess.ready_timeout = args.ready_timeout
@@ -746,6 +755,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    cpu = cpu_info()
+    print(f"CPU: {cpu['model']} ({os.cpu_count()} CPUs)")
+    print(f"CPU flags (SIMD): {' '.join(simd_flags(cpu['flags'])) or 'none found'}", flush=True)
     served_name = args.served_model_name or model_dir.name
     cb_num_blocks = transformers_num_blocks(model_dir, args.kv_cache_gb, 2 if args.dtype == "bfloat16" else 4)
     out_path = Path(args.out)
@@ -762,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
             "cwd": str(Path.cwd()),
             "cpu_count": os.cpu_count(),
             "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "cpu_model": cpu["model"],
+            "cpu_flags": cpu["flags"],
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             **versions(),
@@ -769,15 +783,15 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {
             "model": str(model_dir),
             "dtype": args.dtype,
-            "prompts": PROMPTS,
+            "endpoint": "/v1/chat/completions",
+            "prompts": list(PROMPTS),
             "temperature": 0,
             "max_tokens": args.max_tokens,
+            "ignore_eos": False,
             "stream": True,
             "stream_options": {"include_usage": True},
             "concurrency": args.concurrency,
-            "requests_per_worker": {
-                str(c): requests_per_worker_for(c, args.requests_per_worker) for c in args.concurrency
-            },
+            "requests_per_level": phase_sizes(args),
             "warmup_requests": 1,
             "kv_cache_gb": None if args.transformers_cb_defaults else args.kv_cache_gb,
             "transformers_cb_num_blocks": None if args.transformers_cb_defaults else cb_num_blocks,
@@ -791,74 +805,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.skip_ferrum:
             port = args.port_base
-            cmd = [
-                sys.executable,
-                "-m",
-                "ferrum.cli",
-                "serve",
-                "--model",
-                str(model_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--backend",
-                "cpu",
-                "--dtype",
-                args.dtype,
-                "--served-model-name",
-                served_name,
-                "--kv-cache-memory-gb",
-                str(args.kv_cache_gb),
-                "--log-level",
-                "warning",
-                *shlex.split(args.ferrum_args),
-            ]
-            base = f"http://127.0.0.1:{port}"
-            server = ServerProcess("ferrum", cmd, env, log_dir / f"ferrum-{stamp}.log", base, "/health")
-            report["servers"].append(
-                bench_server("ferrum", server, base + "/v1/chat/completions", served_name, args)
+            server = ServerProcess(
+                "ferrum",
+                ferrum_command(args, model_dir, served_name, port),
+                env,
+                log_dir / f"ferrum-{stamp}.log",
+                f"http://127.0.0.1:{port}",
+                "/health",
             )
-
+            report["servers"].append(bench_server("ferrum", server, served_name, args))
         if not args.skip_transformers:
             port = args.port_base + 1
-            exe = Path(sys.executable).with_name("transformers")
-            cmd = [
-                str(exe) if exe.exists() else "transformers",
-                "serve",
-                str(model_dir),
-                "--continuous-batching",
-                "--device",
-                "cpu",
-                "--dtype",
-                args.dtype,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ]
-            if not args.transformers_cb_defaults:
-                cmd += [
-                    "--cb-num-blocks",
-                    str(cb_num_blocks),
-                    "--cb-max-batch-tokens",
-                    str(args.max_batch_tokens),
-                ]
-            cmd += shlex.split(args.transformers_args)
-            base = f"http://127.0.0.1:{port}"
             server = ServerProcess(
-                "transformers", cmd, env, log_dir / f"transformers-{stamp}.log", base, "/health"
+                "transformers",
+                transformers_command(args, model_dir, cb_num_blocks, port),
+                env,
+                log_dir / f"transformers-{stamp}.log",
+                f"http://127.0.0.1:{port}",
+                "/health",
             )
             # transformers serve pins the preloaded model: requests must name it exactly as given.
             report["servers"].append(
-                bench_server(
-                    "transformers",
-                    server,
-                    base + "/v1/chat/completions",
-                    str(model_dir),
-                    args,
-                    check_log=transformers_cb_check,
-                )
+                bench_server("transformers", server, str(model_dir), args, check_log=transformers_cb_check)
             )
     finally:
         _kill_all_live()
@@ -866,28 +834,8 @@ def main(argv: list[str] | None = None) -> int:
     by_name = {s["name"]: s for s in report["servers"]}
     fe, tf = by_name.get("ferrum"), by_name.get("transformers")
     if fe and tf and fe.get("phases") and tf.get("phases"):
-        ratios = {}
-        for pf in fe["phases"]:
-            pt = next((p for p in tf["phases"] if p["concurrency"] == pf["concurrency"]), None)
-            if pt is None:
-                continue
-
-            def ratio(a, b):
-                return round(a / b, 3) if a is not None and b else None
-
-            ratios[str(pf["concurrency"])] = {
-                "tok_per_s_ratio": ratio(pf["tok_per_s"], pt["tok_per_s"]),
-                "ttft_p50_ratio": ratio(pf["ttft_ms"]["p50"], pt["ttft_ms"]["p50"]),
-                "tpot_p50_ratio": ratio(pf["tpot_ms"]["p50"], pt["tpot_ms"]["p50"]),
-            }
-        report["ratios"] = ratios
-        common = sorted(set(fe.get("answers", {})) & set(tf.get("answers", {})), key=int)
-        same = [k for k in common if fe["answers"][k].strip() == tf["answers"][k].strip()]
-        report["answer_agreement"] = {
-            "compared": len(common),
-            "identical": len(same),
-            "differing_prompts": [int(k) for k in common if k not in same],
-        }
+        report["ratios"] = ratios(fe, tf)
+        report["answer_agreement"] = answer_agreement(fe, tf)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")

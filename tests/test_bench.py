@@ -13,9 +13,22 @@ from typing import Any
 import aiohttp
 import pytest
 
-from ferrum.bench.client import Target, send
+from ferrum.bench.client import ResponseStream, Target, send
+from ferrum.bench.errors import BenchError
 from ferrum.bench.metrics import RequestRecord, summarize
-from ferrum.bench.workload import BenchRequest, LengthRange, WorkloadSpec, make_workload, prompt_token_pool
+from ferrum.bench.serve import ServeOptions, run_serve
+from ferrum.bench.workload import (
+    WARMUP_TEXT,
+    BenchRequest,
+    LengthRange,
+    WorkloadSpec,
+    load_prompts,
+    make_workload,
+    prompt_token_pool,
+    shared_prefix,
+    warmup_request,
+    with_text,
+)
 from ferrum.cli import main
 from ferrum.tokenizer import Tokenizer
 from tests.live_server import MODEL_DIR, live_server
@@ -159,7 +172,8 @@ def test_bench_offline_on_the_demo_model(tmp_path: Path, one_thread: None, token
     assert result["total_output_tokens"] == result["requested_output_tokens"] == sum(r.output_len for r in expected)
     assert result["output_tokens_as_requested"] is True
     assert result["workload"] == {"num_prompts": 5, "input_len": [4, 24], "output_len": [2, 8], "seed": 7,
-                                  "ignore_eos": True}
+                                  "ignore_eos": True, "prefix_len": 0, "dataset": "random",
+                                  "num_distinct_prompts": None}
     assert result["engine"]["max_model_len"] == 128
     assert result["elapsed_s"] > 0
     assert result["output_tokens_per_s"] == pytest.approx(result["total_output_tokens"] / result["elapsed_s"])
@@ -231,3 +245,293 @@ def test_a_refused_request_is_recorded_with_the_server_message(server_url: str) 
     assert record.error is not None and record.error.startswith("HTTP 400:")
     assert "maximum context length is 128" in record.error
     assert record.output_tokens == 0
+
+
+# -- shared prefix ------------------------------------------------------------------------------------
+
+# The first three prompt ids of each request of SHORT_SPEC (rounds 0 and 1) and its warm-up, as drawn
+# before the shared prefix existed: prefix_len 0 must keep drawing exactly these.
+SHORT_SPEC_IDS = {
+    0: [(13839, 13675, 7527), (8930, 44093, 25990), (47878, 14812, 12126), (44412, 4349, 28985),
+        (34594, 9457, 34956)],
+    1: [(10024, 25720, 14564), (41214, 3787, 13968), (6737, 35525, 36076), (35686, 3756, 9852),
+        (34838, 42834, 39983)],
+}
+SHORT_SPEC_LENGTHS = [(23, 7), (17, 7), (18, 3), (22, 2), (16, 4)]
+
+
+@pytest.mark.slow
+def test_prefix_len_0_draws_the_requests_of_before(tokenizer: Tokenizer) -> None:
+    pool = prompt_token_pool(tokenizer)
+    for round_index, firsts in SHORT_SPEC_IDS.items():
+        requests = make_workload(SHORT_SPEC, pool, round_index)
+        assert [r.prompt_token_ids[:3] for r in requests] == firsts
+        assert [(r.prompt_len, r.output_len) for r in requests] == SHORT_SPEC_LENGTHS
+        assert all(r.prefix_len == 0 and r.text is None for r in requests)
+    assert warmup_request(SHORT_SPEC, pool) == BenchRequest((42777, 37857, 43052, 5516), 2)
+    assert shared_prefix(SHORT_SPEC, pool) == ()
+
+
+@pytest.mark.slow
+def test_the_shared_prefix_is_the_same_in_every_request_and_round(tokenizer: Tokenizer) -> None:
+    pool = prompt_token_pool(tokenizer)
+    spec = WorkloadSpec(5, LengthRange(4, 24), LengthRange(2, 8), seed=7, prefix_len=40)
+    prefix = shared_prefix(spec, pool)
+    assert len(prefix) == 40 and len(set(prefix)) > 30  # random ids, not one repeated
+    for round_index in (0, 1):
+        plain = make_workload(SHORT_SPEC, pool, round_index)
+        with_prefix = make_workload(spec, pool, round_index)
+        for a, b in zip(plain, with_prefix, strict=True):
+            assert b.prompt_token_ids[:40] == prefix and b.prefix_len == 40
+            assert b.prompt_token_ids[40:] == a.prompt_token_ids  # the own part is drawn as without a prefix
+            assert (b.prompt_len, b.output_len) == (40 + a.prompt_len, a.output_len)
+    assert make_workload(spec, pool, 0)[0].prompt_token_ids != make_workload(spec, pool, 1)[0].prompt_token_ids
+    assert shared_prefix(WorkloadSpec(5, seed=8, prefix_len=40), pool) != prefix
+    assert warmup_request(spec, pool) == warmup_request(SHORT_SPEC, pool)  # no prefix in the warm-up
+    assert spec.longest_request == 40 + 24 + 8
+    assert spec.describe_longest() == "prefix 40 + input 24 + output 8"
+
+
+@pytest.mark.slow
+def test_chat_text_keeps_the_prefix_text_shared(tokenizer: Tokenizer) -> None:
+    pool = prompt_token_pool(tokenizer)
+    spec = WorkloadSpec(3, LengthRange(5, 9), LengthRange(2, 2), seed=1, prefix_len=12)
+    head = tokenizer.decode(shared_prefix(spec, pool))
+    for r in make_workload(spec, pool):
+        text = with_text(r, tokenizer.decode).text
+        assert text == head + tokenizer.decode(r.prompt_token_ids[12:])
+    listed = BenchRequest((), 4, text="as given")
+    assert with_text(listed, tokenizer.decode) is listed
+
+
+def test_per_level_request_counts() -> None:
+    pool = list(range(100, 200))
+    spec = WorkloadSpec(4, LengthRange(3, 5), LengthRange(1, 2), seed=2)
+    assert len(make_workload(spec, pool)) == 4
+    assert len(make_workload(spec, pool, num_requests=9)) == 9
+    assert make_workload(spec, pool, num_requests=4) == make_workload(spec, pool)
+    options = ServeOptions("http://x", spec, concurrency=(1, 8), requests_per_level=(8, 32))
+    assert options.level_sizes == (8, 32)
+    assert ServeOptions("http://x", spec, concurrency=(1, 8)).level_sizes == (4, 4)
+    for bad in ((8,), (8, 0), (1, 2, 3)):
+        with pytest.raises(ValueError, match="requests_per_level"):
+            ServeOptions("http://x", spec, concurrency=(1, 8), requests_per_level=bad)
+    with pytest.raises(ValueError, match="endpoint"):
+        ServeOptions("http://x", spec, endpoint="embeddings")  # type: ignore[arg-type]
+
+
+# -- prompt list --------------------------------------------------------------------------------------
+
+PROMPTS = ("What is the capital of France?", "Name three primary colors.", "Why is the sky blue?")
+
+
+def test_a_prompt_list_is_handed_out_round_robin() -> None:
+    spec = WorkloadSpec(7, output_len=LengthRange(3, 6), seed=4, ignore_eos=False, prompts=PROMPTS)
+    first, second = make_workload(spec, None, 0), make_workload(spec, None, 1)
+    assert [r.text for r in first] == [PROMPTS[i % 3] for i in range(7)]
+    assert first == second  # the same texts and max_tokens in every round
+    assert all(r.prompt_token_ids == () and 3 <= r.output_len <= 6 for r in first)
+    assert [r.text for r in make_workload(spec, None, num_requests=4)] == [*PROMPTS, PROMPTS[0]]
+    assert warmup_request(spec, None) == BenchRequest((), 3, text=WARMUP_TEXT)
+    assert WARMUP_TEXT not in PROMPTS
+    assert (spec.dataset, spec.longest_request) == ("prompt-list", 6)
+    with pytest.raises(ValueError, match="prefix"):
+        WorkloadSpec(prompts=PROMPTS, prefix_len=8)
+    with pytest.raises(ValueError, match="non-empty"):
+        WorkloadSpec(prompts=("ok", ""))
+    with pytest.raises(ValueError, match="pool"):
+        make_workload(WorkloadSpec(2), None)
+
+
+def test_load_prompts_reads_a_json_list_of_strings(tmp_path: Path) -> None:
+    good = tmp_path / "prompts.json"
+    good.write_text(json.dumps(list(PROMPTS)))
+    assert load_prompts(good) == PROMPTS
+    for name, content in (("dict.json", '{"a": "b"}'), ("empty.json", "[]"), ("mixed.json", '["a", 3]'),
+                          ("blank.json", '["a", ""]'), ("broken.json", '["a"')):
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(BenchError, match=name):
+            load_prompts(path)
+    with pytest.raises(BenchError, match="cannot read"):
+        load_prompts(tmp_path / "missing.json")
+
+
+# -- the chat endpoint: bodies and streams --------------------------------------------------------------
+
+
+def test_request_bodies_of_both_endpoints() -> None:
+    chat = Target("http://h:1", "m", ignore_eos=False, endpoint="chat")
+    assert chat.url == "http://h:1/v1/chat/completions"
+    assert chat.body(BenchRequest((), 64, text="Hi?")) == {
+        "model": "m", "messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 64, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    ignoring = Target("http://h:1", "m", endpoint="chat")
+    assert ignoring.body(BenchRequest((1, 2), 5, text="x"))["ignore_eos"] is True
+    with pytest.raises(ValueError, match="text"):
+        chat.body(BenchRequest((1, 2), 5))
+    completions = Target("http://h:1", "m")
+    assert completions.url == "http://h:1/v1/completions"
+    assert completions.body(BenchRequest((1, 2), 5, text="x"))["prompt"] == [1, 2]  # ids when it has them
+    assert completions.body(BenchRequest((), 5, text="x"))["prompt"] == "x"
+
+
+def _chat_chunk(
+    content: str | None = None, role: str | None = None, finish: str | None = None
+) -> dict[str, Any]:
+    delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_chat_ttft_runs_to_the_first_content_and_tokens_fall_back_to_chunks() -> None:
+    request = BenchRequest((), 8, text="q")
+    stream = ResponseStream(chat=True)
+    stream.take(_chat_chunk("", role="assistant"), 10.5)  # the role chunk carries no output
+    stream.take(_chat_chunk("Hel"), 11.0)
+    stream.take(_chat_chunk("lo"), 11.25)
+    stream.take(_chat_chunk(finish="stop"), 11.5)
+    record = stream.record(request, 10.0, 12.0)
+    assert (record.ttft_s, record.itl_s, record.latency_s) == (1.0, (0.25,), 2.0)
+    assert (record.output_tokens, record.token_source) == (2, "chunks")
+    assert (record.text, record.finish_reason) == ("Hello", "stop")
+    stream.take({"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 3}}, 11.75)
+    record = stream.record(request, 10.0, 12.0)
+    assert (record.output_tokens, record.token_source, record.prompt_len) == (3, "usage", 30)
+
+    silent = ResponseStream(chat=True)  # an answer without content: TTFT at the first choice
+    silent.take(_chat_chunk("", role="assistant"), 10.5)
+    silent.take(_chat_chunk(finish="stop"), 10.75)
+    record = silent.record(request, 10.0, 11.0)
+    assert (record.ok, record.ttft_s, record.itl_s, record.output_tokens) == (True, 0.5, (), 0)
+    assert not ResponseStream(chat=True).record(request, 10.0, 11.0).ok
+
+
+def test_completions_ttft_counts_a_choice_without_text() -> None:
+    stream = ResponseStream(chat=False)
+    stream.take({"choices": [{"index": 0, "text": ""}]}, 10.5)  # a token that decodes to no text yet
+    stream.take({"choices": [{"index": 0, "text": "ab", "finish_reason": "length"}]}, 11.0)
+    record = stream.record(BenchRequest((1, 2, 3), 2), 10.0, 11.0)
+    assert (record.ttft_s, record.itl_s, record.output_tokens, record.token_source) == (0.5, (0.5,), 1, "chunks")
+    assert record.prompt_len == 3
+
+
+def test_levels_count_token_sources_and_finish_reasons() -> None:
+    records = [RequestRecord(5, 4, 4, 0.1, (), 0.2, token_source="usage", finish_reason="length"),
+               RequestRecord(5, 4, 2, 0.1, (), 0.2, token_source="chunks", finish_reason="stop"),
+               RequestRecord(5, 4, 3, 0.1, (), 0.2, token_source="usage", finish_reason="stop"),
+               RequestRecord(5, 4, 0, 0.0, (), 0.1, "HTTP 500")]
+    r = summarize(records, 1.0, 2)
+    assert r.token_sources == {"chunks": 1, "usage": 2}
+    assert r.finish_reasons == {"length": 1, "stop": 2}
+
+
+# -- live: chat, prompt list, per-level counts, prefix cache --------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_serve_chat_with_a_prompts_file_and_per_level_counts(
+    server_url: str, tmp_path: Path, tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts_file, out = tmp_path / "prompts.json", tmp_path / "chat.json"
+    prompts_file.write_text(json.dumps(list(PROMPTS)))
+    code = _run_cli([
+        "bench", "serve", "--url", server_url, "--endpoint", "chat", "--prompts-file", str(prompts_file),
+        "--no-ignore-eos", "--output-len", "6", "--concurrency", "1,2", "--requests-per-level", "2,4",
+        "--output-json", str(out), "--save-requests",
+    ])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "/v1/chat/completions" in text and "prompt list (3 prompts)" in text
+    assert "Output tokens counted from:" in text
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert (result["endpoint"], result["tokenizer"]) == ("chat", None)
+    assert result["workload"]["dataset"] == "prompt-list"
+    assert result["workload"]["num_distinct_prompts"] == 3
+    assert result["workload"]["prompts_file"] == str(prompts_file)
+    assert result["warmup"]["error"] is None and result["warmup"]["output_tokens"] >= 1
+    counts = [(lv["concurrency"], lv["num_requests"], lv["completed"]) for lv in result["levels"]]
+    assert counts == [(1, 2, 2), (2, 4, 4)]
+    for level in result["levels"]:
+        n = level["num_requests"]
+        assert level["output_token_sources"] == {"usage": n}
+        assert sum(level["finish_reasons"].values()) == n
+        for i, r in enumerate(level["requests"]):
+            chat = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[i % 3]}])
+            assert r["prompt_len"] == len(chat)  # the server's count of the templated prompt
+            assert 1 <= r["output_tokens"] <= 6 and r["text"]
+            assert r["token_source"] == "usage"
+            assert r["finish_reason"] == ("length" if r["output_tokens"] == 6 else "stop")
+            assert 0 < r["ttft_ms"] <= r["latency_ms"]
+        assert level["total_input_tokens"] == sum(r["prompt_len"] for r in level["requests"])
+    # greedy and one at a time: the first level's answer to a prompt is also the second level's
+    first = result["levels"][0]["requests"]
+    assert result["levels"][1]["requests"][0]["text"] == first[0]["text"]
+
+
+@pytest.mark.slow
+def test_run_serve_chat_on_random_ids_with_a_prefix(server_url: str, tokenizer: Tokenizer) -> None:
+    spec = WorkloadSpec(3, LengthRange(4, 8), LengthRange(3, 3), seed=21, prefix_len=16)
+    options = ServeOptions(server_url, spec, concurrency=(2,), tokenizer=str(MODEL_DIR), endpoint="chat")
+    result = asyncio.run(run_serve(options))
+    assert result.endpoint == "chat" and result.tokenizer == str(MODEL_DIR)
+    assert result.warmup is not None and result.warmup.ok
+    (level,) = result.levels
+    pool = prompt_token_pool(tokenizer)
+    for request, record in zip(make_workload(spec, pool), level.records, strict=True):
+        assert record.ok, record.error
+        assert (record.output_tokens, record.token_source) == (3, "usage")  # ignore_eos holds on chat
+        chat = tokenizer.encode_chat([{"role": "user", "content": with_text(request, tokenizer.decode).text}])
+        assert record.prompt_len == len(chat)
+    assert level.result.total_output_tokens == level.result.requested_output_tokens == 9
+
+
+def _prefix_cache_hits(url: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("ferrum_prefix_cache_hits"):
+            return float(line.split()[-1])
+    raise AssertionError("no ferrum_prefix_cache_hits in /metrics")
+
+
+@pytest.mark.slow
+def test_the_shared_prefix_is_new_in_the_first_round_and_cached_in_the_next(
+    server_url: str, tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    out = tmp_path / "prefix.json"
+    before = _prefix_cache_hits(server_url)
+    code = _run_cli([
+        "bench", "serve", "--url", server_url, "--tokenizer", str(MODEL_DIR), "--concurrency", "1,2",
+        "--num-prompts", "2", "--prefix-len", "48", "--input-len", "4:12", "--output-len", "2", "--seed", "31",
+        "--output-json", str(out),
+    ])
+    assert code == 0
+    # 48 tokens = 3 full blocks of 16: missed by the first request, then hit by the second of round 0
+    # and by both of round 1 (whose own parts are new), so 3 hits of 48 tokens.
+    assert _prefix_cache_hits(server_url) - before == 3 * 48
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert result["workload"]["prefix_len"] == 48
+    spec = WorkloadSpec(2, LengthRange(4, 12), LengthRange(2, 2), seed=31, prefix_len=48)
+    expected = make_workload(spec, prompt_token_pool(tokenizer))
+    for level in result["levels"]:
+        assert level["total_input_tokens"] == sum(r.prompt_len for r in expected)
+        assert level["total_output_tokens"] == 4
+
+
+@pytest.mark.slow
+def test_bench_serve_refuses_a_prefix_that_does_not_fit(
+    server_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _run_cli(["bench", "serve", "--url", server_url, "--tokenizer", str(MODEL_DIR), "--prefix-len", "100",
+                     "--input-len", "20", "--output-len", "10"])
+    assert code == 2
+    assert "130 tokens (prefix 100 + input 20 + output 10)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_model_the_server_does_not_serve_fails_the_warm_up(server_url: str) -> None:
+    options = ServeOptions(server_url, SHORT_SPEC, concurrency=(1,), model="no-such-model",
+                           tokenizer=str(MODEL_DIR))
+    with pytest.raises(BenchError, match="warm-up request failed: HTTP 404"):
+        asyncio.run(run_serve(options))

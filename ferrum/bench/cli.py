@@ -9,8 +9,10 @@ import math
 import sys
 from typing import Any
 
+from ferrum.bench.client import ENDPOINTS
 from ferrum.bench.errors import BenchError
-from ferrum.bench.workload import LengthRange, WorkloadSpec
+from ferrum.bench.metrics import LevelResult
+from ferrum.bench.workload import LengthRange, WorkloadSpec, load_prompts
 
 log = logging.getLogger("ferrum.bench")
 
@@ -25,14 +27,32 @@ def _length_range(text: str) -> LengthRange:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _levels(text: str) -> tuple[int, ...]:
+def _positive_list(text: str, what: str) -> tuple[int, ...]:
     try:
-        levels = tuple(int(part) for part in text.split(",") if part.strip())
+        values = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"concurrency levels must be integers >= 1, got {text!r}")
-    return levels
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be integers >= 1, got {text!r}")
+    return values
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    return _positive_list(text, "concurrency levels")
+
+
+def _request_counts(text: str) -> tuple[int, ...]:
+    return _positive_list(text, "request counts")
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text!r}")
+    return value
 
 
 def _rate(text: str) -> float:
@@ -47,9 +67,14 @@ def _rate(text: str) -> float:
 
 def _workload_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=256, metavar="N", help="number of requests (default 256)")
+    g.add_argument("--num-prompts", type=int, default=256, metavar="N",
+                   help="number of requests (of each concurrency level, for serve; default 256)")
     g.add_argument("--input-len", type=_length_range, default=LengthRange(100, 1024), metavar="N|LOW:HIGH",
-                   help="prompt length in tokens, drawn uniformly from LOW..HIGH inclusive (default 100:1024)")
+                   help="length in tokens of each prompt's own random part (after the shared prefix), drawn "
+                        "uniformly from LOW..HIGH inclusive (default 100:1024)")
+    g.add_argument("--prefix-len", type=_non_negative, default=0, metavar="N",
+                   help="a random prefix of N token ids shared by every request, the same at every level "
+                        "(default 0: none)")
     g.add_argument("--output-len", type=_length_range, default=LengthRange(100, 1024), metavar="N|LOW:HIGH",
                    help="max_tokens of each request, drawn like --input-len (default 100:1024)")
     g.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the workload (default 0)")
@@ -90,11 +115,23 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="seconds per request (default 3600)")
     srv.add_argument("--plot", metavar="FILE.png", help="plot latencies and throughput against concurrency")
     srv.add_argument("--save-requests", action="store_true", help="put every request's timings in the JSON")
+    srv.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
+                     help="completions: token-id prompts on /v1/completions (default); chat: the prompt as a "
+                          "user message on /v1/chat/completions")
+    srv.add_argument("--prompts-file", metavar="FILE",
+                     help="a JSON list of prompt texts, handed out round-robin instead of random token ids "
+                          "(--input-len is then unused); usually with --endpoint chat and --no-ignore-eos")
+    srv.add_argument("--requests-per-level", type=_request_counts, metavar="N[,N...]",
+                     help="the number of requests of each concurrency level, one per level "
+                          "(default: --num-prompts at every level)")
     _workload_flags(srv)
 
 
 def _workload(args: argparse.Namespace) -> WorkloadSpec:
-    return WorkloadSpec(args.num_prompts, args.input_len, args.output_len, args.seed, args.ignore_eos)
+    prompts_file = getattr(args, "prompts_file", None)
+    prompts = load_prompts(prompts_file) if prompts_file else ()
+    return WorkloadSpec(args.num_prompts, args.input_len, args.output_len, args.seed, args.ignore_eos,
+                        args.prefix_len, prompts)
 
 
 def _offline(args: argparse.Namespace) -> int:
@@ -117,29 +154,39 @@ def _offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _counted_by_usage(level: LevelResult) -> bool:
+    """Whether every output token count of the level came from the server's usage chunks."""
+    return set(level.token_sources) <= {"usage"}
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ferrum.bench.plot import plot_levels, require_matplotlib
-    from ferrum.bench.report import level_table, serve_json, summary_table, write_json
+    from ferrum.bench.report import level_table, serve_header, serve_json, summary_table, write_json
     from ferrum.bench.serve import ServeOptions, run_serve
 
     if args.plot:
         require_matplotlib()  # fail before the run, not after it
     options = ServeOptions(args.url, _workload(args), args.concurrency, args.request_rate, args.model,
-                           args.tokenizer, args.timeout)
+                           args.tokenizer, args.timeout, endpoint=args.endpoint,
+                           requests_per_level=args.requests_per_level)
     result = asyncio.run(run_serve(options))
     levels = [run.result for run in result.levels]
+    print(serve_header(result), flush=True)
     for level in levels:
         print(level_table(level), flush=True)
     print(summary_table(levels), flush=True)
     if args.output_json:
-        write_json(serve_json(result, args.save_requests), args.output_json)
+        document = serve_json(result, args.save_requests)
+        document["workload"]["prompts_file"] = args.prompts_file
+        write_json(document, args.output_json)
     if args.plot:
         plot_levels(levels, args.plot, f"ferrum bench serve: {result.model}")
     failed = sum(level.failed for level in levels)
     if failed:
         print(f"ferrum bench: error: {failed} requests failed", file=sys.stderr)
         return 1
-    if result.workload.ignore_eos and any(lv.total_output_tokens != lv.requested_output_tokens for lv in levels):
+    if result.workload.ignore_eos and any(lv.total_output_tokens != lv.requested_output_tokens
+                                          for lv in levels if _counted_by_usage(lv)):
         print("ferrum bench: error: the server generated other token counts than requested "
               "(ignore_eos should make them equal)", file=sys.stderr)
         return 1

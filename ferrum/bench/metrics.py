@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+TokenSource = Literal["usage", "chunks"]
 
 
 @dataclass(frozen=True)
@@ -14,13 +18,16 @@ class RequestRecord:
     """One request as the client saw it. Times in seconds; `itl_s` holds the gaps between chunks
     that carried tokens. A failed request has `error` set and counts no tokens."""
 
-    prompt_len: int
+    prompt_len: int  # prompt tokens: the server's usage count where it sent one, else as drawn
     output_len: int  # requested (max_tokens)
-    output_tokens: int  # generated, from the response's usage
+    output_tokens: int  # generated: from the response's usage, else the number of content chunks
     ttft_s: float
     itl_s: tuple[float, ...]
     latency_s: float
     error: str | None = None
+    token_source: TokenSource = "usage"  # where `output_tokens` came from
+    finish_reason: str | None = None  # the last one the stream gave
+    text: str = ""  # the generated text, as streamed
 
     @property
     def ok(self) -> bool:
@@ -70,6 +77,8 @@ class LevelResult:
     tpot: Distribution
     itl: Distribution
     e2el: Distribution  # end-to-end latency
+    token_sources: dict[str, int]  # completed requests per source of their output token count
+    finish_reasons: dict[str, int]  # completed requests per finish reason ("none" where not given)
 
 
 def _rate(amount: float, duration_s: float) -> float:
@@ -103,4 +112,6 @@ def summarize(
         tpot=Distribution.of_seconds([t for r in done if (t := r.tpot_s) is not None]),
         itl=Distribution.of_seconds([gap for r in done for gap in r.itl_s]),
         e2el=Distribution.of_seconds([r.latency_s for r in done]),
+        token_sources=dict(sorted(Counter(r.token_source for r in done).items())),
+        finish_reasons=dict(sorted(Counter(str(r.finish_reason).lower() for r in done).items())),
     )

@@ -28,6 +28,9 @@ def workload_json(spec: WorkloadSpec) -> dict[str, Any]:
         "output_len": [spec.output_len.low, spec.output_len.high],
         "seed": spec.seed,
         "ignore_eos": spec.ignore_eos,
+        "prefix_len": spec.prefix_len,
+        "dataset": spec.dataset,
+        "num_distinct_prompts": len(spec.prompts) if spec.prompts else None,
     }
 
 
@@ -70,6 +73,9 @@ def request_json(r: RequestRecord) -> dict[str, Any]:
         "tpot_ms": _ms(r.tpot_s),
         "latency_ms": _ms(r.latency_s),
         "itl_ms": [gap * 1000.0 for gap in r.itl_s],
+        "token_source": r.token_source if r.ok else None,
+        "finish_reason": r.finish_reason,
+        "text": r.text,
         "error": r.error,
     }
 
@@ -94,6 +100,8 @@ def level_json(run: LevelRun, with_requests: bool) -> dict[str, Any]:
         "tpot_ms": _distribution_json(r.tpot),
         "itl_ms": _distribution_json(r.itl),
         "e2el_ms": _distribution_json(r.e2el),
+        "output_token_sources": r.token_sources,
+        "finish_reasons": r.finish_reasons,
     }
     if with_requests:
         out["requests"] = [request_json(record) for record in run.records]
@@ -107,8 +115,10 @@ def serve_json(result: ServeResult, with_requests: bool = False) -> dict[str, An
         "model": result.model,
         "max_model_len": result.max_model_len,
         "tokenizer": result.tokenizer,
+        "endpoint": result.endpoint,
         "request_rate": _rate_json(result.request_rate),
         "workload": workload_json(result.workload),
+        "warmup": None if result.warmup is None else request_json(result.warmup),
         "levels": [level_json(run, with_requests) for run in result.levels],
     }
 
@@ -141,6 +151,7 @@ def offline_table(result: OfflineResult) -> str:
         _line("Device name", result.device_name),
         _line("Dtype", result.dtype),
         _line("Requests", result.num_requests),
+        _line("Shared prefix (tokens)", result.workload.prefix_len),
         _line("Elapsed (s)", result.elapsed_s),
         _line("Total input tokens", result.total_input_tokens),
         _line("Total generated tokens", result.total_output_tokens),
@@ -148,6 +159,35 @@ def offline_table(result: OfflineResult) -> str:
         _line("Request throughput (req/s)", result.requests_per_s),
         _line("Output token throughput (tok/s)", result.output_tokens_per_s),
         _line("Total token throughput (tok/s)", result.total_tokens_per_s),
+        "=" * _WIDTH,
+    ]
+    return "\n".join(lines)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """e.g. "usage 30, chunks 2"; "-" when empty."""
+    return ", ".join(f"{name} {n}" for name, n in counts.items()) or "-"
+
+
+def _dataset(spec: WorkloadSpec) -> str:
+    if spec.prompts:
+        return f"prompt list ({len(spec.prompts)} prompts)"
+    return f"random ids, input {spec.input_len}"
+
+
+def serve_header(result: ServeResult) -> str:
+    """What was run: server, endpoint and workload."""
+    spec = result.workload
+    lines = [
+        _title("Serving benchmark"),
+        _line("URL", result.url),
+        _line("Model", result.model),
+        _line("Endpoint", "/v1/chat/completions" if result.endpoint == "chat" else "/v1/completions"),
+        _line("Dataset", _dataset(spec)),
+        _line("Shared prefix (tokens)", spec.prefix_len),
+        _line("Output length (max_tokens)", str(spec.output_len)),
+        _line("Ignore EOS", spec.ignore_eos),
+        _line("Seed", spec.seed),
         "=" * _WIDTH,
     ]
     return "\n".join(lines)
@@ -162,6 +202,8 @@ def level_table(r: LevelResult) -> str:
         _line("Benchmark duration (s)", r.duration_s),
         _line("Total input tokens", r.total_input_tokens),
         _line("Total generated tokens", r.total_output_tokens),
+        _line("Output tokens counted from", _counts(r.token_sources)),
+        _line("Finish reasons", _counts(r.finish_reasons)),
         _line("Request throughput (req/s)", r.request_throughput),
         _line("Output token throughput (tok/s)", r.output_throughput),
         _line("Total token throughput (tok/s)", r.total_token_throughput),
