@@ -12,7 +12,7 @@ from ferrum.bench.cli import add_bench_parser, run_bench
 from ferrum.config import ConfigError, load_config
 from ferrum.models.config import ModelConfigError
 from ferrum.models.loader import WeightsError
-from ferrum.server.launch import StartupError, resolve_model, serve
+from ferrum.server.launch import StartupError, pull_model, serve
 from ferrum.weights.errors import WeightError
 from ferrum.weights.uri import ModelLocationError
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "serve":
             asyncio.run(serve(config))
         elif args.command == "pull":
-            print(asyncio.run(resolve_model(config)), flush=True)
+            print(asyncio.run(pull_model(config)), flush=True)
     except USER_ERRORS as exc:
         print(f"ferrum: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -10,8 +10,9 @@ s3://bucket/prefix, https://host/folder/, or a mapping such as {source: s3, buck
       max_concurrent_downloads: 8
       timeout_s: 60
 
-`engine:` holds EngineConfig's fields (dtype, max_num_seqs, ...) and `engine_process: auto | true |
-false`: whether the engine runs in a process of its own (auto: on cuda and mps, not on the CPU).
+`engine:` holds EngineConfig's fields (dtype, max_num_seqs, ..., `kernels:` for the GPU kernels'
+settings) and `engine_process: auto | true | false`: whether the engine runs in a process of its
+own (auto: on cuda and mps, not on the CPU).
 """
 
 from __future__ import annotations
@@ -58,14 +59,11 @@ class ServerConfig:
             return Path(self.model.rstrip("/")).name
         return model_display_name(self.model)
 
-    def engine_config(self, device: str, model_folder: str | Path | None = None) -> EngineConfig:
-        """`model_folder`: the local folder the model location resolved to (default: the location
-        itself, right for a local folder)."""
-        folder = model_folder if model_folder is not None else self.model
-        return EngineConfig(model=str(folder), device=device, **self.engine)
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_mapping(self.engine)
 
 
-_ENGINE_KEYS = ({f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}) | {"engine_process"}
+_ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} | {"engine_process"}
 _TOP_KEYS = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine_process"}  # it is an engine key
 # `weights:` keys: WeightLoaderConfig's fields, with sizes in GB / MB and `headers` for default_headers
 _WEIGHTS_RENAMED = {"max_cache_size_gb": "max_cache_size_bytes", "chunk_size_mb": "chunk_size",
@@ -160,7 +158,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServerCon
         raw["requirements"] = BackendRequirements.from_mapping(raw.get("requirements") or {})
         raw["port"] = int(raw.get("port", 8000))
         config = ServerConfig(**raw)
-        config.engine_config("cpu", model_folder=".")  # validates the engine section now, not after start-up
+        config.engine_config()  # validates the engine section now, not after start-up
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid config: {exc}") from None
     return config

@@ -125,10 +125,11 @@ class ServerProcess:
     """A server in its own process group, so that stop() takes its children down with it."""
 
     def __init__(
-        self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, base_url: str, health_path: str
+        self, name: str, cmd: list[str], env: dict[str, str], log_path: Path, base_url: str, health_path: str,
+        cwd: Path = ROOT,
     ):
         self.name, self.cmd, self.env, self.log_path = name, cmd, env, log_path
-        self.base_url, self.health_path = base_url, health_path
+        self.base_url, self.health_path, self.cwd = base_url, health_path, cwd
         self.proc: subprocess.Popen | None = None
         self._log: BinaryIO | None = None
 
@@ -142,7 +143,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             self.cmd,
             env=self.env,
-            cwd=ROOT,
+            cwd=self.cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -627,6 +628,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="dtype for both servers (default: bfloat16, the checkpoint's own dtype)",
     )
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--also-ferrum",
+        action="append",
+        default=[],
+        metavar="NAME=CHECKOUT",
+        help="also measure the Ferrum of another checkout (its root; run from there), as server ferrum-NAME",
+    )
     ap.add_argument("--skip-ferrum", action="store_true")
     ap.add_argument(
         "--ferrum-args",
@@ -814,6 +822,20 @@ def main(argv: list[str] | None = None) -> int:
                 "/health",
             )
             report["servers"].append(bench_server("ferrum", server, served_name, args))
+        for other in args.also_ferrum:
+            name, _, checkout = other.partition("=")
+            root = Path(checkout).resolve()
+            port = args.port_base + 2
+            server = ServerProcess(
+                f"ferrum-{name}",
+                ferrum_command(args, model_dir, served_name, port),
+                {**env, "PYTHONPATH": str(root)},
+                log_dir / f"ferrum-{name}-{stamp}.log",
+                f"http://127.0.0.1:{port}",
+                "/health",
+                cwd=root,
+            )
+            report["servers"].append(bench_server(f"ferrum-{name}", server, served_name, args))
         if not args.skip_transformers:
             port = args.port_base + 1
             server = ServerProcess(

@@ -4,7 +4,7 @@ For each projection shape, 16 copies of the weight (one per layer, so that L2 ho
 between calls) are multiplied by one activation row inside a CUDA graph; the time per call gives
 the achieved read bandwidth. Then whole chains (16 layers of q/k/v, o, gate/up, down and the LM
 head) as the layered path runs them (norm, cuBLAS, activation kernels) and fused, with the best
-and the default configurations; then batch-1 decode attention by split count and tile size.
+and the default table (GemvTable); then batch-1 decode attention by split count and tile size.
 Fractions are of the pure-read bandwidth measured first. Prints a table; JSON to --out.
 
     python scripts/gemv_bench.py --out $OUT
@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ferrum.models import triton_kernels as tk  # noqa: E402
-from ferrum.models.triton_gemv import GemvConfig, gemv  # noqa: E402
+from ferrum.kernels import norm as tk_norm  # noqa: E402
+from ferrum.kernels import paged_attention as tk_attention  # noqa: E402
+from ferrum.kernels.config import GemvTable  # noqa: E402
+from ferrum.kernels.gemv import gemv, slicing  # noqa: E402
 
 HIDDEN, INTER, VOCAB, LAYERS = 2048, 8192, 128256, 16
 QKV = 2048 + 2 * 512
@@ -35,12 +37,24 @@ SHAPES = {  # name: (weight rows, K, gated)
     "down": (HIDDEN, INTER, False),
     "lm_head": (VOCAB, HIDDEN, False),
 }
-NORM_CONFIGS = [GemvConfig(bn, bk, w) for bn, bk, w in [
-    (2, 2048, 4), (4, 2048, 4), (2, 2048, 2), (4, 2048, 8), (1, 2048, 2), (2, 1024, 4),
-]]
-CONFIGS = [GemvConfig(bn, bk, w, 2, False, sk) for bn, bk, w, sk in [
-    (2, 1024, 4, 1), (4, 2048, 8, 1), (2, 2048, 4, 1), (4, 8192, 8, 1), (2, 8192, 8, 1), (2, 8192, 4, 1),
-    (4, 4096, 8, 1), (1, 2048, 2, 1), (2, 2048, 2, 1), (8, 8192, 16, 1),
+
+
+def table(features: int, k_slice: int, warps: int) -> GemvTable:
+    """A GemvTable whose projections read K in `k_slice`-wide slices (all of K when it is narrower),
+    `features` output features a program, with `warps` warps."""
+    return GemvTable(features_per_program=features, num_warps=warps, whole_k_with_norm=k_slice,
+                     whole_k_without_norm=k_slice, k_slice=k_slice)
+
+
+def describe(t: GemvTable) -> str:
+    return f"features {t.features_per_program} slice {t.k_slice} warps {t.num_warps}"
+
+
+NORM_CONFIGS = [table(f, k, w) for f, k, w in [(2, 2048, 4), (4, 2048, 4), (2, 2048, 2), (4, 2048, 8), (1, 2048, 2),
+                                             (2, 1024, 4)]]
+CONFIGS = [table(f, k, w) for f, k, w in [
+    (2, 1024, 4), (4, 2048, 8), (2, 2048, 4), (4, 8192, 8), (2, 8192, 8), (2, 8192, 4), (4, 4096, 8), (1, 2048, 2),
+    (2, 2048, 2), (8, 8192, 16),
 ]]
 
 
@@ -87,8 +101,8 @@ def main() -> None:
     rows: list[tuple] = []
     bw = read_bandwidth()
     rows.append(("read bandwidth (sum of 2 GiB)", f"{bw / 1e9:.0f} GB/s", ""))
-    best: dict[str, tuple[float, GemvConfig]] = {}
-    best_norm: dict[str, GemvConfig] = {}
+    best: dict[str, tuple[float, GemvTable]] = {}
+    best_norm: dict[str, GemvTable] = {}
 
     weights: dict[str, list[torch.Tensor]] = {}
     x = torch.randn(1, INTER, dtype=dt, device=dev)
@@ -103,19 +117,19 @@ def main() -> None:
         rows.append((f"{name} [{n}x{k}] cuBLAS", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%} of read BW"))
         results = []
         for cfg in CONFIGS[:4] if args.quick else CONFIGS:
-            if k % (cfg.block_k * cfg.split_k):
+            if k > cfg.k_slice and k % cfg.k_slice:
                 continue
             try:
                 ref = F.linear(xk.float(), ws[0].float())
                 if gated:
                     g, u = ref.split(n // 2, -1)
                     ref = F.silu(g) * u
-                got = gemv(xk, ws[0], gated=gated, config=cfg).float()
+                got = gemv(xk, ws[0], cfg, gated=gated).float()
                 err = ((got - ref).norm() / ref.norm()).item()
                 if not err < 2e-2:
                     rows.append((f"{name} {cfg}", "WRONG", f"rel err {err:.3g}"))
                     continue
-                t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg) for w in ws]) / copies
+                t = graph_time(lambda: [gemv(xk, w, cfg, gated=gated) for w in ws]) / copies
             except Exception as e:  # a configuration that does not compile (registers, shared memory)
                 rows.append((f"{name} {cfg}", "FAILED", repr(e)[:80]))
                 continue
@@ -123,20 +137,19 @@ def main() -> None:
         results.sort(key=lambda r: r[0])
 
         for t, cfg in results[:3]:
-            rows.append((f"{name} triton bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
-                         f"{'dot' if cfg.dot else 'fma'} split{cfg.split_k}", f"{t * 1e6:.2f} us",
+            rows.append((f"{name} triton {describe(cfg)}", f"{t * 1e6:.2f} us",
                          f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%}"))
         best[name] = results[0]
         if name in ("qkv", "gate_up", "lm_head"):  # with the RMSNorm prologue
             normed = []
             for cfg in NORM_CONFIGS:
-                if k % (cfg.block_k * cfg.split_k):
+                if k > cfg.k_slice and k % cfg.k_slice:
                     continue
-                t = graph_time(lambda: [gemv(xk, w, gated=gated, config=cfg, norm_weight=nw[:k]) for w in ws]) / copies
+                t = graph_time(lambda: [gemv(xk, w, cfg, gated=gated, norm_weight=nw[:k]) for w in ws]) / copies
                 normed.append((t, cfg))
             normed.sort(key=lambda r: r[0])
             for t, cfg in normed[:4]:
-                rows.append((f"{name} + norm: bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps}", f"{t * 1e6:.2f} us",
+                rows.append((f"{name} + norm: {describe(cfg)}", f"{t * 1e6:.2f} us",
                              f"{nbytes / t / 1e9:.0f} GB/s"))
             best_norm[name] = normed[0][1]
 
@@ -148,13 +161,13 @@ def main() -> None:
         res = h
         y = h
         for i in range(LAYERS):
-            a, res = tk.rms_norm(y, norm_w, 1e-5, res)
+            a, res = tk_norm.rms_norm(y, norm_w, 1e-5, res)
             qkv = F.linear(a, weights["qkv"][i])
             o = F.linear(qkv[:, :HIDDEN], weights["o"][i])
-            a, res = tk.rms_norm(o, norm_w, 1e-5, res)
-            act = tk.silu_and_mul(F.linear(a, weights["gate_up"][i]))
+            a, res = tk_norm.rms_norm(o, norm_w, 1e-5, res)
+            act = tk_norm.silu_and_mul(F.linear(a, weights["gate_up"][i]))
             y = F.linear(act, weights["down"][i])
-        a, _ = tk.rms_norm(y, norm_w, 1e-5, res)
+        a, _ = tk_norm.rms_norm(y, norm_w, 1e-5, res)
         return F.linear(a, weights["lm_head"][0]).float()
 
     def fused_chain(cfgs=None, ncfgs=None):
@@ -164,20 +177,18 @@ def main() -> None:
         def run():
             res = h
             for i in range(LAYERS):
-                qkv = gemv(res, weights["qkv"][i], norm_weight=norm_w, config=ncfgs["qkv"])
-                res = gemv(qkv[:, :HIDDEN], weights["o"][i], residual=res, config=cfgs["o"])
-                act = gemv(res, weights["gate_up"][i], norm_weight=norm_w, gated=True, config=ncfgs["gate_up"])
-                res = gemv(act, weights["down"][i], residual=res, config=cfgs["down"])
-            return gemv(res, weights["lm_head"][0], norm_weight=norm_w, out_dtype=torch.float32,
-                        config=ncfgs["lm_head"])
+                qkv = gemv(res, weights["qkv"][i], ncfgs["qkv"], norm_weight=norm_w)
+                res = gemv(qkv[:, :HIDDEN], weights["o"][i], cfgs["o"], residual=res)
+                act = gemv(res, weights["gate_up"][i], ncfgs["gate_up"], norm_weight=norm_w, gated=True)
+                res = gemv(act, weights["down"][i], cfgs["down"], residual=res)
+            return gemv(res, weights["lm_head"][0], ncfgs["lm_head"], norm_weight=norm_w, out_dtype=torch.float32)
         return run
 
-    from ferrum.models.triton_gemv import default_config
-
-    defaults = {name: default_config(SHAPES[name][0] // (2 if SHAPES[name][2] else 1), SHAPES[name][1], 1)
-                for name in SHAPES}
-    defaults_norm = {name: default_config(SHAPES[name][0] // (2 if SHAPES[name][2] else 1), SHAPES[name][1], 1, True)
-                     for name in SHAPES}
+    defaults = {name: GemvTable() for name in SHAPES}  # the product's table: its slicing per shape is gemv.slicing
+    defaults_norm = defaults
+    for name, (n, k, _) in SHAPES.items():
+        cut, cut_norm = slicing(k, 1, GemvTable()), slicing(k, 1, GemvTable(), norm=True)
+        rows.append((f"{name} default slicing", f"K slice {cut.block_k}", f"with the norm {cut_norm.block_k}"))
     total_bytes = LAYERS * sum(SHAPES[s][0] * SHAPES[s][1] * 2 for s in ("qkv", "o", "gate_up", "down")) \
         + VOCAB * HIDDEN * 2
     floor = total_bytes / bw
@@ -201,22 +212,22 @@ def main() -> None:
     table = torch.randperm(4096 // page, device=dev)[: ctx // page].to(torch.int32)[None]
     lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
     q = torch.randn(1, 4 * kvh, dim, dtype=dt, device=dev)
-    ref = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
+    ref = tk_attention.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
     for ctx in (256, 1024):
         lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
         table = torch.randperm(4096 // page, device=dev)[: ctx // page].to(torch.int32)[None]
-        ref = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
+        ref = tk_attention.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
         for splits, block_n, warps in [(16, 32, 4), (16, 32, 2), (8, 32, 2), (16, 16, 2), (32, 16, 2), (8, 64, 4),
                                        (32, 32, 2)]:
-            got = tk.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, block_n=block_n, num_warps=warps)
+            got = tk_attention.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, block_n=block_n, num_warps=warps)
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            t = graph_time(lambda: [tk.paged_decode(q, kc, vc, table, lens, page, dim**-0.5, splits,
+            t = graph_time(lambda: [tk_attention.paged_decode(q, kc, vc, table, lens, page, dim**-0.5, splits,
                                                     block_n=block_n, num_warps=warps) for kc, vc in caches]) / LAYERS
             rows.append((f"attention ctx {ctx} splits {splits} block_n {block_n} warps {warps}", f"{t * 1e6:.2f} us",
                          f"rel diff {err:.1e}"))
     # launch gaps: 112 tiny dependent kernels in one graph
     small = torch.randn(1, HIDDEN, dtype=dt, device=dev)
-    t = graph_time(lambda: [tk.rms_norm(small, norm_w, 1e-5) for _ in range(112)])
+    t = graph_time(lambda: [tk_norm.rms_norm(small, norm_w, 1e-5) for _ in range(112)])
     rows.append(("112 tiny rms_norm launches in a graph", f"{t * 1e6:.1f} us", f"{t / 112 * 1e6:.2f} us each"))
     width = max(len(r[0]) for r in rows)
     print()
@@ -226,7 +237,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gemv_bench.json").write_text(json.dumps(
             {"device": torch.cuda.get_device_name(), "rows": rows,
-             "best": {k: [v[0], vars(v[1])] for k, v in best.items()}}, indent=1))
+             "best": {k: [v[0], describe(v[1])] for k, v in best.items()}}, indent=1))
 
 
 if __name__ == "__main__":

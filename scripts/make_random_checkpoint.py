@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.tiny_model import write_synthetic_tokenizer  # noqa: E402  (the tests' model builder owns it)
 
 SHAPES: dict[str, dict] = {
     "llama-3.2-1b": dict(
@@ -45,10 +51,6 @@ SHAPES: dict[str, dict] = {
 }
 
 SHARD_BYTES = 5 * 2**30
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 
 
 def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
@@ -83,31 +85,6 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, devic
     return t.to(torch.bfloat16)
 
 
-def write_tokenizer(out: Path, vocab_size: int) -> None:
-    bos, eos = vocab_size - 2, vocab_size - 1
-    vocab = {f"t{i}": i for i in range(vocab_size - 2)} | {"<bos>": bos, "<eos>": eos}
-    tokenizer = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
-            for tok, i in (("<bos>", bos), ("<eos>", eos))
-        ],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": None,
-        "decoder": None,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
-    }
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-    }))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -123,7 +100,7 @@ def main() -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"],
                                                             "eos_token_id": config["eos_token_id"]}))
-    write_tokenizer(out, config["vocab_size"])
+    write_synthetic_tokenizer(out, config["vocab_size"])
 
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -113,13 +113,10 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def engine() -> Any:
     """The demo model in float32 (exact against HF), with a small KV cache and 1024-token context."""
-    from ferrum.engine.config import EngineConfig
-    from ferrum.engine.llm_engine import LLMEngine
+    from tests.engines import local_engine
     from tests.live_server import MODEL_DIR
 
-    return LLMEngine(
-        EngineConfig(model=str(MODEL_DIR), dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024)
-    )
+    return local_engine(MODEL_DIR, dtype="float32", kv_cache_memory_gb=0.1, max_model_len=1024)
 
 
 def weights_config(tmp_path: Any, **overrides: object) -> Any:

@@ -15,6 +15,7 @@ Faults (`server.faults`, a `Faults`; reset with `server.reset()`):
   corrupt_offset                      flip the byte at absolute file offset K
   delay_s                             wait before answering
   stall_at_offset/stall_s             stop sending mid-body at offset K for `stall_s` seconds
+  fault_path                          the cut, corrupt and stall faults apply to this path only
   ignore_range                        answer 200 with the whole body and no Accept-Ranges
   head_status                         answer HEAD with this status (e.g. 405) instead
 
@@ -58,6 +59,7 @@ class Faults:
     stall_s: float = 0.0
     ignore_range: bool = False
     head_status: int | None = None
+    fault_path: str | None = None  # e.g. "/tiny/model-00002-of-00002.safetensors"; None: every path
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,12 @@ class FaultServer:
             self.requests = []
             self.bytes_served = 0
             self._cuts_done = 0
+
+    @property
+    def cuts_done(self) -> int:
+        """Responses cut so far."""
+        with self._lock:
+            return self._cuts_done
 
     def count(self, method: str = "GET") -> int:
         with self._lock:
@@ -257,6 +265,8 @@ class FaultServer:
     ) -> None:
         """Write `body` (file bytes from absolute `offset`) with the corrupt/stall/cut faults."""
         faults = self.faults
+        if faults.fault_path is not None and request.path != faults.fault_path:
+            faults = Faults()
         data = bytearray(body)
         if faults.corrupt_offset is not None and offset <= faults.corrupt_offset < offset + len(data):
             data[faults.corrupt_offset - offset] ^= 0xFF

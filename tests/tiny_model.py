@@ -1,29 +1,130 @@
-"""A tiny random-weight Llama model folder for source tests (transformers is test-only here).
+"""The one builder of tiny random-weight model folders for the tests (transformers is test-only).
 
-It uses the demo model's tokenizer files, so Ferrum can load and run it like any model folder.
+    FAMILIES / tiny_config(family)    a small config of each supported family (7 variants)
+    save_hf_model(folder, config)     an HF model of that config with spread-out random weights,
+                                      saved as a model folder; the model is returned too (the reference)
+    make_tiny_llama(folder)           a bf16 Llama with the demo model's tokenizer (vocab 49152), which
+                                      Ferrum serves like any model folder
+    write_synthetic_tokenizer(folder, vocab)   a word-level tokenizer of any vocabulary size (also
+                                      used by scripts/make_random_checkpoint.py)
+    folder_files(folder)              every file's bytes, for comparing copies
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "SmolLM2-135M-Instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+DEMO_VOCAB = 49152
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def _transformers() -> Any:
+    return pytest.importorskip("transformers")
+
+
+def _families() -> dict[str, Callable[..., Any]]:
+    t = _transformers()
+    return {
+        "llama2-mha": lambda **o: t.LlamaConfig(**{**COMMON, **o}, num_key_value_heads=4, rope_theta=10000.0),
+        "llama3.2-gqa-tied-rope-scaling": lambda **o: t.LlamaConfig(
+            **{**COMMON, **o},
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        "llama-linear-rope": lambda **o: t.LlamaConfig(
+            **{**COMMON, **o}, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 2.0}
+        ),
+        "mistral": lambda **o: t.MistralConfig(**{**COMMON, **o}, num_key_value_heads=1, sliding_window=None),
+        "qwen2-qkv-bias": lambda **o: t.Qwen2Config(**{**COMMON, **o}, num_key_value_heads=2, tie_word_embeddings=True),
+        "qwen3-qk-norm": lambda **o: t.Qwen3Config(**{**COMMON, **o}, num_key_value_heads=2, head_dim=32),
+        "smollm2-like": lambda **o: t.LlamaConfig(
+            **{**COMMON, "num_attention_heads": 6, "hidden_size": 96, **o},
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+        ),
+    }
+
+
+FAMILIES: tuple[str, ...] = (
+    "llama2-mha",
+    "llama3.2-gqa-tied-rope-scaling",
+    "llama-linear-rope",
+    "mistral",
+    "qwen2-qkv-bias",
+    "qwen3-qk-norm",
+    "smollm2-like",
+)
+
+
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """A transformers config of `family` (one of FAMILIES) with the tiny shapes, `overrides` applied."""
+    return _families()[family](**overrides)
+
+
+def save_hf_model(
+    folder: Path,
+    config: Any,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    spread: float = 0.08,
+    max_shard_size: str | None = None,
+    demo_tokenizer: bool = False,
+) -> Any:
+    """An HF model of `config` with normal(0, spread) weights (errors then show, not hidden by tiny
+    activations), saved into `folder` (sharded when `max_shard_size` is given, with the demo model's
+    tokenizer files when asked: its vocabulary is 49152); returns the model, in float32, for reference."""
+    t = _transformers()
+    torch.manual_seed(seed)
+    name = type(config).__name__.replace("Config", "ForCausalLM")
+    model = getattr(t, name)(config).eval().float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, spread)
+    folder.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(dtype).save_pretrained(folder, **kwargs)
+    if demo_tokenizer:
+        for file in TOKENIZER_FILES:
+            shutil.copyfile(DEMO / file, folder / file)
+    return model.float()
 
 
 def make_tiny_llama(folder: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
-    """Writes config.json, generation_config.json, safetensors weights (sharded when
-    `max_shard_size` is given) and the demo tokenizer files into `folder`."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
+    """A bf16 Llama (2 layers, GQA, tied embeddings) with the demo tokenizer, written into `folder`:
+    config.json, generation_config.json, safetensors weights (sharded when `max_shard_size` is given)
+    and the tokenizer files."""
+    t = _transformers()
+    config = t.LlamaConfig(
+        vocab_size=DEMO_VOCAB,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -35,12 +136,47 @@ def make_tiny_llama(folder: Path, seed: int = 0, max_shard_size: str | None = No
         eos_token_id=2,
     )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = t.LlamaForCausalLM(config).to(torch.bfloat16)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     for name in TOKENIZER_FILES:
         shutil.copyfile(DEMO / name, folder / name)
     return folder
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def write_synthetic_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one word "t<id>" per token id (whitespace-separated), <bos> and
+    <eos> last, and a plain chat template: any token id round-trips through text, at any vocabulary
+    size (random-weight checkpoints of real shapes, models without the demo tokenizer)."""
+    bos, eos = vocab_size - 2, vocab_size - 1
+    vocab = {f"t{i}": i for i in range(vocab_size - 2)} | {"<bos>": bos, "<eos>": eos}
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+            for tok, i in (("<bos>", bos), ("<eos>", eos))
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+    }))
+
 
 
 def folder_files(folder: Path) -> dict[str, bytes]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ferrum.backends.base import ComputeBackend, DeviceRuntime
+from ferrum.backends.base import ComputeBackend
+from ferrum.backends.device import DeviceRuntime
 
 
 class AcceleratorBackend(ComputeBackend):

@@ -8,9 +8,11 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from ferrum.backends.capabilities import BackendCapabilities, device_is_served
+from ferrum.backends.device import Device, DeviceRuntime
+
+__all__ = ["BackendReleaseError", "BackendStatus", "ComputeBackend", "DeviceRuntime", "ReleaseFailure", "ReleaseHook"]
 
 ReleaseHook = Callable[[], None]
 """Drops what its owner holds on one device (KV cache tensors, CUDA graphs, the model); no arguments."""
@@ -26,28 +28,6 @@ class BackendStatus:
     memory_in_use_bytes: int
     operations_completed: int
     last_error: str | None
-
-
-class DeviceRuntime(Protocol):
-    """The live calls an accelerator backend makes on its one device, behind one object so that tests
-    can stand in for the hardware. Implemented over torch.cuda (ferrum.backends.cuda) and torch.mps
-    (ferrum.backends.mps)."""
-
-    def memory_info(self) -> tuple[int, int]:
-        """(free, total) bytes of the device now."""
-        ...
-
-    def memory_held(self) -> int:
-        """Bytes this process holds on the device through torch's allocator, cached blocks included."""
-        ...
-
-    def synchronize(self) -> None:
-        """Block until all work queued on the device has finished."""
-        ...
-
-    def empty_cache(self) -> None:
-        """Hand the allocator's unused cached blocks back to the driver."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -85,8 +65,9 @@ def _call_hook(device: str, hook: ReleaseHook) -> ReleaseFailure | None:
 class ComputeBackend(ABC):
     """A source of compute (CPU, one or more CUDA GPUs, Apple MPS).
 
-    Subclasses provide the facts (`name`, `kind`, `capabilities`, `version`, `memory_in_use_bytes`)
-    and the device-specific work (`_prepare_device`, `synchronize`, optionally `_release` and
+    Subclasses provide the facts (`name`, `kind`, `capabilities`, `version`, `memory_in_use_bytes`),
+    the typed `Device` of each device they serve (`_make_device`, handed out by `device()`), and the
+    device-specific work (`_prepare_device`, `synchronize`, optionally `_release` and
     `_free_cached_memory`). This base keeps the shared bookkeeping: which devices are active, how
     many operations completed and the last error, all of which `status()` reports. Engines call
     `record_operation()` and `record_error()`; both are safe to call from worker threads.
@@ -105,6 +86,7 @@ class ComputeBackend(ABC):
         self._last_error: str | None = None
         self._release_hooks: dict[str, list[tuple[int, ReleaseHook]]] = {}
         self._hook_ids = itertools.count()
+        self._devices: dict[str, Device] = {}
 
     @property
     @abstractmethod
@@ -131,6 +113,10 @@ class ComputeBackend(ABC):
     @abstractmethod
     def memory_in_use_bytes(self) -> int:
         """Memory this process currently holds on this backend's devices."""
+
+    @abstractmethod
+    def _make_device(self, device: str) -> Device:
+        """The `Device` of `device` (a concrete device this backend serves), probed here."""
 
     @abstractmethod
     async def _prepare_device(self, device: str) -> None:
@@ -163,6 +149,19 @@ class ComputeBackend(ABC):
             if device_is_served(device, (offered,)):
                 return offered
         raise ValueError(f"backend {self.name} does not serve device {device!r}")
+
+    def device(self, device: str | None = None) -> Device:
+        """The typed `Device` for `device` ("cuda" means this backend's first GPU; default: its
+        default device), probed once, in the calling process: for a GPU this opens the process's
+        CUDA context, so call it where the engine runs. ValueError if the device is not served."""
+        concrete = self.resolve_device(device if device is not None else self.default_device())
+        with self._state_lock:
+            known = self._devices.get(concrete)
+        if known is None:
+            known = self._make_device(concrete)
+            with self._state_lock:
+                known = self._devices.setdefault(concrete, known)
+        return known
 
     async def initialize(self, device: str) -> None:
         """Make `device` ready for work. Idempotent per device; ValueError if the device is not served."""

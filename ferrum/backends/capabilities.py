@@ -13,43 +13,22 @@ from types import MappingProxyType
 
 import torch
 
+from ferrum.dtypes import ALIASES, dtype_name, dtype_names
+from ferrum.dtypes import parse_dtype as _parse_dtype
+
 DEVICE_KINDS: tuple[str, ...] = ("cuda", "mps", "cpu")
 VALID_DEVICE_FORMS = "cpu, mps, cuda, cuda:N"
 
-DTYPES_BY_NAME: Mapping[str, torch.dtype] = MappingProxyType(
-    {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-        "half": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "int8": torch.int8,
-        "float8_e4m3fn": torch.float8_e4m3fn,
-        "fp8": torch.float8_e4m3fn,  # the usual fp8 for inference weights and activations
-        "float8_e5m2": torch.float8_e5m2,
-    }
-)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The canonical name of a dtype: torch.bfloat16 -> "bfloat16"."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
-    """Sorted, comma-separated canonical names, or "none"."""
-    names = sorted(dtype_name(dtype) for dtype in dtypes)
-    return ", ".join(names) if names else "none"
+__all__ = ["BackendCapabilities", "BackendRequirements", "device_is_served", "dtype_name", "dtype_names",
+           "parse_device", "parse_dtype"]
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """A dtype from a config name such as "bf16" or "float32"; ValueError if unknown."""
-    dtype = DTYPES_BY_NAME.get(name.strip().lower()) if isinstance(name, str) else None
-    if dtype is None:
-        raise ValueError(f"unknown dtype {name!r}; valid names: {', '.join(DTYPES_BY_NAME)}")
-    return dtype
+    """A dtype from a config name such as "bf16" or "float32" (ferrum.dtypes); ValueError if unknown."""
+    try:
+        return _parse_dtype(name)
+    except (TypeError, ValueError):
+        raise ValueError(f"unknown dtype {name!r}; valid names: {', '.join(ALIASES)} or a torch dtype name") from None
 
 
 def parse_device(device: str) -> tuple[str, int | None]:

@@ -22,6 +22,7 @@ import torch
 
 from ferrum.backends.base import ComputeBackend
 from ferrum.backends.capabilities import BackendCapabilities
+from ferrum.backends.device import Device
 
 KV_CACHE_MEMORY_FRACTION = 0.25
 ASSUMED_KV_BYTES_PER_TOKEN = 128 * 1024
@@ -43,6 +44,8 @@ REPORTED_CPU_FLAGS: tuple[str, ...] = (
     "amx_int8",
     "amx_fp16",
 )
+
+BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU features of native bf16 matrix products
 
 MEMINFO_PATH = Path("/proc/meminfo")
 CPUINFO_PATH = Path("/proc/cpuinfo")
@@ -142,6 +145,58 @@ def read_cpu_flags(path: Path = CPUINFO_PATH) -> frozenset[str]:
     return frozenset()
 
 
+def read_cpu_model(path: Path = CPUINFO_PATH) -> str:
+    """The CPU's model name ("AMD EPYC 9B14"), from /proc/cpuinfo, else what the platform says."""
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def has_native_bf16(cpu_flags: frozenset[str]) -> bool:
+    """True when the CPU computes bf16 matmuls in hardware (AVX512-BF16 or AMX) and torch reaches
+    them through oneDNN."""
+    return torch.backends.mkldnn.is_available() and any(flag in cpu_flags for flag in BF16_MATMUL_FLAGS)
+
+
+class HostRuntime:
+    """The live calls for the CPU (a DeviceRuntime): memory is the machine's (or the cgroup's);
+    what this process holds is its resident set; there is nothing to wait for or to empty."""
+
+    def __init__(self) -> None:
+        self._peak = 0
+
+    def memory_info(self) -> tuple[int, int]:
+        memory = probe_system_memory()
+        return memory.available_bytes, memory.total_bytes
+
+    def memory_held(self) -> int:
+        held = process_resident_bytes()
+        self._peak = max(self._peak, held)
+        return held
+
+    def memory_allocated(self) -> int:
+        return self.memory_held()
+
+    def peak_memory_held(self) -> int:
+        return max(self._peak, self.memory_held())
+
+    def reset_peak_memory(self) -> None:
+        self._peak = 0
+
+    def synchronize(self) -> None:
+        """CPU work is synchronous."""
+
+    def empty_cache(self) -> None:
+        """torch's CPU allocator keeps no cache to empty."""
+
+
 def matmul_works(dtype: torch.dtype) -> bool:
     """Whether a tiny matmul in `dtype` runs on this CPU and gives the right answer."""
     try:
@@ -171,6 +226,9 @@ class CPUBackend(ComputeBackend):
         self._cpu_capability = torch.backends.cpu.get_cpu_capability()
         cpu_flags = read_cpu_flags()
         self._reported_cpu_flags = tuple(flag for flag in REPORTED_CPU_FLAGS if flag in cpu_flags)
+        self._native_bf16 = has_native_bf16(cpu_flags) and torch.bfloat16 in self._supported_dtypes
+        self._model = read_cpu_model()
+        self._runtime = HostRuntime()
 
     @property
     def name(self) -> str:
@@ -213,6 +271,22 @@ class CPUBackend(ComputeBackend):
 
     def memory_in_use_bytes(self) -> int:
         return process_resident_bytes()
+
+    def _make_device(self, device: str) -> Device:
+        """bf16 is preferred where the CPU has bf16 matmul units (AMX / AVX512-BF16), float32
+        elsewhere (bf16 without them is emulated: slower than float32)."""
+        return Device(
+            name="cpu",
+            kind="cpu",
+            description=f"{self._model} ({self._core_count} cores)",
+            dtypes=self._supported_dtypes,
+            preferred_dtype=torch.bfloat16 if self._native_bf16 else torch.float32,
+            total_memory_bytes=probe_system_memory().total_bytes,
+            multi_processor_count=self._core_count,
+            cpu_flags=self._reported_cpu_flags,
+            packed_bf16_linears=self._native_bf16,
+            runtime=self._runtime,
+        )
 
     async def _prepare_device(self, device: str) -> None:
         torch.set_num_threads(self._core_count)

@@ -1,31 +1,36 @@
 """The torch CUDA backend: one backend per visible GPU, each named after its device ("cuda:0", ...).
 
-What does not change while the process runs (name, compute capability, memory size, which attention
-kernels torch and Triton offer) is probed once per GPU by `probe_cuda_device` into a
-`CudaDeviceFacts`; live numbers and device work (free memory, memory held, synchronize, emptying
-the allocator's cache) go through a `TorchCudaRuntime`. Tests build a `CUDABackend` from stub facts
-and a stub runtime, so all of this except the probes themselves runs on a machine without a GPU.
+Two kinds of probing, so that only the process that runs the engine holds a CUDA context:
+- the registry's (`create_backends`): through NVML (ferrum.backends.nvml), without a CUDA context:
+  name, compute capability, memory, plus what the torch build and Triton offer. Capabilities and
+  selection need nothing more. Without NVML (no nvidia-ml-py, no driver library), torch.cuda
+  probes instead, which creates a context on each GPU probed.
+- the engine's (`CUDABackend.device()`): torch.cuda, in the process that will run on the GPU
+  (the context is needed there anyway): multiprocessor count and the rest of the `Device`.
+
+Live numbers and device work (free memory, memory held, synchronize, emptying the allocator's
+cache) go through a `TorchCudaRuntime`: free memory from NVML until this process has initialised
+CUDA, from cudaMemGetInfo after. Tests build a `CUDABackend` from stub facts and a stub runtime,
+so all of this except the probes themselves runs on a machine without a GPU.
 
 What the compute capability (cc) decides:
 
     fp32, fp16             always
-    bf16                   cc >= 8.0 (native bf16 units; older GPUs only emulate it)
+    bf16                   cc >= 8.0 (native bf16 units; older GPUs only emulate it); preferred then
     fp8 (e4m3fn, e5m2)     cc >= 8.9
     "flash" attention      cc >= 8.0, torch built with FlashAttention and its SDPA backend enabled
+    programmatic dependent launch (pdl)   cc >= 9.0, with Triton
 
 int8 is not offered: torch has no plain int8 matmul on CUDA and the engine has no int8 path.
 Attention kernels besides "flash": "sdpa" (always), "triton_paged" (the engine's Triton
 paged-attention kernels; Triton imports) and "flex" (torch's flex_attention imports, and Triton,
 which it compiles to on a GPU, does too).
 
-Memory: capabilities() reads free and total from cudaMemGetInfo, which counts every process on the
-GPU. `memory_in_use_bytes()` (and so `status()`) is torch.cuda.memory_reserved(device): what this
+Memory: capabilities() reports free and total as the GPU has them, every process counted.
+`memory_in_use_bytes()` (and so `status()`) is torch.cuda.memory_reserved(device): what this
 process's caching allocator holds on the GPU, live tensors and cached blocks alike; it leaves out
 the CUDA context itself. Release hooks, garbage collection and torch.cuda.empty_cache() (run by
-`shutdown`) bring it back down.
-
-Probing free memory creates a CUDA context on the GPU (a few hundred MiB); set CUDA_VISIBLE_DEVICES
-to keep Ferrum off GPUs it must not touch.
+`shutdown`) bring it back down. Set CUDA_VISIBLE_DEVICES to keep Ferrum off GPUs it must not touch.
 """
 
 from __future__ import annotations
@@ -33,20 +38,23 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ferrum.backends.accelerator import AcceleratorBackend
-from ferrum.backends.base import ComputeBackend, DeviceRuntime
+from ferrum.backends.base import ComputeBackend
 from ferrum.backends.capabilities import BackendCapabilities
 from ferrum.backends.cpu import limits_from_memory
+from ferrum.backends.device import Device, DeviceRuntime
+from ferrum.backends.nvml import Nvml, NvmlGpu
 
 logger = logging.getLogger(__name__)
 
 BF16_MIN_CC = (8, 0)
 FLASH_MIN_CC = (8, 0)
 FP8_MIN_CC = (8, 9)
+PDL_MIN_CC = (9, 0)
 CUDA_MEMORY_ALIGNMENT = 256  # bytes; what cudaMalloc guarantees
 BASE_DTYPES: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16})
 FP8_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
@@ -54,18 +62,19 @@ FP8_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float
 
 @dataclass(frozen=True)
 class CudaDeviceFacts:
-    """What one GPU is, as probed once (or, in tests, as declared)."""
+    """What one GPU is, as probed once (or, in tests, as declared). `multi_processor_count` is None
+    when NVML probed it (no CUDA context yet): `CUDABackend.device()` probes it with torch."""
 
     index: int
     name: str
     compute_capability: tuple[int, int]
     total_memory_bytes: int
-    multi_processor_count: int
     flash_attention_built: bool  # torch was built with FlashAttention for SDPA
     flash_sdp_enabled: bool  # and its SDPA backend is switched on
     triton_available: bool
     flex_attention_available: bool
     cuda_version: str
+    multi_processor_count: int | None = None
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -86,8 +95,20 @@ def module_imports(module_name: str) -> bool:
     return True
 
 
+def _software_facts() -> dict[str, object]:
+    """What the torch build and the installed packages offer, whatever the GPU (no CUDA context)."""
+    return dict(
+        flash_attention_built=torch.backends.cuda.is_flash_attention_available(),
+        flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled(),
+        triton_available=module_imports("triton"),
+        flex_attention_available=module_imports("torch.nn.attention.flex_attention"),
+        cuda_version=torch.version.cuda or "unknown",
+    )
+
+
 def probe_cuda_device(index: int) -> CudaDeviceFacts:
-    """The facts of GPU `index` (as torch numbers the visible GPUs), from torch.cuda."""
+    """The facts of GPU `index` (as torch numbers the visible GPUs), from torch.cuda: this creates a
+    CUDA context on it."""
     properties = torch.cuda.get_device_properties(index)
     return CudaDeviceFacts(
         index=index,
@@ -95,11 +116,18 @@ def probe_cuda_device(index: int) -> CudaDeviceFacts:
         compute_capability=(properties.major, properties.minor),
         total_memory_bytes=properties.total_memory,
         multi_processor_count=properties.multi_processor_count,
-        flash_attention_built=torch.backends.cuda.is_flash_attention_available(),
-        flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled(),
-        triton_available=module_imports("triton"),
-        flex_attention_available=module_imports("torch.nn.attention.flex_attention"),
-        cuda_version=torch.version.cuda or "unknown",
+        **_software_facts(),  # type: ignore[arg-type]
+    )
+
+
+def nvml_facts(gpu: NvmlGpu) -> CudaDeviceFacts:
+    """The facts of one GPU from NVML and the torch build, without a CUDA context."""
+    return CudaDeviceFacts(
+        index=gpu.ordinal,
+        name=gpu.name,
+        compute_capability=gpu.compute_capability,
+        total_memory_bytes=gpu.total_memory_bytes,
+        **_software_facts(),  # type: ignore[arg-type]
     )
 
 
@@ -151,7 +179,6 @@ def cuda_capabilities(facts: CudaDeviceFacts, free_bytes: int, total_bytes: int)
         extras={
             "device_name": facts.name,
             "compute_capability": facts.compute_capability,
-            "multi_processor_count": facts.multi_processor_count,
             "attention_kernels": kernels,
             "fp8": torch.float8_e4m3fn in dtypes,
             "cuda_version": facts.cuda_version,
@@ -159,30 +186,71 @@ def cuda_capabilities(facts: CudaDeviceFacts, free_bytes: int, total_bytes: int)
     )
 
 
-class TorchCudaRuntime:
-    """The live torch.cuda calls for GPU `index` (a DeviceRuntime)."""
+def cuda_device(facts: CudaDeviceFacts, runtime: DeviceRuntime) -> Device:
+    """The `Device` of a GPU whose facts include its multiprocessor count."""
+    assert facts.multi_processor_count is not None, "probe the GPU with torch first"
+    cc = facts.compute_capability
+    dtypes = cuda_dtypes(cc)
+    return Device(
+        name=facts.device,
+        kind="cuda",
+        description=facts.name,
+        dtypes=dtypes,
+        preferred_dtype=torch.bfloat16 if torch.bfloat16 in dtypes else torch.float16,
+        total_memory_bytes=facts.total_memory_bytes,
+        compute_capability=cc,
+        multi_processor_count=facts.multi_processor_count,
+        triton=facts.triton_available,
+        cuda_graphs=True,
+        pdl=facts.triton_available and cc >= PDL_MIN_CC,
+        fp8=torch.float8_e4m3fn in dtypes,
+        runtime=runtime,
+    )
 
-    def __init__(self, index: int) -> None:
+
+class TorchCudaRuntime:
+    """The live calls for GPU `index` (a DeviceRuntime). Free memory comes from NVML (`nvml`,
+    `handle`) until this process has initialised CUDA, so that asking creates no context; from
+    cudaMemGetInfo after, or when NVML is not there."""
+
+    def __init__(self, index: int, nvml: Nvml | None = None, handle: object = None) -> None:
         self._index = index
+        self._nvml = nvml
+        self._handle = handle
 
     def memory_info(self) -> tuple[int, int]:
+        if self._nvml is not None and not torch.cuda.is_initialized():
+            return self._nvml.memory_info(self._handle)
         free, total = torch.cuda.mem_get_info(self._index)
         return free, total
 
     def memory_held(self) -> int:
         return torch.cuda.memory_reserved(self._index)
 
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self._index)
+
+    def peak_memory_held(self) -> int:
+        return torch.cuda.max_memory_reserved(self._index)
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self._index)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._index)
 
     def empty_cache(self) -> None:
+        # cuBLAS keeps a workspace per stream it ran on (a graph capture stream's too) until told
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None and torch.cuda.is_initialized():
+            clear_workspaces()
         with torch.cuda.device(self._index):
             torch.cuda.empty_cache()
 
 
 class CUDABackend(AcceleratorBackend):
-    """One GPU through torch. `facts` as probe_cuda_device gives them; `runtime` defaults to the real
-    torch.cuda calls for that GPU (tests pass a stub)."""
+    """One GPU through torch. `facts` as nvml_facts or probe_cuda_device give them; `runtime`
+    defaults to the real torch.cuda calls for that GPU (tests pass a stub)."""
 
     def __init__(self, facts: CudaDeviceFacts, runtime: DeviceRuntime | None = None) -> None:
         super().__init__(runtime if runtime is not None else TorchCudaRuntime(facts.index))
@@ -207,9 +275,32 @@ class CUDABackend(AcceleratorBackend):
     def version(self) -> str:
         return f"torch {torch.__version__}, CUDA {self._facts.cuda_version}"
 
+    def _make_device(self, device: str) -> Device:
+        """Probes the multiprocessor count with torch when NVML probed the rest (a CUDA context on
+        the GPU from here on: call it in the process that runs the engine)."""
+        if self._facts.multi_processor_count is None:
+            probed = probe_cuda_device(self._facts.index)
+            self._facts = replace(self._facts, multi_processor_count=probed.multi_processor_count,
+                                  name=probed.name, total_memory_bytes=probed.total_memory_bytes)
+        return cuda_device(self._facts, self._runtime)
+
 
 def create_backends() -> list[ComputeBackend]:
-    """One CUDABackend per visible GPU; a GPU whose probe fails is logged and left out."""
+    """One CUDABackend per visible GPU, probed through NVML (no CUDA context), or through torch.cuda
+    where NVML is missing; a GPU whose probe fails is logged and left out. None with a CPU build
+    of torch."""
+    if torch.version.cuda is None:
+        return []
+    nvml = Nvml.load()
+    if nvml is not None:
+        try:
+            gpus = nvml.visible_gpus()
+        except Exception:
+            logger.exception("NVML could not list the GPUs; probing them through torch.cuda instead")
+        else:
+            return [CUDABackend(nvml_facts(gpu), TorchCudaRuntime(gpu.ordinal, nvml, gpu.handle)) for gpu in gpus]
+    if not torch.cuda.is_available():
+        return []
     backends: list[ComputeBackend] = []
     for index in range(torch.cuda.device_count()):
         try:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ferrum.backends.accelerator import AcceleratorBackend
-from ferrum.backends.base import ComputeBackend, DeviceRuntime
+from ferrum.backends.base import ComputeBackend
+from ferrum.backends.device import Device, DeviceRuntime
 from ferrum.backends.capabilities import BackendCapabilities
 from ferrum.backends.cpu import limits_from_memory
 
@@ -78,14 +79,29 @@ def mps_capabilities(facts: MpsDeviceFacts, free_bytes: int, total_bytes: int) -
 
 
 class TorchMpsRuntime:
-    """The live torch.mps calls (a DeviceRuntime)."""
+    """The live torch.mps calls (a DeviceRuntime). Metal keeps no peak of its own: the peak is
+    this object's highest reading of `memory_held` since `reset_peak_memory`."""
+
+    def __init__(self) -> None:
+        self._peak = 0
 
     def memory_info(self) -> tuple[int, int]:
         total = torch.mps.recommended_max_memory()
         return max(total - torch.mps.driver_allocated_memory(), 0), total
 
     def memory_held(self) -> int:
-        return torch.mps.driver_allocated_memory()
+        held = torch.mps.driver_allocated_memory()
+        self._peak = max(self._peak, held)
+        return held
+
+    def memory_allocated(self) -> int:
+        return torch.mps.current_allocated_memory()
+
+    def peak_memory_held(self) -> int:
+        return max(self._peak, self.memory_held())
+
+    def reset_peak_memory(self) -> None:
+        self._peak = 0
 
     def synchronize(self) -> None:
         torch.mps.synchronize()
@@ -121,6 +137,18 @@ class MPSBackend(AcceleratorBackend):
     def version(self) -> str:
         macos = f", macOS {self._facts.macos_version}" if self._facts.macos_version else ""
         return f"torch {torch.__version__}, MPS{macos}"
+
+    def _make_device(self, device: str) -> Device:
+        capabilities = self.capabilities()
+        return Device(
+            name="mps",
+            kind="mps",
+            description=f"Apple GPU (Metal{', macOS ' + self._facts.macos_version if self._facts.macos_version else ''})",
+            dtypes=capabilities.supported_dtypes,
+            preferred_dtype=torch.bfloat16 if self._facts.bf16_supported else torch.float16,
+            total_memory_bytes=capabilities.total_memory_bytes,
+            runtime=self._runtime,
+        )
 
 
 def create_backends() -> list[ComputeBackend]:

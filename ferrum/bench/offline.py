@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ferrum.backends.registry import create_default_registry
-from ferrum.backends.selection import select_backend
-from ferrum.bench.device import device_name
 from ferrum.bench.errors import BenchError
 from ferrum.bench.progress import RequestProgress
 from ferrum.bench.workload import BenchRequest, WorkloadSpec, make_workload, prompt_token_pool, warmup_request
-from ferrum.config import ServerConfig
+from ferrum.dtypes import dtype_name
+from ferrum.engine.builder import create_engine
 from ferrum.engine.config import EngineConfig
-from ferrum.engine.llm_engine import LLMEngine, resolve_dtype
+from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.sampling_params import SamplingParams
-from ferrum.server.launch import resolve_model
 
 
 @dataclass(frozen=True)
@@ -62,13 +57,6 @@ class OfflineResult:
         return self.total_output_tokens == self.requested_output_tokens
 
 
-async def _pick_device(options: OfflineOptions) -> tuple[str, str, Path]:
-    registry = await create_default_registry()
-    backend, device = await select_backend(registry, options.backend)
-    folder = await resolve_model(ServerConfig(model=options.model))
-    return backend.name, device, folder
-
-
 def _params(request: BenchRequest, ignore_eos: bool) -> SamplingParams:
     return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=ignore_eos)
 
@@ -91,18 +79,19 @@ def _run(engine: LLMEngine, requests: list[BenchRequest], ignore_eos: bool, tag:
 def _check_fits(spec: WorkloadSpec, max_model_len: int) -> None:
     if spec.longest_request > max_model_len:
         raise BenchError(
-            f"the longest request may need {spec.longest_request} tokens (input {spec.input_len.high} + "
-            f"output {spec.output_len.high}); max_model_len is {max_model_len}: lower --input-len / "
-            f"--output-len or raise --max-model-len"
+            f"the longest request may need {spec.longest_request} tokens ({spec.describe_longest()}); "
+            f"max_model_len is {max_model_len}: lower --prefix-len / --input-len / --output-len or raise "
+            f"--max-model-len"
         )
 
 
 def run_offline(options: OfflineOptions) -> OfflineResult:
     spec = options.workload
+    if spec.prompts:
+        raise BenchError("bench offline draws random token-id prompts: a prompt list is for bench serve --endpoint chat")
     if options.engine.get("max_model_len") is not None:  # before loading anything
         _check_fits(spec, int(options.engine["max_model_len"]))
-    backend, device, folder = asyncio.run(_pick_device(options))
-    engine = LLMEngine(EngineConfig(model=str(folder), device=device, **options.engine))
+    engine = create_engine(options.model, backend=options.backend, **options.engine)
     _check_fits(spec, engine.max_model_len)
     pool = prompt_token_pool(engine.tokenizer, engine.model_config.vocab_size)
     requests = make_workload(spec, pool)
@@ -110,15 +99,16 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
     with RequestProgress(len(requests), "bench offline") as progress:
         started = time.perf_counter()
         counts = _run(engine, requests, spec.ignore_eos, "run", progress)
-        _synchronize(device)
+        engine.device.runtime.synchronize()
         elapsed = time.perf_counter() - started
+    device = engine.device
     return OfflineResult(
         model=str(options.model),
-        backend=backend,
-        device=device,
-        device_name=device_name(device),
-        dtype=str(resolve_dtype(engine.config.dtype, engine.model_config.dtype, device)).removeprefix("torch."),
-        engine={k: v for k, v in asdict(engine.config).items() if k not in ("model", "device")},
+        backend=engine.device.name,
+        device=device.name,
+        device_name=device.description,
+        dtype=dtype_name(engine.dtype),
+        engine=_settings(engine.config),
         workload=spec,
         elapsed_s=elapsed,
         num_requests=len(requests),
@@ -128,8 +118,6 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
     )
 
 
-def _synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(device)
+def _settings(config: EngineConfig) -> dict[str, Any]:
+    """The engine's settings as plain values, for the report."""
+    return asdict(config)

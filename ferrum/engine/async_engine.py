@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from ferrum.engine.engine_loop import AbortRequest, AddRequest, Command, StopLoop, run_engine_loop
-from ferrum.engine.llm_engine import EngineStats, LLMEngine, PromptTooLongError
+from ferrum.engine.limits import PromptTooLongError, RequestLimits
+from ferrum.engine.llm_engine import EngineStats, LLMEngine
 from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.request_streams import EngineDeadError, RequestStreams
 from ferrum.engine.sampling_params import SamplingParams
@@ -38,6 +39,11 @@ class EngineClient(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask (the same checks the engine makes)."""
+        ...
 
     async def start(self) -> None: ...
 
@@ -60,7 +66,7 @@ class EngineClient(Protocol):
 
 class AsyncEngine(RequestStreams):
     def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine.tokenizer, engine.max_model_len, engine.stats())
+        super().__init__(engine.tokenizer, engine.limits, engine.stats())
         self.engine = engine
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -102,7 +108,7 @@ class AsyncEngine(RequestStreams):
             loop.call_soon_threadsafe(self._deliver, outputs, stats)
 
         try:
-            run_engine_loop(self.engine, next_command, emit)
+            run_engine_loop(self.engine, next_command, emit, lambda: not self._inbox.empty())
         except Exception as exc:  # the model failed: fail every waiting request; health reports it
             log.exception("engine step failed")
             loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine step failed: {exc}"))

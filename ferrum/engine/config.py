@@ -1,31 +1,41 @@
-"""How the engine is sized and what it runs."""
+"""How the engine is sized and what it runs: `EngineConfig` (the `engine:` section of the YAML).
+
+The model and the device are not part of it: the engine is given a `Device` by the selected
+backend and the model's files (`ferrum.weights.model_files.ModelFiles`); what depends on the
+device (batch limits, the dtype `auto` means) is resolved against that `Device` here, once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ferrum.backends.device import Device
+from ferrum.dtypes import serving_dtype
+from ferrum.kernels.config import KernelConfig
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # path of an HF model folder
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "cpu"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (and fp32, bf16, fp16)
     block_size: int = 16
     max_num_seqs: int | None = None  # default: 256 on GPUs, 64 on the CPU
     max_num_batched_tokens: int | None = None  # default: 8192 on GPUs, 1024 on the CPU
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_memory_gb: float | None = None  # default: a share of free memory, see kv_cache_budget
-    gpu_memory_utilization: float = 0.9  # on GPUs: the share of device memory Ferrum may fill (weights + KV)
-    enforce_eager: bool = False  # on GPUs: no CUDA graphs for decode
+    kv_cache_memory_gb: float | None = None  # default: a share of free memory (ferrum.engine.memory_plan)
+    gpu_memory_utilization: float = 0.9  # GPUs: the share of device memory Ferrum may fill, all of it counted
+    enforce_eager: bool = False  # GPUs: no CUDA graphs for decode
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier prompts
-    # GPU: greedy decodes run back to back per host round trip while every running sequence decodes
+    # GPUs: greedy decodes run back to back per host round trip while every running sequence decodes
     # greedily and no request waits for a free slot (tokens after a stop are dropped)
     num_scheduler_steps: int = 16
-    seed: int = 0
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # GPUs: the Triton kernels' settings
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype != "auto":
+            serving_dtype(self.dtype)  # ValueError naming the valid ones
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -35,13 +45,34 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if not isinstance(self.kernels, KernelConfig):
+            object.__setattr__(self, "kernels", KernelConfig.from_mapping(self.kernels))
 
-    def with_device_defaults(self) -> EngineConfig:
-        """This config with the unset batch limits filled in for its device: a GPU wants wide batches
+    @classmethod
+    def from_mapping(cls, raw: dict[str, Any]) -> EngineConfig:
+        """From the YAML `engine:` section (without `engine_process`, which is the server's)."""
+        values = dict(raw)
+        if "kernels" in values:
+            values["kernels"] = KernelConfig.from_mapping(values["kernels"])
+        return cls(**values)
+
+    def for_device(self, device: Device) -> EngineConfig:
+        """This config with the unset batch limits filled in for `device`: a GPU wants wide batches
         (vLLM's defaults), the CPU narrower ones."""
-        gpu = not self.device.startswith("cpu")
+        gpu = device.is_accelerator
         return replace(
             self,
             max_num_seqs=self.max_num_seqs or (256 if gpu else 64),
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 1024),
         )
+
+    def serving_dtype(self, checkpoint_dtype: torch.dtype, device: Device) -> torch.dtype:
+        """The dtype the weights and activations are kept in. `auto`: on the CPU the device's
+        preferred dtype (bf16 where it has bf16 matmul units, else float32); on a GPU the
+        checkpoint's own half-precision dtype where the device computes it, else the device's
+        preferred one (bf16, or fp16 before compute capability 8.0)."""
+        if self.dtype != "auto":
+            return serving_dtype(self.dtype)
+        if device.is_accelerator and checkpoint_dtype in (torch.float16, torch.bfloat16) and checkpoint_dtype in device.dtypes:
+            return checkpoint_dtype
+        return device.preferred_dtype

@@ -1,10 +1,13 @@
 """The engine process: its entry point and the messages it sends back.
 
-Started by ProcessEngineClient with multiprocessing's "spawn" context. It builds LLMEngine from the
-EngineConfig it is given, reports Ready (or StartFailed), then runs the engine loop over two
-one-way pipes: commands (AddRequest, AbortRequest, StopLoop) in, one Stepped message per round out.
-It ignores SIGINT (Ctrl-C in a terminal reaches the whole process group; the server stops it with
-StopLoop) and exits by itself when the server's end of either pipe goes away.
+Started by ProcessEngineClient with multiprocessing's "spawn" context. From the EngineSpec it is
+given it rebuilds the backend registry, takes the backend the API process selected, probes its
+`Device` here (a GPU's CUDA context belongs to this process alone) and builds LLMEngine on it;
+it reports Ready (or StartFailed), then runs the engine loop over two one-way pipes: commands
+(AddRequest, AbortRequest, StopLoop) in, one Stepped message per round out. It ignores SIGINT
+(Ctrl-C in a terminal reaches the whole process group; the server stops it with StopLoop), exits
+by itself when the server's end of either pipe goes away, and frees the device through its
+backend's shutdown before it exits.
 """
 
 from __future__ import annotations
@@ -17,17 +20,19 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from ferrum.engine.config import EngineConfig
+from ferrum.engine.builder import EngineSpec, build_engine
 from ferrum.engine.engine_loop import Command, run_engine_loop
-from ferrum.engine.llm_engine import EngineStats, LLMEngine
+from ferrum.engine.limits import RequestLimits
+from ferrum.engine.llm_engine import EngineStats
 from ferrum.engine.outputs import RequestOutput
+from ferrum.models.loader import run_sync
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Ready:
-    max_model_len: int
+    limits: RequestLimits
     stats: EngineStats
 
 
@@ -51,21 +56,19 @@ class StepFailed:
 Message = Ready | StartFailed | Stepped | StepFailed
 
 
-def run_engine_process(
-    config: EngineConfig, commands: Connection, results: Connection, log_level: int
-) -> None:
+def run_engine_process(spec: EngineSpec, commands: Connection, results: Connection, log_level: int) -> None:
     """The process's target. Exit code 0 after StopLoop or when the server is gone, 1 after a failure."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s"
     )
     try:
-        engine = LLMEngine(config)
+        engine, backend = build_engine(spec)
     except Exception as exc:
         log.debug("the engine could not start", exc_info=True)
         results.send(StartFailed(f"{type(exc).__name__}: {exc}", _portable(exc)))
         sys.exit(1)
-    results.send(Ready(engine.max_model_len, engine.stats()))
+    results.send(Ready(engine.limits, engine.stats()))
 
     def next_command(block: bool) -> Command | None:
         if not block and not commands.poll():
@@ -76,13 +79,21 @@ def run_engine_process(
     def emit(outputs: list[RequestOutput], stats: EngineStats) -> None:
         results.send(Stepped(outputs, stats))
 
+    failed = False
     try:
-        run_engine_loop(engine, next_command, emit)
+        run_engine_loop(engine, next_command, emit, commands.poll)
     except (EOFError, BrokenPipeError):  # the server is gone: nobody to serve
-        return
+        pass
     except Exception as exc:
+        failed = True
         log.exception("engine step failed")
         results.send(StepFailed(f"engine step failed: {exc}"))
+    finally:
+        try:
+            run_sync(backend.shutdown())  # the release hooks free the model, KV cache and graphs
+        except Exception:
+            log.exception("freeing the device failed")
+    if failed:
         sys.exit(1)
 
 

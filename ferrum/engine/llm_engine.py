@@ -1,43 +1,56 @@
-"""The synchronous engine: requests in, one scheduler -> model -> sampler step at a time, deltas out."""
+"""The synchronous engine: requests in, one scheduler -> model runner -> sampler step at a time,
+deltas out.
+
+Built from what the pipeline hands it: an `EngineConfig`, the selected backend's `Device` and the
+model's resolved files (`ModelFiles`). It reads config.json and the tokenizer from the files'
+folder, picks the attention backend and layer ops once from the `Device`, builds the model there
+and fills it through the WeightLoader (streaming remote weights), sizes the KV cache with the
+memory planner, and builds the runner, block manager and scheduler around one `KVCacheLayout`.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from ferrum.backends.device import Device
+from ferrum.dtypes import dtype_name
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.config import EngineConfig
-from ferrum.engine.model_runner import ModelRunner
+from ferrum.engine.limits import PromptTooLongError, RequestLimits
+from ferrum.engine.memory_plan import in_use_bytes, plan_gpu, plan_host
+from ferrum.engine.observer import StepKind, StepObserver, StepRecord
 from ferrum.engine.output_processor import OutputProcessor
 from ferrum.engine.outputs import RequestOutput
+from ferrum.engine.runner import GreedyBurst, ModelRunner
 from ferrum.engine.sampler import SampleResult, sample
 from ferrum.engine.sampling_params import SamplingParams
-from ferrum.engine.scheduler import Scheduler
+from ferrum.engine.scheduler import BurstLimits, Scheduler, SchedulerOutput
 from ferrum.engine.sequence import Sequence, SequenceStatus
-from ferrum.models.config import load_model_config
-from ferrum.models.loader import load_model
+from ferrum.models.attention import select_attention
+from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.config import ModelConfig, load_model_config
+from ferrum.models.layers import layer_ops
+from ferrum.models.llama import LlamaForCausalLM
+from ferrum.models.loader import load_model, run_sync
 from ferrum.tokenizer import Tokenizer
+from ferrum.weights.loader import WeightLoader
+from ferrum.weights.model_files import ModelFiles
+from ferrum.weights.spec import WeightLoaderConfig
+from ferrum.weights.uri import publish_model_folder
 
-if TYPE_CHECKING:
-    from ferrum.engine.gpu_model_runner import GPUModelRunner, GreedyBurst
+__all__ = ["EngineStats", "LLMEngine", "PromptTooLongError"]
 
 log = logging.getLogger(__name__)
 
-
-class PromptTooLongError(ValueError):
-    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-        super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the completion)."
-        )
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.max_model_len = max_model_len
+# Batches up to this size queue the next burst before the host has waited for the last: their
+# decode steps are short (about 1 ms at batch 1 on an H100), so the host's turn-around between
+# bursts (waking, reading, launching: ~0.13 ms) would leave the GPU idle for a visible share.
+QUEUE_AHEAD_MAX_SEQS = 4
 
 
 @dataclass(frozen=True)
@@ -54,99 +67,111 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
 
 
-def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: str) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.startswith("cpu"):
-        from ferrum.backends.cpu_kernels import has_native_bf16
-
-        # bf16 where the CPU has bf16 matmul units (AMX / AVX512-BF16), else float32
-        return torch.bfloat16 if has_native_bf16() else torch.float32
-    return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
-
-
-def kv_cache_budget(config: EngineConfig) -> int:
-    """Bytes for the KV cache: the configured size, else on CPU a fifth of
-    available memory capped at 2 GiB."""
-    if config.kv_cache_memory_gb is not None:
-        return int(config.kv_cache_memory_gb * 2**30)
-    available = _available_memory_bytes()
-    return min(2 * 2**30, available // 5)
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * 2**30
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
-        config = config.with_device_defaults()
-        self.config = config
-        folder = Path(config.model)
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: Device,
+        files: ModelFiles,
+        weights: WeightLoaderConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
         started = time.perf_counter()
-        model_config = load_model_config(folder)  # first: names an unsupported architecture early
-        self.tokenizer = tokenizer or Tokenizer.from_folder(folder)
-        dtype = resolve_dtype(config.dtype, model_config.dtype, config.device)
-        limit = model_config.max_position_embeddings
-        if model_config.sliding_window:
-            limit = min(limit, model_config.sliding_window)  # no sliding-window attention: stay exact
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} is longer than the model supports ({limit} tokens)"
-            )
-        self.max_model_len = config.max_model_len or limit
-
-        on_gpu = config.device.startswith("cuda")
-        bytes_per_token = ModelRunner.kv_bytes_per_token(model_config, dtype)
-        if not on_gpu:  # sized before loading, so that a cache too small fails fast
-            num_blocks = kv_cache_budget(config) // (bytes_per_token * config.block_size)
-            self._check_fits(num_blocks, config)
-        self.model, self.model_config = load_model(folder, dtype, config.device)
-        self.runner: ModelRunner | GPUModelRunner
-        if on_gpu:  # imported here: the GPU path needs triton, which CPU installs may lack
-            from ferrum.engine.gpu_memory import plan_kv_cache
-            from ferrum.engine.gpu_model_runner import GPUModelRunner
-
-            num_blocks = plan_kv_cache(self.model, config, self.max_model_len).num_blocks
-            self._check_fits(num_blocks, config)
-            self.runner = GPUModelRunner(
-                self.model, num_blocks, config.block_size, config.device, config.max_num_seqs,
-                self.max_model_len, use_cuda_graphs=not config.enforce_eager,
-                max_burst=config.num_scheduler_steps,
-            )
-            self.runner.warm_up_eager(config.max_num_batched_tokens)
-        else:
-            self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        config = config.for_device(device)
+        self.config = config
+        self.device = device
+        model_config = load_model_config(files.folder)  # first: names an unsupported architecture early
+        self.model_config = model_config
+        self.tokenizer = tokenizer or Tokenizer.from_folder(files.folder)
+        self.dtype = config.serving_dtype(model_config.dtype, device)
+        self.max_model_len = _max_model_len(config, model_config)
+        self.limits = RequestLimits(self.max_model_len, model_config.vocab_size)
+        self.layout = KVCacheLayout.of(model_config, self.dtype, config.block_size)
+        self.attention = select_attention(device, self.layout, config.kernels)
+        plan = plan_host(device, self.layout, config) if device.kind != "cuda" else None
+        if plan is not None:  # sized before loading, so that a cache too small fails fast
+            self._check_fits(plan.num_blocks)
+        weights = weights or WeightLoaderConfig()
+        self.model = self._load(files, weights)
+        if plan is None:
+            plan = plan_gpu(device, self.layout, config, self._profile)
+            self._check_fits(plan.num_blocks)
+        self.memory_plan = plan
+        self.runner = self._make_runner(plan.num_blocks)
+        if device.kind == "cuda":
+            used, held = in_use_bytes(device)
+            log.info("GPU memory after start-up: %.2f GiB in use on the device (this process's allocator %.2f GiB), "
+                     "budget %.2f GiB", used / 2**30, held / 2**30, plan.budget_bytes / 2**30)
+        self.block_manager = BlockManager(plan.num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        bursts = BurstLimits(min(config.num_scheduler_steps, self.runner.max_burst), self.max_model_len,
+                             self.outputs.eos_token_ids)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, bursts)
         self.sequences: dict[str, Sequence] = {}
+        # whether requests have arrived that the engine loop has not added yet (the loop sets it)
+        self.input_pending: Callable[[], bool] = lambda: False
         # greedy decodes queued on the device whose tokens the host has not read yet
         self._burst: tuple[list[Sequence], GreedyBurst] | None = None
+        self._observers: list[StepObserver] = []
         self._preemptions = 0
         self._finished = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
         log.info(
-            "engine ready in %.1fs: %s %s on %s, %d KV blocks x %d tokens, max_model_len %d",
-            time.perf_counter() - started, model_config.architecture, dtype, config.device,
-            num_blocks, config.block_size, self.max_model_len,
+            "engine ready in %.1fs: %s %s on %s (%s attention), %d KV blocks x %d tokens, max_model_len %d",
+            time.perf_counter() - started, model_config.architecture, dtype_name(self.dtype), device.name,
+            self.attention.name, plan.num_blocks, config.block_size, self.max_model_len,
         )
 
-    def _check_fits(self, num_blocks: int, config: EngineConfig) -> None:
-        if num_blocks * config.block_size < self.max_model_len:
-            memory = "gpu_memory_utilization" if config.device.startswith("cuda") else "kv_cache_memory_gb"
+    # -- building ---------------------------------------------------------------------------
+    def _load(self, files: ModelFiles, weights: WeightLoaderConfig) -> LlamaForCausalLM:
+        """The model on the device, its weights streamed in; a remote model's folder is then
+        published in the cache for the next start."""
+
+        async def load_and_close(loader: WeightLoader) -> None:
+            await loader.aclose()
+
+        loader = WeightLoader(weights)
+        try:
+            model = load_model(self.model_config, files.weights, self.device, self.dtype,
+                               layer_ops(self.device), loader)
+        finally:
+            run_sync(load_and_close(loader))
+        if not files.complete:
+            folder = run_sync(publish_model_folder(files, weights))
+            log.info("model %s is in the cache at %s", files.display, folder)
+        return model
+
+    def _make_runner(self, num_blocks: int, graph_sizes: list[int] | None = None) -> ModelRunner:
+        if self.attention.name == "triton_paged":
+            from ferrum.engine.gpu_runner import GPUModelRunner
+
+            return GPUModelRunner(self.model, self.device, self.layout, num_blocks, self.attention,  # type: ignore[arg-type]
+                                  self.config, self.max_model_len, graph_sizes=graph_sizes)
+        from ferrum.engine.torch_runner import TorchModelRunner
+
+        return TorchModelRunner(self.model, self.device, self.layout, num_blocks, self.attention)
+
+    def _profile(self) -> int:
+        """The memory planner's profile (ferrum.engine.memory_plan): a scratch runner with a KV cache
+        for one step runs every eager step size (compiling every kernel before serving), the
+        sampler at its widest, and captures the largest decode graph. Returns its KV cache's bytes."""
+        config = self.config
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        blocks = self.layout.blocks_for(tokens) + 2
+        graphs = [config.max_num_seqs] if self.device.cuda_graphs and not config.enforce_eager else []
+        scratch = self._make_runner(blocks, graph_sizes=graphs)
+        scratch.warm_up(tokens)  # type: ignore[attr-defined]
+        _widest_sample(config.max_num_seqs, self.model_config.vocab_size, self.device)
+        scratch.release()
+        return self.layout.bytes_per_block * (blocks + 1)
+
+    def _check_fits(self, num_blocks: int) -> None:
+        if num_blocks * self.config.block_size < self.max_model_len:
+            memory = "gpu_memory_utilization" if self.device.kind == "cuda" else "kv_cache_memory_gb"
             raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
+                f"the KV cache ({num_blocks} blocks of {self.config.block_size} tokens) cannot hold one "
                 f"sequence of max_model_len={self.max_model_len} tokens; raise {memory} or lower max_model_len"
             )
 
@@ -156,21 +181,16 @@ class LLMEngine:
         self.runner.release()
         self.model = None  # type: ignore[assignment]
 
-    # -- requests -------------------------------------------------------
-    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        if num_prompt_tokens + max_tokens > self.max_model_len or num_prompt_tokens < 1:
-            raise PromptTooLongError(num_prompt_tokens, max_tokens, self.max_model_len)
+    def add_observer(self, observer: StepObserver) -> Callable[[], None]:
+        """Have `observer` called with a StepRecord after every step; returns its removal."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer) if observer in self._observers else None
 
+    # -- requests -------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        self.check_length(len(prompt_token_ids), params.max_tokens)
+        self.limits.check(prompt_token_ids, params.max_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, time.monotonic())
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed % 2**64)
@@ -193,23 +213,24 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        generated = self._generation_tokens
+        record: dict[str, object] = {}
         if self._burst is not None:  # greedy decodes already queued on the device
             seqs = self._finish_burst()
+            record.update(kind="burst", num_tokens=len(seqs))
         else:
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(input_pending=self.input_pending())
             self._preemptions += plan.num_preempted
             if plan.empty:
                 return []
-            steps = self._greedy_burst_length(plan)
-            if steps:
+            if plan.burst:
                 seqs = [s.seq for s in plan.scheduled]
-                self._burst = (seqs, self.runner.launch_greedy(seqs, steps))
+                self._burst = (seqs, self.runner.launch_greedy(seqs, plan.burst))
                 seqs = self._finish_burst()
+                record.update(kind="burst", num_tokens=len(seqs))
             else:
-                logits, seqs = self.runner.execute(list(plan.scheduled))
-                if seqs:
-                    self.outputs.append(seqs, sample(logits, seqs))
-                    self._generation_tokens += len(seqs)
+                seqs = self._run(plan, record)
         deltas = []
         for seq in seqs:
             if self.sequences.get(seq.request_id) is not seq:
@@ -221,59 +242,39 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 self.sequences.pop(seq.request_id, None)
                 self._finished += 1
+        if self._observers:
+            self._notify(StepRecord(num_seqs=len(seqs), num_generated=self._generation_tokens - generated,
+                                    started=started, finished=time.perf_counter(), **record))  # type: ignore[arg-type]
         return deltas
 
-    def _greedy_burst_length(self, plan) -> int:
-        """Decode iterations to run on the device in one go for this plan (0: the ordinary step).
-        Only for CUDA-graph decodes of greedy sequences without logprobs or penalties; one
-        iteration while a waiting request could be admitted (it is, next step); at most
-        num_scheduler_steps, and no further than any sequence may still grow."""
-        if getattr(self.runner, "launch_greedy", None) is None or not self.runner.graphs:
-            return 0
-        if len(plan.scheduled) > self.runner.max_num_seqs:
-            return 0
-        for s in plan.scheduled:
-            p = s.seq.params
-            if not (s.is_decode and p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
-                    and not p.presence_penalty and not p.frequency_penalty):
-                return 0
-        if self._admission_pending():
-            return 1
-        seqs = [s.seq for s in plan.scheduled]
-        computed = [seq.num_computed_tokens for seq in seqs]
-        steps = self._room(seqs, [len(seq.output_token_ids) for seq in seqs], computed)
-        return max(self._grow_for(seqs, computed, steps), 1)
-
-    def _room(self, seqs: list[Sequence], outputs: list[int], computed: list[int]) -> int:
-        """Greedy iterations every sequence may still take, from `outputs` tokens out and
-        `computed` in the cache (capped by num_scheduler_steps)."""
-        steps = min(self.config.num_scheduler_steps, self.runner.max_burst)
-        for seq, out, done in zip(seqs, outputs, computed):
-            steps = min(steps, seq.params.max_tokens - out, self.max_model_len - done)
-        return steps
-
-    def _grow_for(self, seqs: list[Sequence], computed: list[int], steps: int) -> int:
-        """Grows every block table to hold `steps` more tokens; 0 when the free blocks do not
-        suffice (nothing grown)."""
-        blocks = self.block_manager
-        if steps < 1 or sum(blocks.blocks_needed(q, c + steps) for q, c in zip(seqs, computed)) > blocks.num_free:
-            return 0
-        for q, c in zip(seqs, computed):
-            blocks.grow(q, c + steps)
-        return steps
+    def _run(self, plan: SchedulerOutput, record: dict[str, object]) -> list[Sequence]:
+        """One ordinary step: the forward pass, the prefix cache's bookkeeping while the device runs
+        it, then sampling."""
+        scheduled = list(plan.scheduled)
+        decodes = sum(1 for s in scheduled if s.is_decode)
+        kind: StepKind = "decode" if decodes == len(scheduled) else ("prefill" if not decodes else "mixed")
+        record.update(kind=kind, num_tokens=sum(s.num_new_tokens for s in scheduled))
+        logits, seqs = self.runner.execute(scheduled)
+        self.scheduler.register_computed(s.seq for s in scheduled)
+        if seqs:
+            self.outputs.append(seqs, sample(logits, seqs))
+            self._generation_tokens += len(seqs)
+        if self._observers:
+            record.update(logits=logits, request_ids=tuple(seq.request_id for seq in seqs))
+        return [s.seq for s in scheduled]
 
     def _finish_burst(self) -> list[Sequence]:
         """Takes the queued burst's tokens; when no sequence can have stopped in it (by token,
         length, or abort) and no request waits for a free slot, queues the next burst of the same
-        sequences on the device first, so that the GPU decodes while the host detokenizes.
-        Small batches queue it even before the host has the tokens (_queue_ahead). Returns the
-        burst's sequences."""
+        sequences on the device first, so that the GPU decodes while the host detokenizes. Small
+        batches queue it even before the host has the tokens (_queue_ahead). Returns the burst's
+        sequences."""
+        assert self._burst is not None
         seqs, burst = self._burst
         self._burst = None
         following = self._queue_ahead(seqs, burst.steps)
         chosen = self.runner.read_greedy(burst)
-        if following is None and not self._admission_pending() and all(
-                self._keeps_going(seq, [row[i] for row in chosen]) for i, seq in enumerate(seqs)):
+        if following is None and self.scheduler.burst_continues(seqs, chosen, self.input_pending()):
             following = self._continue(seqs, len(chosen))
         if following is not None:
             self._burst = (seqs, following)
@@ -287,20 +288,14 @@ class LLMEngine:
             self._generation_tokens += len(live)
         return seqs
 
-    def _continue(self, seqs: list[Sequence], steps: int) -> GreedyBurst | None:
+    def _continue(self, seqs: list[Sequence], ahead: int) -> GreedyBurst | None:
         """Queues the next burst of `seqs` on the device, carrying on from the end of the one
-        queued before it (`steps` decodes the host has not counted yet); None when the sequences'
+        queued before it (`ahead` decodes the host has not counted yet); None when the sequences'
         limits or the free blocks leave no room."""
-        computed = [seq.num_computed_tokens + steps for seq in seqs]
-        more = self._room(seqs, [len(seq.output_token_ids) + steps for seq in seqs], computed)
-        if not self._grow_for(seqs, computed, more):
+        steps = self.scheduler.extend_burst(seqs, ahead)
+        if not steps:
             return None
-        return self.runner.launch_greedy(seqs, more, continue_at=computed)
-
-    # Batches up to this size queue the next burst before the host has waited for the last: their
-    # decode steps are short (about 1 ms at batch 1 on an H100), so the host's turn-around between
-    # bursts (waking, reading, launching: ~0.13 ms) would leave the GPU idle for a visible share.
-    QUEUE_AHEAD_MAX_SEQS = 4
+        return self.runner.launch_greedy(seqs, steps, continue_at=[seq.num_computed_tokens + ahead for seq in seqs])
 
     def _queue_ahead(self, seqs: list[Sequence], steps: int) -> GreedyBurst | None:
         """For a small batch, queues the next burst behind the one about to be read, as if none of
@@ -308,28 +303,15 @@ class LLMEngine:
         does stop has the rest of its rows dropped when they are read, as after any stop, and
         the following burst is not queued ahead. Not while a request waits for a free slot (it
         would wait one burst longer), nor for sequences with stop strings."""
-        if len(seqs) > self.QUEUE_AHEAD_MAX_SEQS or self._admission_pending():
+        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending(self.input_pending()):
             return None
         if any(seq.is_finished or seq.params.stop for seq in seqs):
             return None
         return self._continue(seqs, steps)
 
-    def _admission_pending(self) -> bool:
-        """A request waits and a running slot is free for it (with every slot taken, it waits for
-        a sequence to finish, which ends the burst anyway)."""
-        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.scheduler.max_num_seqs
-
-    def _keeps_going(self, seq: Sequence, tokens: list[int]) -> bool:
-        """Whether `seq` is sure to run on after appending `tokens`, judged without detokenizing:
-        not aborted, no stop token among them, not at its length limits, no stop strings."""
-        p = seq.params
-        if seq.is_finished or p.stop:
-            return False
-        stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | self.outputs.eos_token_ids
-        if stops.intersection(tokens):
-            return False
-        return (len(seq.output_token_ids) + len(tokens) < p.max_tokens
-                and seq.num_tokens + len(tokens) < self.max_model_len)
+    def _notify(self, record: StepRecord) -> None:
+        for observer in list(self._observers):
+            observer(record)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -356,3 +338,24 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.new_token_ids)
         return [results[i] for i in ids]
+
+
+def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window:
+        limit = min(limit, model_config.sliding_window)  # no sliding-window attention: stay exact
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} is longer than the model supports ({limit} tokens)")
+    return config.max_model_len or limit
+
+
+def _widest_sample(rows: int, vocab: int, device: Device) -> None:
+    """The sampler over `rows` rows with every filter and penalty on: its widest temporaries."""
+    params = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.1, frequency_penalty=0.1, logprobs=20)
+    seqs = [Sequence(f"profile-{i}", [1, 2, 3], params, 0.0) for i in range(rows)]
+    for seq in seqs:
+        seq.output_token_ids = [4, 5]
+    logits = torch.randn(rows, vocab, dtype=torch.float32, device=device.torch_device)
+    sample(logits, seqs)
+

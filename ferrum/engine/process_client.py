@@ -2,9 +2,9 @@
 
 The engine's Python work (scheduling, sampling, detokenizing) then no longer shares a GIL with the
 HTTP server's (parsing, SSE formatting for every stream). The engine process (engine_process.py) is
-started with "spawn" (never fork after CUDA is initialised) and builds LLMEngine itself; this side
-loads the tokenizer from the same folder for prompts and chat templates, and checks lengths against
-the max_model_len the engine process reports.
+started with "spawn" (never fork after CUDA is initialised) and builds LLMEngine itself from an
+EngineSpec; this side loads the tokenizer from the model's folder for prompts and chat templates,
+and checks requests against the limits the engine process reports.
 
 Commands go down one pipe from the event loop. A reader thread receives the engine's messages from
 the other and hands them to the event loop with call_soon_threadsafe. When the engine process dies,
@@ -21,9 +21,8 @@ import multiprocessing
 import threading
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 
-from ferrum.engine.config import EngineConfig
+from ferrum.engine.builder import EngineSpec
 from ferrum.engine.engine_loop import AbortRequest, AddRequest, Command, StopLoop
 from ferrum.engine.engine_process import Message, Ready, StartFailed, StepFailed, Stepped, run_engine_process
 from ferrum.engine.request_streams import EngineDeadError, RequestStreams
@@ -46,7 +45,7 @@ class ProcessEngineClient(RequestStreams):
         tokenizer: Tokenizer,
         ready: Ready,
     ) -> None:
-        super().__init__(tokenizer, ready.max_model_len, ready.stats)
+        super().__init__(tokenizer, ready.limits, ready.stats)
         self._process = process
         self._commands = commands
         self._results = results
@@ -54,7 +53,7 @@ class ProcessEngineClient(RequestStreams):
         self._stopping = False
 
     @classmethod
-    async def launch(cls, config: EngineConfig, log_level: int | None = None) -> ProcessEngineClient:
+    async def launch(cls, spec: EngineSpec, log_level: int | None = None) -> ProcessEngineClient:
         """Starts the engine process and waits until its engine is built. A failure there raises
         the same exception here (an EngineDeadError if it cannot be carried over), leaving no
         process behind."""
@@ -66,7 +65,7 @@ class ProcessEngineClient(RequestStreams):
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
         process = ctx.Process(
             target=run_engine_process,
-            args=(config, child_commands, child_results, level),
+            args=(spec, child_commands, child_results, level),
             name="ferrum-engine",
             daemon=True,  # never outlives an interpreter that exits without shutdown()
         )
@@ -85,7 +84,7 @@ class ProcessEngineClient(RequestStreams):
                 raise EngineDeadError(
                     f"the engine process exited (exit code {process.exitcode}) before it was ready"
                 )
-            tokenizer = await loop.run_in_executor(None, Tokenizer.from_folder, Path(config.model))
+            tokenizer = await loop.run_in_executor(None, Tokenizer.from_folder, spec.files.folder)
         except BaseException:
             await _stop_process(process, commands)
             raise

@@ -15,7 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from ferrum.engine.engine_loop import AbortRequest, AddRequest
-from ferrum.engine.llm_engine import EngineStats, PromptTooLongError
+from ferrum.engine.limits import RequestLimits
+from ferrum.engine.llm_engine import EngineStats
 from ferrum.engine.outputs import RequestOutput, merge_outputs
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.tokenizer import Tokenizer
@@ -26,9 +27,9 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestStreams(ABC):
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, stats: EngineStats) -> None:
+    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits, stats: EngineStats) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.limits = limits
         self._stats = stats
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # by engine id
         self._engine_ids: dict[str, str] = {}  # caller's request id -> engine id of its live request
@@ -39,20 +40,20 @@ class RequestStreams(ABC):
     def _send(self, command: AddRequest | AbortRequest) -> None:
         """Hands a command to the engine without blocking the event loop for long."""
 
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
     def stats(self) -> EngineStats:
         return self._stats
-
-    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        if num_prompt_tokens + max_tokens > self.max_model_len or num_prompt_tokens < 1:
-            raise PromptTooLongError(num_prompt_tokens, max_tokens, self.max_model_len)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """The request's deltas. A reader slower than the engine gets the deltas that piled up
         merged into one, so it is never more than one item behind. Closing the generator before
-        the request finished aborts it."""
-        self.check_length(len(prompt_token_ids), params.max_tokens)
+        the request finished aborts it. Raises PromptTooLongError or ValueError (RequestLimits)."""
+        self.limits.check(prompt_token_ids, params.max_tokens)
         if request_id in self._engine_ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self._error is not None:

@@ -1,20 +1,28 @@
-"""Decides, each step, which sequences run and how many of their tokens.
+"""Decides, each step, which sequences run and how many of their tokens, and for how many greedy
+decode iterations the device may run on by itself (a burst).
 
-A step has a token budget. Running sequences go first (one token each when
-decoding, a chunk when their prompt is still being prefilled); waiting
-sequences are admitted with what budget and free KV blocks remain, their
-prompts chunked to fit. When a running sequence cannot get a block, the most
-recently admitted running sequence is preempted: its blocks are freed and it
-goes back to the front of the queue, to be recomputed later.
+A step has a token budget. Running sequences go first (one token each when decoding, a chunk when
+their prompt is still being prefilled); waiting sequences are admitted with what budget and free
+KV blocks remain, their prompts chunked to fit. When a running sequence cannot get a block, the
+most recently admitted running sequence is preempted: its blocks are freed and it goes back to
+the front of the queue, to be recomputed later.
 
-With prefix caching, each step first registers the blocks the last step
-completed, and a sequence being admitted starts after the leading full blocks
-whose KV is already cached (shared with whoever holds them).
+With prefix caching, a sequence being admitted starts after the leading full blocks whose KV is
+already cached (shared with whoever holds them); the blocks a step computes are registered by
+`register_computed` while the device runs that step.
+
+Greedy bursts (runners that can run decode iterations back to back on the device, up to
+`max_burst`): while every scheduled sequence decodes greedily without logprobs or penalties, the
+plan may say to run several iterations at once, the block tables already grown for them. Only
+one iteration while a request waits for a free slot (it is admitted next step), and never past a
+sequence's length limits. While a burst runs, the engine may have the next one queued behind it
+(`extend_burst`) when no sequence can have stopped in it (`burst_continues`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence as SequenceOf
 from dataclasses import dataclass
 
 from ferrum.engine.block_manager import BlockManager
@@ -35,17 +43,35 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: tuple[ScheduledSequence, ...]
     num_preempted: int
+    burst: int = 0  # > 0: every scheduled sequence decodes greedily this many iterations on the device
 
     @property
     def empty(self) -> bool:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class BurstLimits:
+    """What bounds a greedy burst: the runner's most iterations per burst (0: no bursts), the
+    sequence length limit, and the tokens that stop a sequence unless it ignores EOS."""
+
+    max_steps: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        bursts: BurstLimits | None = None,
+    ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.bursts = bursts or BurstLimits(0, 0, frozenset())
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -64,13 +90,22 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def register_computed(self, seqs: Iterable[Sequence]) -> None:
+        """Offers the blocks these sequences' computed tokens fill to the prefix cache (called while
+        the device runs the step that computes them: the host's hashing overlaps it)."""
+        for seq in seqs:
+            self.blocks.cache_computed_blocks(seq)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self, *, input_pending: bool = False) -> SchedulerOutput:
+        """The next step. `input_pending`: requests have arrived that are not added yet (they will be
+        before the next step): a burst is then kept to one iteration, as for a waiting request."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted = 0
 
         for seq in self.running:
-            self.blocks.cache_computed_blocks(seq)  # what the last step computed can now be shared
+            self.blocks.cache_computed_blocks(seq)  # anything not registered while its step ran
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -104,10 +139,78 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
 
-        return SchedulerOutput(tuple(scheduled), preempted)
+        burst = self._plan_burst(scheduled, input_pending) if scheduled and not preempted else 0
+        return SchedulerOutput(tuple(scheduled), preempted, burst)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    # -- greedy bursts ----------------------------------------------------------------------------
+    def _plan_burst(self, scheduled: SequenceOf[ScheduledSequence], input_pending: bool) -> int:
+        """Decode iterations to run on the device in one go (0: an ordinary step): only when every
+        sequence decodes greedily without logprobs or penalties; one while a request could be
+        admitted; else as many as every sequence may take and the free blocks allow."""
+        if not self.bursts.max_steps or len(scheduled) > self.max_num_seqs:
+            return 0
+        if not all(s.is_decode and _burstable(s.seq) for s in scheduled):
+            return 0
+        if self.admission_pending(input_pending):
+            return 1
+        seqs = [s.seq for s in scheduled]
+        computed = [seq.num_computed_tokens for seq in seqs]
+        steps = self._room(seqs, [len(seq.output_token_ids) for seq in seqs], computed)
+        return max(self._grow_for(seqs, computed, steps), 1)
+
+    def extend_burst(self, seqs: SequenceOf[Sequence], ahead: int) -> int:
+        """Iterations of a burst that would follow the `ahead` ones queued but not yet counted,
+        with the block tables grown for them; 0 when the sequences' limits or the free blocks
+        leave no room (nothing grown)."""
+        computed = [seq.num_computed_tokens + ahead for seq in seqs]
+        room = self._room(seqs, [len(seq.output_token_ids) + ahead for seq in seqs], computed)
+        return self._grow_for(seqs, computed, room)
+
+    def burst_continues(self, seqs: SequenceOf[Sequence], rows: list[list[int]], input_pending: bool) -> bool:
+        """Whether every sequence is sure to run on after the burst whose chosen ids are `rows`
+        ([iteration][sequence]), judged without detokenizing (not aborted, no stop token, not at
+        its length limits, no stop strings), and no request waits for a free slot."""
+        if self.admission_pending(input_pending):
+            return False
+        return all(self._keeps_going(seq, [row[i] for row in rows]) for i, seq in enumerate(seqs))
+
+    def admission_pending(self, input_pending: bool = False) -> bool:
+        """A request waits (or is arriving) and a running slot is free for it (with every slot taken,
+        it waits for a sequence to finish, which ends a burst anyway)."""
+        return (bool(self.waiting) or input_pending) and len(self.running) < self.max_num_seqs
+
+    def _room(self, seqs: SequenceOf[Sequence], outputs: list[int], computed: list[int]) -> int:
+        steps = self.bursts.max_steps
+        for seq, out, done in zip(seqs, outputs, computed):
+            steps = min(steps, seq.params.max_tokens - out, self.bursts.max_model_len - done)
+        return steps
+
+    def _grow_for(self, seqs: SequenceOf[Sequence], computed: list[int], steps: int) -> int:
+        blocks = self.blocks
+        if steps < 1 or sum(blocks.blocks_needed(q, c + steps) for q, c in zip(seqs, computed)) > blocks.num_free:
+            return 0
+        for q, c in zip(seqs, computed):
+            blocks.grow(q, c + steps)
+        return steps
+
+    def _keeps_going(self, seq: Sequence, tokens: list[int]) -> bool:
+        p = seq.params
+        if seq.is_finished or p.stop:
+            return False
+        stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | self.bursts.eos_token_ids
+        if stops.intersection(tokens):
+            return False
+        return (len(seq.output_token_ids) + len(tokens) < p.max_tokens
+                and seq.num_tokens + len(tokens) < self.bursts.max_model_len)
+
+
+def _burstable(seq: Sequence) -> bool:
+    p = seq.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ferrum.dtypes import serving_dtype
+
 
 class ModelConfigError(ValueError):
     """config.json is missing, unreadable, or describes something Ferrum cannot run."""
@@ -55,13 +57,6 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
 def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
@@ -87,6 +82,14 @@ def _int_list(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def _checkpoint_dtype(name: Any) -> torch.dtype:
+    """The dtype config.json says the weights are stored in; float32 when it names no serving dtype."""
+    try:
+        return serving_dtype(str(name))
+    except ValueError:
+        return torch.float32
 
 
 def load_model_config(folder: str | Path) -> ModelConfig:
@@ -125,7 +128,7 @@ def load_model_config(folder: str | Path) -> ModelConfig:
             attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
             qk_norm=architecture == "Qwen3ForCausalLM",
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            dtype=_DTYPES.get(str(dtype_name), torch.float32),
+            dtype=_checkpoint_dtype(dtype_name),
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=_int_list(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),

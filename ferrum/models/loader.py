@@ -1,136 +1,143 @@
-"""Build a model from an HF folder: config.json plus safetensors (one file or shards)."""
+"""A model on its device: built from config.json, its weights filled through the WeightLoader.
+
+The model says which checkpoint tensor fills which parameter rows (`weight_bindings`); here that
+becomes one `TensorSpec` per checkpoint tensor (cast to the serving dtype where the checkpoint
+differs), checked against the checkpoint's header (read alone, locally or by two ranged reads of
+a remote file), and `WeightLoader.load_tensors` fills the parameters in place on the `Device` from
+whatever source the weights are in: a local file (read straight into the device's staging), or an
+S3 object or URL streamed as its bytes arrive while the verified cache is written alongside.
+"""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
+import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
-from safetensors import SafetensorError
 
-from ferrum.weights.errors import CorruptWeightsError, WeightError
-from ferrum.weights.safetensors_header import read_header
+from ferrum.backends.device import Device
+from ferrum.models.config import ModelConfig
+from ferrum.models.layers import LayerOps, RotaryEmbedding
+from ferrum.models.llama import LlamaForCausalLM, WeightBinding, ignored_checkpoint_tensor
+from ferrum.weights.errors import WeightError
+from ferrum.weights.loader import WeightLoader
+from ferrum.weights.sources import WeightSource
+from ferrum.weights.spec import TensorSpec, WeightMetadata
+from ferrum.weights.transforms import Cast
 
-from ferrum.models.config import ModelConfig, load_model_config
-from ferrum.models.layers import RotaryEmbedding
-from ferrum.models.llama import LlamaForCausalLM
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class WeightsError(WeightError, ValueError):
     """Weights missing or not matching the model's config; names the file."""
 
 
-log = logging.getLogger(__name__)
-
-
-def safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CorruptWeightsError(str(index), f"not a valid safetensors index ({exc})") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise WeightsError(str(index), f"shards listed but missing: {', '.join(missing)}")
-        return files
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(folder.glob("*.safetensors"))
-    if found:
-        return found
-    raise WeightsError(str(folder), "no model.safetensors, model.safetensors.index.json or *.safetensors found")
-
-
-def iter_checkpoint(folder: Path, device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """Every tensor of the checkpoint; on a GPU, safetensors puts each on the device itself (its
-    upload is about three times faster than copying a host tensor across)."""
-    target = str(device) if device is not None and device.type == "cuda" else "cpu"
-    for path in safetensors_files(folder):
-        read_header(path)  # untrusted input: sizes, offsets and dtypes checked before mapping it
-        try:
-            with safe_open(str(path), framework="pt", device=target) as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name), path
-        except SafetensorError as exc:
-            raise CorruptWeightsError(str(path), f"corrupt or unreadable safetensors file: {exc}") from None
-
-
-def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
-    params = dict(model.named_parameters())
-    expected = set(params)
-    loaded: set[str] = set()
-    device = next(iter(params.values())).device
-    with torch.no_grad():
-        for hf_name, tensor, path in iter_checkpoint(folder, device):
-            name = hf_name.removeprefix("model.")
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                continue
-            if "rotary_emb" in name:
-                continue
-            parts = name.split(".")
-            target, shard = name, None
-            if len(parts) >= 2 and parts[-2] in model.FUSED:
-                fused, shard = model.FUSED[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-            param = params.get(target)
-            if param is None:
-                raise WeightsError(str(path), f"tensor {hf_name!r} does not belong to {model.config.architecture}")
-            dest = param.data
-            if shard is not None:
-                offsets = model.shard_offsets(target.split(".")[-2])
-                dest = dest[offsets[shard] : offsets[shard + 1]]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise WeightsError(
-                    str(path),
-                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, config.json implies {tuple(dest.shape)}",
-                )
-            dest.copy_(tensor)
-            loaded.add(target if shard is None else f"{target}#{shard}")
-    required: set[str] = set()
-    for name in expected:
-        fused = name.split(".")[-2] if "." in name else ""
-        if fused in ("qkv_proj", "gate_up_proj"):
-            n = 3 if fused == "qkv_proj" else 2
-            required.update(f"{name}#{i}" for i in range(n))
-        else:
-            required.add(name)
-    if model.config.tie_word_embeddings:
-        required.discard("lm_head.weight")
-    missing = sorted(required - loaded)
-    if missing:
-        shown = ", ".join(m.replace("#", " shard ") for m in missing[:5])
-        raise WeightsError(str(folder), f"{len(missing)} weights missing from the checkpoint, e.g. {shown}")
-
-
-def load_model(folder: str | Path, dtype: torch.dtype, device: str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
-    folder = Path(folder)
-    config = load_model_config(folder)
-    started = time.perf_counter()
+def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: LayerOps) -> LlamaForCausalLM:
+    """The model's parameters allocated on `device` in `dtype` (uninitialised), its rotary tables
+    computed there in float32."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to(dtype).to_empty(device=device)  # allocated once, in the target dtype
-    # the rope tables were built on meta: build them for real, in float32
-    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device)
-    on_gpu = model.embed_tokens.weight.is_cuda
-    if on_gpu:
-        torch.cuda.synchronize(model.embed_tokens.weight.device)
-    reading = time.perf_counter()
-    load_weights(model, folder)
-    if config.tie_word_embeddings:
+        model = LlamaForCausalLM(config, ops)
+    model = model.to(dtype).to_empty(device=device.torch_device)  # allocated once, in the target dtype
+    if config.tie_word_embeddings:  # to_empty gives every module a parameter of its own
         model.lm_head.weight = model.embed_tokens.weight
-    model.eval()
-    if on_gpu:
-        torch.cuda.synchronize(model.embed_tokens.weight.device)
-    done = time.perf_counter()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    log.info("loaded %.2f GB of weights to %s in %.2fs (%.2f GB/s; model set-up before them %.2fs)",
-             nbytes / 1e9, device, done - reading, nbytes / 1e9 / (done - reading), reading - started)
-    return model, config
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device.torch_device)
+    return model.eval()
 
+
+def weight_plan(
+    model: LlamaForCausalLM, metadata: WeightMetadata, weights: WeightSource, dtype: torch.dtype
+) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
+    """One TensorSpec per checkpoint tensor the model needs and the parameter rows it fills.
+    WeightsError (naming `weights`) for a tensor the model does not have, one whose shape is not
+    what config.json implies, or tensors missing from the checkpoint."""
+    where = weights.display
+    bindings = {b.checkpoint_name: b for b in model.weight_bindings()}
+    for name in metadata.tensors:
+        if name not in bindings and not ignored_checkpoint_tensor(name, model.config):
+            raise WeightsError(where, f"tensor {name!r} does not belong to {model.config.architecture}")
+    missing = [name for name in bindings if name not in metadata.tensors]
+    if missing:
+        raise WeightsError(where, f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:5])}")
+    params = dict(model.named_parameters())
+    specs: list[TensorSpec] = []
+    into: dict[str, torch.Tensor] = {}
+    for name, binding in bindings.items():
+        target = _target(params[binding.parameter], binding)
+        shape, stored = metadata.tensors[name]
+        if tuple(shape) != tuple(target.shape):
+            raise WeightsError(where, f"tensor {name!r} has shape {tuple(shape)}, config.json implies {tuple(target.shape)}")
+        specs.append(TensorSpec(
+            name, tuple(target.shape), dtype,
+            source=_with_tensor(weights, name),
+            transformations=(Cast(dtype),) if stored != dtype else (),
+        ))
+        into[name] = target
+    return specs, into
+
+
+def _target(param: torch.Tensor, binding: WeightBinding) -> torch.Tensor:
+    data = param.data
+    return data if binding.rows is None else data[binding.rows[0] : binding.rows[1]]
+
+
+def _with_tensor(source: WeightSource, tensor: str) -> WeightSource:
+    from dataclasses import replace
+
+    return replace(source, tensor_name=tensor)
+
+
+async def load_weights(model: LlamaForCausalLM, weights: WeightSource, device: Device, loader: WeightLoader) -> int:
+    """Fills every parameter of `model` (on `device`) from `weights` (a file, or a sharded
+    checkpoint's index, local or remote); returns the bytes loaded."""
+    metadata = await loader.get_metadata(weights)
+    dtype = model.embed_tokens.weight.dtype
+    specs, into = weight_plan(model, metadata, weights, dtype)
+    await loader.load_tensors(specs, into=into, device=device)
+    return sum(t.numel() * t.element_size() for t in into.values())
+
+
+def load_model(
+    config: ModelConfig, weights: WeightSource, device: Device, dtype: torch.dtype, ops: LayerOps, loader: WeightLoader
+) -> LlamaForCausalLM:
+    """build_model, then load_weights, from synchronous code (the engine's constructor)."""
+    started = time.perf_counter()
+    model = build_model(config, device, dtype, ops)
+    device.runtime.synchronize()
+    reading = time.perf_counter()
+    nbytes = run_sync(load_weights(model, weights, device, loader))
+    device.runtime.synchronize()
+    done = time.perf_counter()
+    log.info("loaded %.2f GB of weights from %s to %s in %.2fs (%.2f GB/s; model set-up before them %.2fs)",
+             nbytes / 1e9, weights.display, device.name, done - reading, nbytes / 1e9 / max(done - reading, 1e-9),
+             reading - started)
+    return model
+
+
+def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Runs `coroutine` to completion from synchronous code: on this thread's own event loop, or on
+    a thread of its own when this thread already runs one."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(asyncio.run(coroutine))
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="ferrum-load")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ferrum.models.config import ModelConfigError
+
 # Every entry is a Llama-family decoder; the differences are flags in ModelConfig
 # (q/k/v bias for Qwen2, per-head q/k norm for Qwen3).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -22,8 +24,8 @@ _MODEL_TYPES = {
 }
 
 
-class UnsupportedArchitectureError(ValueError):
-    pass
+class UnsupportedArchitectureError(ModelConfigError):
+    """config.json names an architecture Ferrum does not run."""
 
 
 def resolve_architecture(raw_config: dict[str, Any], path: Path) -> str:

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from ferrum.engine.async_engine import EngineClient
+from ferrum.engine.limits import PromptTooLongError
 from ferrum.server.body import parse_body
 from ferrum.server.errors import APIError, bad_request, install_error_handlers
 from ferrum.server.jobs import ChoiceResult, Job, collect, engine_error, run_jobs, unless_disconnected
@@ -72,28 +73,27 @@ class Server:
         return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def max_tokens_for(self, req: SamplingFields, num_prompt_tokens: int, prompt_param: str) -> int:
-        limit = self.engine.max_model_len
+        """The request's completion length by the engine's limits (ferrum.engine.limits), or an
+        OpenAI-style 400 saying which part is too long."""
         what = "messages" if prompt_param == "messages" else "prompt"
-        if num_prompt_tokens >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, your {what} resulted in "
-                f"{num_prompt_tokens} tokens, which leaves no room for the completion. "
-                f"Please reduce the length of the {what}.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        requested = req.requested_max_tokens()
-        if requested is None:
-            return limit - num_prompt_tokens
-        if num_prompt_tokens + requested > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {what}, "
-                f"{requested} in the completion). Please reduce the length of the {what} or completion.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return requested
+        try:
+            return self.engine.limits.max_tokens(num_prompt_tokens, req.requested_max_tokens())
+        except PromptTooLongError as exc:
+            if exc.max_tokens is None:
+                message = (
+                    f"This model's maximum context length is {exc.max_model_len} tokens. However, your {what} "
+                    f"resulted in {num_prompt_tokens} tokens, which leaves no room for the completion. "
+                    f"Please reduce the length of the {what}."
+                )
+                param = prompt_param
+            else:
+                message = (
+                    f"This model's maximum context length is {exc.max_model_len} tokens. However, you requested "
+                    f"{num_prompt_tokens + exc.max_tokens} tokens ({num_prompt_tokens} in the {what}, "
+                    f"{exc.max_tokens} in the completion). Please reduce the length of the {what} or completion."
+                )
+                param = "max_tokens"
+            raise bad_request(message, param=param, code="context_length_exceeded") from None
 
     def make_jobs(
         self, req: SamplingFields, base_id: str, prompts: Sequence[list[int]], prompt_param: str

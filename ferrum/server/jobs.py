@@ -14,7 +14,8 @@ from typing import TypeVar
 import anyio
 from fastapi import Request
 
-from ferrum.engine.async_engine import EngineClient, PromptTooLongError
+from ferrum.engine.async_engine import EngineClient
+from ferrum.engine.limits import PromptTooLongError
 from ferrum.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.server.errors import APIError, bad_request, internal_error

@@ -1,4 +1,11 @@
-"""Start-up: pick a backend, fetch the model if it is remote, load it, start the engine, serve HTTP."""
+"""Start-up: pick a backend, resolve the model, start the engine on that backend's device, serve HTTP.
+
+The API process selects the backend from capabilities probed without a CUDA context (NVML), and
+resolves the model location to its files (the small ones fetched; a remote model's weights are
+streamed later, by whoever loads them). On an accelerator the engine runs in a process of its
+own, which rebuilds the selected backend there and opens the device (ferrum.engine.builder);
+on the CPU it runs on a worker thread of this process, on the same backend object.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +21,13 @@ from ferrum.backends.registry import create_default_registry
 from ferrum.backends.selection import select_backend
 from ferrum.config import ConfigError, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine, EngineClient
+from ferrum.engine.builder import EngineSpec
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.process_client import ProcessEngineClient
-from ferrum.weights.uri import LocalModel, parse_model_location, resolve_model_folder
+from ferrum.models.config import load_model_config
+from ferrum.weights.model_files import ModelFiles
+from ferrum.weights.sources import File
+from ferrum.weights.uri import parse_model_location, resolve_model, resolve_model_folder
 
 log = logging.getLogger("ferrum")
 
@@ -28,50 +39,71 @@ class StartupError(RuntimeError):
     """Start-up cannot go on; the message is for the user, no traceback needed."""
 
 
-async def resolve_model(config: ServerConfig) -> Path:
-    """The local folder of `config.model`: a local folder as it is (checked), a remote model fetched
-    into the cache (or found there). Raises StartupError, or a WeightError naming what is missing."""
+def _check_local_folder(config: ServerConfig) -> None:
     location = parse_model_location(config.model)
-    if isinstance(location, LocalModel):
-        folder = location.path
-        if not (folder / "config.json").is_file():
-            hint = "" if folder.exists() else NO_FOLDER_HINT
-            raise StartupError(f"model folder {folder} has no config.json{hint}")
-        return folder
+    if isinstance(location, File):
+        if not (location.path / "config.json").is_file():
+            hint = "" if location.path.exists() else NO_FOLDER_HINT
+            raise StartupError(f"model folder {location.path} has no config.json{hint}")
+        load_model_config(location.path)  # an unsupported architecture is named before anything else
+
+
+async def model_files(config: ServerConfig) -> ModelFiles:
+    """`config.model` resolved for serving (ferrum.weights.uri.resolve_model), its config.json read
+    (an unsupported architecture is named here, in the server, before any engine starts). Raises
+    StartupError, ModelConfigError, or a WeightError naming what is missing."""
+    _check_local_folder(config)
     started = time.perf_counter()
-    log.info("model %s: fetching into the cache (or finding it there)", location.display)
-    folder = await resolve_model_folder(location, config.weights)
-    log.info("model %s is in %s (%.1fs)", location.display, folder, time.perf_counter() - started)
+    files = await resolve_model(config.model, config.weights)
+    load_model_config(files.folder)
+    if not isinstance(files.location, File):
+        how = "in the cache" if files.complete else f"small files fetched; weights streamed from {files.weights.display}"
+        log.info("model %s: %s (%.1fs)", files.display, how, time.perf_counter() - started)
+    return files
+
+
+async def pull_model(config: ServerConfig) -> Path:
+    """`ferrum pull`: the whole model fetched into the cache (or found there); its local folder."""
+    location = parse_model_location(config.model)
+    if isinstance(location, File) and not (location.path / "config.json").is_file():
+        _check_local_folder(config)
+    started = time.perf_counter()
+    folder = await resolve_model_folder(config.model, config.weights)
+    log.info("model %s is in %s (%.1fs)", parse_model_location(config.model).display, folder,
+             time.perf_counter() - started)
     return folder
 
 
-def engine_in_own_process(setting: str, device: str) -> bool:
-    """`engine_process` auto: its own process on an accelerator (cuda, cuda:N, mps), where the
-    server's Python work would otherwise hold the GIL the engine needs to keep the GPU busy; a
-    thread of the server's process on the CPU (no spawn, no second torch import)."""
+def engine_in_own_process(setting: str, kind: str) -> bool:
+    """`engine_process` auto: its own process on an accelerator (cuda, mps), where the server's
+    Python work would otherwise hold the GIL the engine needs to keep the GPU busy; a thread of the
+    server's process on the CPU (no spawn, no second torch import)."""
     if setting == "auto":
-        return not device.startswith("cpu")
+        return kind != "cpu"
     return setting == "on"
 
 
 async def build_engine(config: ServerConfig) -> tuple[EngineClient, ComputeBackend]:
     """The engine client, its model loaded (in its own process or on a worker thread), and the
     backend it runs on. An in-process engine's device memory (weights, KV cache, CUDA graphs) is
-    freed by the backend's shutdown; an engine process frees its own when it exits."""
+    freed by the backend's shutdown; an engine process frees its own before it exits."""
     registry = await create_default_registry()
-    backend, device = await select_backend(registry, config.backend, config.requirements)
-    log.info("backend %s (%s) on %s", backend.name, backend.version(), device)
-    folder = await resolve_model(config)
-    engine_config = config.engine_config(device, folder)
+    backend, device_name = await select_backend(registry, config.backend, config.requirements)
+    log.info("backend %s (%s) on %s", backend.name, backend.version(), device_name)
+    files = await model_files(config)
+    spec = EngineSpec(config.engine_config(), backend.name, device_name, files, config.weights)
     try:
-        if engine_in_own_process(config.engine_process, device):
+        if engine_in_own_process(config.engine_process, backend.kind):
             log.info("engine: in its own process")
-            return await ProcessEngineClient.launch(engine_config), backend
+            return await ProcessEngineClient.launch(spec), backend
         log.info("engine: on a thread of the server process")
-        engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, engine_config)
+        device = backend.device(device_name)
+        engine = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: LLMEngine(spec.config, device, files, spec.weights)
+        )
     except (OSError, ValueError) as exc:  # unreadable or invalid model files: the message names the file
-        raise StartupError(f"cannot load the model from {folder}: {exc}") from exc
-    backend.add_release_hook(device, engine.release)
+        raise StartupError(f"cannot load the model from {files.display}: {exc}") from exc
+    backend.add_release_hook(device_name, engine.release)
     return AsyncEngine(engine), backend
 
 
@@ -94,4 +126,4 @@ async def serve(config: ServerConfig) -> None:
         await backend.shutdown()
 
 
-__all__ = ["ConfigError", "StartupError", "build_engine", "engine_in_own_process", "resolve_model", "serve"]
+__all__ = ["ConfigError", "StartupError", "build_engine", "engine_in_own_process", "model_files", "pull_model", "serve"]

@@ -36,6 +36,7 @@ import threading
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,8 @@ from ferrum.weights.spec import TensorSpec, WeightMetadata
 
 __all__ = [
     "OpenedWeights",
+    "StoredBytes",
     "detect_format",
-    "find_model_file",
     "format_from_name",
     "index_shards",
     "is_index_name",
@@ -65,6 +66,7 @@ __all__ = [
     "open_bytes",
     "open_local",
     "parse_index",
+    "stored_dtype",
     "tensor_from_bytes",
 ]
 
@@ -147,8 +149,24 @@ class OpenedWeights(abc.ABC):
     @abc.abstractmethod
     def tensor(self, stored_name: str, spec: TensorSpec | None = None) -> torch.Tensor: ...
 
+    def stored_bytes(self, stored_name: str) -> StoredBytes | None:
+        """The stored tensor's bytes, readable chunk by chunk into a caller's buffer (a device's
+        staging buffer, or the destination tensor's own memory) without making a tensor first;
+        None where the format has no such bytes (the reader then makes the tensor)."""
+        return None
+
     def close(self) -> None:
         """Drops what the reader holds; tensors already handed out stay valid."""
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """A stored tensor's dtype, shape and bytes: `read(buffer, offset)` fills `buffer` with bytes
+    [offset, offset + len(buffer)) of the tensor."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    read: Callable[[memoryview, int], None]
 
 
 def _missing(name: str, tensor: str, available: Sequence[str]) -> TensorNotFoundError:
@@ -191,6 +209,11 @@ def tensor_from_bytes(data: bytes, entry: TensorEntry, *, name: str) -> torch.Te
     return _from_buffer(data, 0, entry.nbytes, dtype, entry.shape, writable=False)
 
 
+def stored_dtype(entry: TensorEntry, name: str) -> torch.dtype:
+    """The torch dtype of a SafeTensors entry (UnsupportedError naming `name` when torch has none)."""
+    return _torch_dtype(name, entry.name, entry.dtype)
+
+
 def _torch_dtype(name: str, tensor: str, code: str) -> torch.dtype:
     dtype = SAFETENSORS_TO_TORCH.get(code)
     if dtype is None:
@@ -201,13 +224,21 @@ def _torch_dtype(name: str, tensor: str, code: str) -> torch.dtype:
 
 
 class SafetensorsReader(OpenedWeights):
+    """A SafeTensors file in a buffer (a private mmap of a local file, or bytes in memory). With the
+    file's `path`, `stored_bytes` reads with pread from the file (no page mapping on the way)."""
+
     format = WeightFormat.SAFETENSORS
 
-    def __init__(self, buf: Any, header: SafetensorsHeader, *, name: str, writable: bool) -> None:
+    def __init__(
+        self, buf: Any, header: SafetensorsHeader, *, name: str, writable: bool, path: Path | None = None
+    ) -> None:
         self.name = name
         self.header = header
         self._buf = buf
         self._writable = writable
+        self._path = path
+        self._fd: int | None = None
+        self._fd_lock = threading.Lock()
 
     def metadata(self) -> WeightMetadata:
         return metadata_from_header(self.header)
@@ -220,8 +251,54 @@ class SafetensorsReader(OpenedWeights):
         start = self.header.data_start + entry.begin
         return _from_buffer(self._buf, start, entry.nbytes, dtype, entry.shape, writable=self._writable)
 
+    def stored_bytes(self, stored_name: str) -> StoredBytes | None:
+        entry = self.header.tensors.get(stored_name)
+        if entry is None:
+            raise _missing(self.name, stored_name, list(self.header.tensors))
+        dtype = _torch_dtype(self.name, stored_name, entry.dtype)
+        start = self.header.data_start + entry.begin
+        fd = self._file()
+        if fd is not None:
+            name = self.name
+
+            def pread(buffer: memoryview, offset: int) -> None:
+                _pread_into(fd, buffer, start + offset, name)
+
+            return StoredBytes(dtype, entry.shape, pread)
+        data = memoryview(self._buf)
+
+        def copy(buffer: memoryview, offset: int) -> None:
+            buffer[:] = data[start + offset : start + offset + len(buffer)]
+
+        return StoredBytes(dtype, entry.shape, copy)
+
+    def _file(self) -> int | None:
+        if self._path is None:
+            return None
+        with self._fd_lock:
+            if self._fd is None:
+                try:
+                    self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise WeightError(self.name, f"cannot read: {exc.strerror or exc}") from None
+            return self._fd
+
     def close(self) -> None:
         self._buf = None
+        with self._fd_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _pread_into(fd: int, buffer: memoryview, position: int, name: str) -> None:
+    """Fills `buffer` from the file at `position` (preadv until it is full)."""
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], position + done)
+        if got == 0:
+            raise CorruptWeightsError(name, f"file ended at byte {position + done}, inside a tensor")
+        done += got
 
 
 class DictReader(OpenedWeights):
@@ -459,10 +536,10 @@ def _map_file(path: Path, *, name: str) -> tuple[Any, os.stat_result]:
         raise WeightError(name, f"cannot read: {exc.strerror or exc}") from None
 
 
-def _safetensors(buf: Any, size: int, *, name: str, writable: bool) -> SafetensorsReader:
+def _safetensors(buf: Any, size: int, *, name: str, writable: bool, path: Path | None = None) -> SafetensorsReader:
     n = header_length(bytes(buf[:8]), file_size=size, name=name)
     header = parse_header(buf[8 : 8 + n], data_size=size - 8 - n, name=name)
-    return SafetensorsReader(buf, header, name=name, writable=writable)
+    return SafetensorsReader(buf, header, name=name, writable=writable, path=path)
 
 
 class _HeaderCache:
@@ -475,15 +552,15 @@ class _HeaderCache:
         self._entries: OrderedDict[tuple[object, ...], SafetensorsHeader] = OrderedDict()
         self._lock = threading.Lock()
 
-    def reader(self, buf: Any, st: os.stat_result, *, name: str) -> SafetensorsReader:
+    def reader(self, buf: Any, st: os.stat_result, *, name: str, path: Path) -> SafetensorsReader:
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, name)
         with self._lock:
             header = self._entries.get(key)
             if header is not None:
                 self._entries.move_to_end(key)
         if header is not None:
-            return SafetensorsReader(buf, header, name=name, writable=True)
-        reader = _safetensors(buf, st.st_size, name=name, writable=True)
+            return SafetensorsReader(buf, header, name=name, writable=True, path=path)
+        reader = _safetensors(buf, st.st_size, name=name, writable=True, path=path)
         with self._lock:
             self._entries[key] = reader.header
             while len(self._entries) > self._capacity:
@@ -506,28 +583,12 @@ def _zip_names(source: Any) -> list[str]:
         return []
 
 
-def find_model_file(folder: Path) -> Path:
-    """The weights of a model folder: `model.safetensors.index.json`, else `model.safetensors`, else the
-    only `*.safetensors` file."""
-    for candidate in ("model.safetensors.index.json", "model.safetensors"):
-        if (folder / candidate).is_file():
-            return folder / candidate
-    found = sorted(folder.glob("*.safetensors"))
-    if len(found) == 1:
-        return found[0]
-    raise SourceNotFoundError(
-        str(folder),
-        "model folder has no model.safetensors.index.json nor model.safetensors"
-        + (f" (and {len(found)} *.safetensors files)" if found else ""),
-    )
-
-
 def open_local(
     path: Path, hint: FormatHint, *, name: str | None = None, filename: str | None = None
 ) -> OpenedWeights:
     """Open one local weights file. `filename` (default: the path's name) is what the format is detected
     from: a cached download's blob has no extension of its own. An `*.index.json` is not opened here
-    (see `index_shards`); a folder is not either (see `find_model_file`)."""
+    (see `index_shards`); a folder is not either (see `model_files.local_weights`)."""
     label = name or str(path)
     filename = filename or path.name
     if is_index_name(filename) and not isinstance(hint, RawLayout) and hint is not WeightFormat.RAW:
@@ -542,7 +603,7 @@ def open_local(
     )
     stem = Path(filename).stem or "tensor"
     if fmt is WeightFormat.SAFETENSORS:
-        return _HEADERS.reader(buf, st, name=label)
+        return _HEADERS.reader(buf, st, name=label, path=path)
     if fmt is WeightFormat.RAW:
         return RawReader(buf, size, layout, name=label, stem=stem, writable=True)
     _release(buf)

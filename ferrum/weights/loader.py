@@ -18,13 +18,20 @@ is opened / fetched once, and works on all groups at once):
 Transformations, the shape / dtype check and the move to `spec.device` run in threads, as does
 every blocking read: the event loop never blocks on I/O. Plain specs (no transformations, on the
 CPU) of a local file are made in the same thread call that opens it: views of the mmap, no copy.
+
+With `into` (and the `Device` the destinations live on), each tensor goes straight into its
+destination (a model's parameter, or rows of one) as soon as its bytes are there, through the
+device's writer (ferrum.backends.transfer: pinned staging on CUDA, the destination's own memory
+on the CPU): stored bytes that need no transformation are read directly into it (pread from a
+local file, or the bytes just downloaded), others are made, transformed and checked first.
+Destinations are written by several threads at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -34,13 +41,15 @@ import torch
 from ferrum.weights.errors import (
     CorruptWeightsError,
     SourceNotFoundError,
+    SpecMismatchError,
     TensorNotFoundError,
     UnsupportedError,
     WeightError,
 )
 from ferrum.weights.formats import (
     OpenedWeights,
-    find_model_file,
+    StoredBytes,
+    stored_dtype,
     format_from_name,
     is_index_name,
     metadata_from_header,
@@ -49,6 +58,7 @@ from ferrum.weights.formats import (
     parse_index,
     tensor_from_bytes,
 )
+from ferrum.weights.model_files import local_weights
 from ferrum.weights.safetensors_header import SafetensorsHeader, header_length, parse_header
 from ferrum.weights.sources import (
     S3,
@@ -72,6 +82,8 @@ from ferrum.weights.spec import (
 from ferrum.weights.transforms import apply_transformations, check_result
 
 if TYPE_CHECKING:
+    from ferrum.backends.device import Device
+    from ferrum.backends.transfer import DeviceWriter
     from ferrum.weights.download import Downloader
     from ferrum.weights.remote import RemoteObject
 
@@ -120,6 +132,51 @@ def _transformed(tensor: torch.Tensor, spec: TensorSpec, *, where: str) -> torch
 
 def _is_plain(spec: TensorSpec) -> bool:
     return not spec.transformations and spec.device == "cpu"
+
+
+class _Sink:
+    """Where `load_tensors(into=...)` puts each tensor: its destination, through the device's writer."""
+
+    def __init__(self, into: Mapping[str, torch.Tensor], writer: DeviceWriter) -> None:
+        self.into = into
+        self.writer = writer
+
+    def check(self, spec: TensorSpec) -> None:
+        target = self.into.get(spec.name)
+        if target is None:
+            raise ValueError(f"load_tensors: no destination for {spec.name!r} in `into`")
+        if tuple(target.shape) != spec.shape or target.dtype != spec.dtype or not target.is_contiguous():
+            raise ValueError(
+                f"load_tensors: the destination of {spec.name!r} is {tuple(target.shape)} {target.dtype}"
+                f"{'' if target.is_contiguous() else ' (not contiguous)'}, the spec says {spec.shape} {spec.dtype}"
+            )
+
+    def put_tensor(self, spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
+        """A made (transformed, checked) host tensor into its destination."""
+        target = self.into[spec.name]
+        self.writer.write_tensor(target, tensor)
+        return target
+
+    def put_stored(self, spec: TensorSpec, stored: StoredBytes, where: str) -> torch.Tensor:
+        """Stored bytes straight into the destination, for a spec without transformations."""
+        target = self.into[spec.name]
+        if stored.dtype != spec.dtype or tuple(stored.shape) != spec.shape:
+            raise SpecMismatchError(
+                where, f"tensor {spec.name!r}: shape {spec.shape} and dtype {spec.dtype} expected, "
+                f"stored as {tuple(stored.shape)} {stored.dtype}"
+            )
+        self.writer.write(target, stored.read)
+        return target
+
+
+def _finish_into(reader: OpenedWeights, spec: TensorSpec, sink: _Sink) -> torch.Tensor:
+    """The spec's tensor into its destination: its stored bytes directly when it needs no
+    transformation and the format has them, else made and checked first. Blocking."""
+    if not spec.transformations:
+        stored = reader.stored_bytes(spec.stored_name)
+        if stored is not None:
+            return sink.put_stored(spec, stored, reader.name)
+    return sink.put_tensor(spec, _finish(reader, spec))
 
 
 def _format_hint_of(source: WeightSource) -> WeightFormat | None:
@@ -177,17 +234,40 @@ class WeightLoader:
     async def load_tensor(self, spec: TensorSpec) -> torch.Tensor:
         return (await self.load_tensors([spec]))[spec.name]
 
-    async def load_tensors(self, specs: Iterable[TensorSpec]) -> Tensors:
+    async def load_tensors(
+        self,
+        specs: Iterable[TensorSpec],
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        device: Device | None = None,
+    ) -> Tensors:
         """{spec.name: tensor} for all `specs` (names must be unique), in the order given. Every
-        transformation is checked for support before any I/O (Quantize is refused then)."""
+        transformation is checked for support before any I/O (Quantize is refused then).
+
+        `into` (with `device`, where the destinations live): spec name -> a contiguous tensor of the
+        spec's shape and dtype, filled in place (see the module docstring); the destinations are
+        returned, every upload finished."""
         by_name = specs_by_name(specs)
         for spec in by_name.values():
             for step in spec.transformations:
                 step.ensure_supported(where=spec.source.display, name=spec.name)
+        sink = None
+        if into is not None:
+            if device is None:
+                raise ValueError("load_tensors: `into` needs the device its tensors are on")
+            from ferrum.backends.transfer import device_writer
+
+            sink = _Sink(into, device_writer(device))
+            for spec in by_name.values():
+                sink.check(spec)
         groups: dict[WeightSource, list[TensorSpec]] = {}
         for spec in by_name.values():
             groups.setdefault(object_of(spec.source), []).append(spec)
-        parts = await _all(self._load_group(source, group) for source, group in groups.items())
+        try:
+            parts = await _all(self._load_group(source, group, sink) for source, group in groups.items())
+        finally:
+            if sink is not None:
+                await asyncio.to_thread(sink.writer.finish)
         merged: Tensors = {}
         for part in parts:
             merged.update(part)
@@ -257,35 +337,45 @@ class WeightLoader:
 
     # ------------------------------------------------------------------------------------- groups
 
-    async def _load_group(self, source: WeightSource, specs: Sequence[TensorSpec]) -> Tensors:
+    async def _load_group(
+        self, source: WeightSource, specs: Sequence[TensorSpec], sink: _Sink | None = None
+    ) -> Tensors:
         if isinstance(source, File) and not _is_index(source):
             file = source
             try:
-                return await self._load_opened(lambda: _open_file(file), specs)
+                return await self._load_opened(lambda: _open_file(file), specs, sink)
             except _FolderIndex as folder:
                 source = folder.index
         if _is_index(source):
-            return await self._load_indexed(source, specs)
+            return await self._load_indexed(source, specs, sink)
         if isinstance(source, Memory):
             return await self._load_opened(
-                lambda: open_bytes(source.data, source.format, name=source.display), specs
+                lambda: open_bytes(source.data, source.format, name=source.display), specs, sink
             )
         if isinstance(source, (Url, S3)) and _format_hint_of(source) is WeightFormat.SAFETENSORS:
-            return await self._load_streaming(source, specs)
+            return await self._load_streaming(source, specs, sink)
         path = await self._fetch(source)
         return await self._load_opened(
-            lambda: open_local(path, source.format, name=source.display, filename=source.filename), specs
+            lambda: open_local(path, source.format, name=source.display, filename=source.filename), specs, sink
         )
 
-    async def _load_opened(self, opener: Callable[[], OpenedWeights], specs: Sequence[TensorSpec]) -> Tensors:
-        """Open in a thread and make the plain specs there too; the others each in a thread of their own."""
+    async def _load_opened(
+        self, opener: Callable[[], OpenedWeights], specs: Sequence[TensorSpec], sink: _Sink | None = None
+    ) -> Tensors:
+        """Open in a thread and make the plain specs there too; the others each in a thread of their
+        own. With a sink, every spec goes into its destination from a thread of its own."""
 
         def open_and_make_plain() -> tuple[OpenedWeights, Tensors]:
             reader = opener()
+            if sink is not None:
+                return reader, {}
             return reader, {spec.name: _finish(reader, spec) for spec in specs if _is_plain(spec)}
 
         reader, out = await asyncio.to_thread(open_and_make_plain)
         try:
+            if sink is not None:
+                made = await _all(asyncio.to_thread(_finish_into, reader, spec, sink) for spec in specs)
+                return dict(zip((spec.name for spec in specs), made, strict=True))
             rest = [spec for spec in specs if not _is_plain(spec)]
             made = await _all(asyncio.to_thread(_finish, reader, spec) for spec in rest)
             out.update(zip((spec.name for spec in rest), made, strict=True))
@@ -293,7 +383,7 @@ class WeightLoader:
         finally:
             reader.close()
 
-    async def _load_indexed(self, index: WeightSource, specs: Sequence[TensorSpec]) -> Tensors:
+    async def _load_indexed(self, index: WeightSource, specs: Sequence[TensorSpec], sink: _Sink | None = None) -> Tensors:
         """Each spec from the shard the index names for it; the shards' groups are loaded at once."""
         _, shards = await self._index(index)
         by_shard: dict[str, list[TensorSpec]] = {}
@@ -304,7 +394,7 @@ class WeightLoader:
             by_shard.setdefault(shard, []).append(spec)
         try:
             parts = await _all(
-                self._load_group(sibling(index, shard), group) for shard, group in by_shard.items()
+                self._load_group(sibling(index, shard), group, sink) for shard, group in by_shard.items()
             )
         except TensorNotFoundError as exc:
             raise CorruptWeightsError(
@@ -364,7 +454,7 @@ class WeightLoader:
             return source.path
         raise UnsupportedError(source.display, "a Memory source has no file to fetch")
 
-    async def _load_streaming(self, source: Url | S3, specs: Sequence[TensorSpec]) -> Tensors:
+    async def _load_streaming(self, source: Url | S3, specs: Sequence[TensorSpec], sink: _Sink | None = None) -> Tensors:
         """Make each tensor as soon as its bytes are in the cache's partial file, while the rest of
         the file downloads; return once the whole download is verified."""
         obj = self._remote_object(source)
@@ -392,6 +482,8 @@ class WeightLoader:
 
                 async def one(spec: TensorSpec) -> torch.Tensor:
                     data = await read(*header.file_range(spec.stored_name))
+                    if sink is not None:
+                        return await asyncio.to_thread(_streamed_into, data, header, spec, reader_name, sink)
                     return await asyncio.to_thread(_streamed_tensor, data, header, spec, reader_name)
 
                 made = await _all(one(spec) for spec in specs)
@@ -451,7 +543,7 @@ class _FolderIndex(Exception):
 def _local_file(source: File) -> File:
     """A folder's weights file (model.safetensors.index.json / model.safetensors); else `source`."""
     if source.path.is_dir():
-        return File(find_model_file(source.path), format=source.format)
+        return File(local_weights(source.path).path, format=source.format)
     return source
 
 
@@ -499,6 +591,23 @@ def _streamed_tensor(data: bytes, header: SafetensorsHeader, spec: TensorSpec, n
     """The tensor of `data` (its bytes, just downloaded), transformed and checked. Blocking."""
     entry = header.tensors[spec.stored_name]
     return _transformed(tensor_from_bytes(data, entry, name=name), spec, where=name)
+
+
+def _streamed_into(
+    data: bytes, header: SafetensorsHeader, spec: TensorSpec, name: str, sink: _Sink
+) -> torch.Tensor:
+    """Downloaded bytes into the spec's destination (directly when it needs no transformation). Blocking."""
+    if spec.transformations:
+        return sink.put_tensor(spec, _streamed_tensor(data, header, spec, name))
+    entry = header.tensors[spec.stored_name]
+    if len(data) != entry.nbytes:
+        raise CorruptWeightsError(name, f"tensor {entry.name!r}: got {len(data)} bytes, expected {entry.nbytes}")
+    view = memoryview(data)
+
+    def read(buffer: memoryview, offset: int) -> None:
+        buffer[:] = view[offset : offset + len(buffer)]
+
+    return sink.put_stored(spec, StoredBytes(stored_dtype(entry, name), entry.shape, read), name)
 
 
 def _metadata_of_local(path: Path, hint: Any, name: str, filename: str | None) -> WeightMetadata:

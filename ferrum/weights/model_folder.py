@@ -8,6 +8,11 @@ matches and whose files are all there with those sizes is a cache hit: no networ
 The folder is built under a temporary name and renamed into place, so a reader never sees half a
 folder; when the download cache evicts a blob, the folder is no longer complete and is rebuilt
 by the next resolve.
+
+For serving a model not yet in the cache, `stage_small_files` fetches only the small files (config,
+tokenizer, the index) into `<cache_dir>/models/.<name>.parts/`: the weights are then streamed onto
+the device (the WeightLoader writes them into the same download cache as it goes), and
+`materialize` afterwards finds every blob in the cache and publishes the folder.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from ferrum.weights.model_files import (
 from ferrum.weights.remote import RemoteObject
 from ferrum.weights.spec import WeightLoaderConfig
 
-__all__ = ["MANIFEST", "RemoteFolder", "materialize", "models_dir"]
+__all__ = ["MANIFEST", "RemoteFolder", "complete_folder", "materialize", "models_dir", "stage_small_files"]
 
 MANIFEST = ".ferrum-model.json"
 _SHARDS_AT_ONCE = 2  # each shard is already fetched in concurrent chunks
@@ -55,6 +60,42 @@ class RemoteFolder:
 
 def models_dir(config: WeightLoaderConfig) -> Path:
     return config.cache_dir / "models"
+
+
+async def complete_folder(folder: RemoteFolder, config: WeightLoaderConfig) -> Path | None:
+    """The cached model folder when it is complete (no network request), else None."""
+    target = models_dir(config) / folder.name
+    return target if await asyncio.to_thread(_complete, target, folder.identity) else None
+
+
+async def stage_small_files(folder: RemoteFolder, config: WeightLoaderConfig) -> tuple[Path, str]:
+    """The small files (required, optional, the index) fetched and verified into the cache and
+    linked into `<cache_dir>/models/.<name>.parts/` (rebuilt each time: links only); returns that
+    folder and the name of the weights' entry point (the index, or the single weights file, whose
+    presence is checked with one metadata request). Raises SourceNotFoundError naming what is missing."""
+    downloader = Downloader(config)
+    try:
+        blobs = await _fetch_small_files(folder, downloader)
+        if INDEX_FILE in blobs:
+            weights = INDEX_FILE
+        else:
+            weights = SINGLE_WEIGHTS_FILE
+            obj = folder.open_object(SINGLE_WEIGHTS_FILE)
+            try:
+                await obj.info()
+            except SourceNotFoundError as exc:
+                raise SourceNotFoundError(
+                    folder.display, f"no weights: neither {INDEX_FILE} nor {SINGLE_WEIGHTS_FILE} found ({exc})"
+                ) from exc
+            finally:
+                close = getattr(obj, "aclose", None)
+                if close is not None:
+                    await close()
+    finally:
+        downloader.close()
+    target = models_dir(config) / f".{folder.name}.parts"
+    staged = await asyncio.to_thread(_publish, target, blobs, folder.identity + "|small files")
+    return staged, weights
 
 
 async def materialize(folder: RemoteFolder, config: WeightLoaderConfig) -> Path:
@@ -96,7 +137,8 @@ async def _fetch(folder: RemoteFolder, downloader: Downloader, name: str, *, req
             await close()
 
 
-async def _fetch_files(folder: RemoteFolder, downloader: Downloader) -> dict[str, Path]:
+async def _fetch_small_files(folder: RemoteFolder, downloader: Downloader) -> dict[str, Path]:
+    """The required and optional files and the index (when there is one) of `folder`."""
     first, *rest = REQUIRED_FILES  # config.json alone first: when it is missing, that is the error to see
     blobs: dict[str, Path] = {}
     first_path = await _fetch(folder, downloader, first, required=True)
@@ -105,6 +147,11 @@ async def _fetch_files(folder: RemoteFolder, downloader: Downloader) -> dict[str
     names = [*rest, *OPTIONAL_FILES, INDEX_FILE]
     found = await _all(_fetch(folder, downloader, n, required=n in REQUIRED_FILES) for n in names)
     blobs.update({name: path for name, path in zip(names, found) if path is not None})
+    return blobs
+
+
+async def _fetch_files(folder: RemoteFolder, downloader: Downloader) -> dict[str, Path]:
+    blobs = await _fetch_small_files(folder, downloader)
     index = blobs.get(INDEX_FILE)
     if index is not None:
         shards = shards_of_index(

@@ -5,8 +5,13 @@ Sources are frozen, hashable values, checked when they are built:
     File(path, tensor_name=None)                          a local file (or a model folder, or an index)
     Url(url, headers={}, sha256=None)                     http:// or https:// only
     HuggingFace(repo_id, filename, revision=None, cache_dir=None)
-    S3(bucket, key, region=None, endpoint=None)
+    S3(bucket, key, region=None, endpoint=None, sha256=None)
     Memory(data, format)                                  bytes already in memory
+
+The same types name a whole model folder (a model location, see ferrum.weights.uri): a File of a
+directory, a Url ending in "/", an S3 key that is empty or ends in "/" (a prefix), a HuggingFace
+source with filename "" (the repository). `source.child(name)` is the file `name` in such a folder;
+`pins` (Url and S3 folders) pin files of the folder by name to a sha256, which the child carries.
 
 Every source also takes, by keyword, `tensor_name` (the tensor's name inside the file when it differs
 from the TensorSpec's name) and `format` (a `WeightFormat`, a `RawLayout`, or None to detect it from
@@ -43,10 +48,24 @@ __all__ = [
     "WeightFormat",
     "WeightSource",
     "check_relative_path",
+    "is_folder",
     "normalize_sha256",
     "object_of",
     "sibling",
 ]
+
+
+class PicklableMappings:
+    """Pickling for the frozen values here that hold read-only mappings (MappingProxyType, which
+    pickle refuses): they travel as dicts and are read-only again on arrival, e.g. to an engine
+    process."""
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: dict(v) if isinstance(v, MappingProxyType) else v for k, v in self.__dict__.items()}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, MappingProxyType(value) if isinstance(value, dict) else value)
 
 
 class WeightFormat(enum.Enum):
@@ -115,6 +134,17 @@ def normalize_sha256(where: str, value: object) -> str:
     return value.strip().lower()
 
 
+def _pins(where: str, value: object) -> Mapping[str, str]:
+    """A folder's pins: relative file name -> sha256 (checked), frozen."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where}: pins must map file names to sha256 digests, got {value!r}")
+    pins = {}
+    for name, digest in value.items():
+        check_relative_path(where, "pinned file name", name)
+        pins[name] = normalize_sha256(f"{where}: sha256 of {name}", digest)
+    return MappingProxyType(pins)
+
+
 @dataclass(frozen=True)
 class File:
     path: Path
@@ -138,6 +168,10 @@ class File:
     def filename(self) -> str:
         return self.path.name
 
+    def child(self, name: str) -> File:
+        check_relative_path(self.display, "file name", name)
+        return File(self.path / name)
+
 
 def _display_url(parts: urllib.parse.SplitResult) -> str:
     host = parts.hostname or ""
@@ -149,12 +183,13 @@ def _display_url(parts: urllib.parse.SplitResult) -> str:
 
 
 @dataclass(frozen=True)
-class Url:
-    url: str
+class Url(PicklableMappings):
+    url: str  # a file, or a folder when its path ends in "/"
     headers: Mapping[str, str] = field(default_factory=dict)
     sha256: str | None = None
     tensor_name: str | None = field(default=None, kw_only=True)
     format: FormatHint = field(default=None, kw_only=True)
+    pins: Mapping[str, str] = field(default_factory=dict, kw_only=True)  # folder: file name -> sha256
 
     kind: ClassVar[str] = "url"
 
@@ -189,12 +224,14 @@ class Url:
         object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
         if self.sha256 is not None:
             object.__setattr__(self, "sha256", normalize_sha256(where, self.sha256))
+        object.__setattr__(self, "pins", _pins(where, self.pins))
         _check_tensor_name(where, self.tensor_name)
         _check_format(where, self.format)
 
     def __hash__(self) -> int:
         return hash(
-            (self.url, tuple(sorted(self.headers.items())), self.sha256, self.tensor_name, self.format)
+            (self.url, tuple(sorted(self.headers.items())), self.sha256, self.tensor_name, self.format,
+             tuple(sorted(self.pins.items())))
         )
 
     @property
@@ -204,6 +241,14 @@ class Url:
     @property
     def filename(self) -> str:
         return urllib.parse.unquote(posixpath.basename(urllib.parse.urlsplit(self.url).path))
+
+    def child(self, name: str) -> Url:
+        """The file `name` in this folder URL (its query string, a signature say, kept)."""
+        check_relative_path(self.display, "file name", name)
+        parts = urllib.parse.urlsplit(self.url)
+        folder = parts.path if parts.path.endswith("/") else parts.path + "/"
+        url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, folder + urllib.parse.quote(name), parts.query, ""))
+        return Url(url, self.headers, self.pins.get(name), pins=self.pins)
 
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
@@ -226,7 +271,8 @@ class HuggingFace:
                 f"HuggingFace: repo_id must look like 'org/name' or 'name', got {self.repo_id!r}"
             )
         where = f"hf://{self.repo_id}"
-        check_relative_path(where, "filename", self.filename)
+        if self.filename != "":  # "": the repository itself
+            check_relative_path(where, "filename", self.filename)
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
             raise ValueError(f"{where}: revision must be a non-empty string or None, got {self.revision!r}")
         if self.cache_dir is not None:
@@ -239,29 +285,39 @@ class HuggingFace:
     @property
     def display(self) -> str:
         rev = f"@{self.revision}" if self.revision else ""
-        return f"hf://{self.repo_id}{rev}/{self.filename}"
+        return f"hf://{self.repo_id}{rev}" + (f"/{self.filename}" if self.filename else "")
+
+    def child(self, name: str) -> HuggingFace:
+        check_relative_path(self.display, "file name", name)
+        path = posixpath.join(self.filename, name) if self.filename else name
+        return replace(self, filename=path, tensor_name=None, format=None)
 
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,254}")
 
 
 @dataclass(frozen=True)
-class S3:
+class S3(PicklableMappings):
     bucket: str
-    key: str
+    key: str  # an object, or a folder: "" (the bucket) or a prefix ending in "/"
     region: str | None = None
     endpoint: str | None = None
+    sha256: str | None = None
     tensor_name: str | None = field(default=None, kw_only=True)
     format: FormatHint = field(default=None, kw_only=True)
+    pins: Mapping[str, str] = field(default_factory=dict, kw_only=True)  # folder: file name -> sha256
 
     kind: ClassVar[str] = "s3"
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, str) or not _BUCKET.fullmatch(self.bucket):
             raise ValueError(f"S3: {self.bucket!r} is not a valid bucket name")
-        if not isinstance(self.key, str) or not self.key or self.key.startswith("/"):
-            raise ValueError(f"s3://{self.bucket}: key must be a non-empty string not starting with '/'")
+        if not isinstance(self.key, str) or self.key.startswith("/"):
+            raise ValueError(f"s3://{self.bucket}: key must be a string not starting with '/'")
         where = self.display
+        if self.sha256 is not None:
+            object.__setattr__(self, "sha256", normalize_sha256(where, self.sha256))
+        object.__setattr__(self, "pins", _pins(where, self.pins))
         if self.region is not None and (not isinstance(self.region, str) or not self.region):
             raise ValueError(f"{where}: region must be a non-empty string or None")
         if self.endpoint is not None:
@@ -271,6 +327,10 @@ class S3:
         _check_tensor_name(where, self.tensor_name)
         _check_format(where, self.format)
 
+    def __hash__(self) -> int:
+        return hash((self.bucket, self.key, self.region, self.endpoint, self.sha256, self.tensor_name, self.format,
+                     tuple(sorted(self.pins.items()))))
+
     @property
     def display(self) -> str:
         return f"s3://{self.bucket}/{self.key}"
@@ -278,6 +338,12 @@ class S3:
     @property
     def filename(self) -> str:
         return posixpath.basename(self.key)
+
+    def child(self, name: str) -> S3:
+        """The object `name` under this prefix."""
+        check_relative_path(self.display, "file name", name)
+        prefix = self.key if not self.key or self.key.endswith("/") else self.key + "/"
+        return S3(self.bucket, prefix + name, self.region, self.endpoint, self.pins.get(name), pins=self.pins)
 
 
 @dataclass(frozen=True)
@@ -315,6 +381,20 @@ WeightSource: TypeAlias = File | Url | HuggingFace | S3 | Memory
 SOURCE_TYPES: tuple[type, ...] = (File, Url, HuggingFace, S3, Memory)
 
 
+def is_folder(source: WeightSource) -> bool:
+    """Whether `source` names a folder (a model location) rather than one object; a File is a
+    folder when it is a directory on disk now."""
+    if isinstance(source, File):
+        return source.path.is_dir()
+    if isinstance(source, Url):
+        return urllib.parse.urlsplit(source.url).path.endswith("/")
+    if isinstance(source, S3):
+        return source.key == "" or source.key.endswith("/")
+    if isinstance(source, HuggingFace):
+        return source.filename == ""
+    return False
+
+
 def object_of(source: WeightSource) -> WeightSource:
     """The source with `tensor_name` dropped: one key per stored object, so specs that read different
     tensors of the same file share one fetch."""
@@ -332,7 +412,8 @@ def sibling(source: WeightSource, name: str) -> WeightSource:
     if isinstance(source, Url):
         parts = urllib.parse.urlsplit(source.url)
         path = posixpath.join(posixpath.dirname(parts.path), urllib.parse.quote(name))
-        return Url(urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", "")), source.headers)
+        url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+        return Url(url, source.headers, source.pins.get(name), pins=source.pins)
     if isinstance(source, HuggingFace):
         return replace(
             source,
@@ -342,6 +423,7 @@ def sibling(source: WeightSource, name: str) -> WeightSource:
         )
     if isinstance(source, S3):
         return replace(
-            source, key=posixpath.join(posixpath.dirname(source.key), name), tensor_name=None, format=None
+            source, key=posixpath.join(posixpath.dirname(source.key), name), tensor_name=None, format=None,
+            sha256=source.pins.get(name),
         )
     raise UnsupportedError(source.display, "a Memory source has no neighbouring files (shards)")

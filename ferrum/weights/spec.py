@@ -13,7 +13,7 @@ from typing import Literal, TypeAlias
 import torch
 
 from ferrum.weights.dtypes import as_dtype, as_shape
-from ferrum.weights.sources import SOURCE_TYPES, WeightFormat, WeightSource, normalize_sha256
+from ferrum.weights.sources import SOURCE_TYPES, PicklableMappings, WeightFormat, WeightSource, normalize_sha256
 from ferrum.weights.transforms import TensorTransformation
 
 __all__ = [
@@ -77,7 +77,7 @@ TensorInfo: TypeAlias = tuple[tuple[int, ...], torch.dtype]
 
 
 @dataclass(frozen=True)
-class WeightMetadata:
+class WeightMetadata(PicklableMappings):
     """What a weights file holds, read from its header (SafeTensors: without reading the data).
     `extra`: the format's own string metadata (SafeTensors `__metadata__`; for a sharded checkpoint also
     the shard count as "shards")."""
@@ -138,7 +138,7 @@ def _frozen_str_map(where: str, value: Mapping[str, str]) -> Mapping[str, str]:
 
 
 @dataclass(frozen=True)
-class WeightLoaderConfig:
+class WeightLoaderConfig(PicklableMappings):
     """How the loader and the downloader work. `expected_sha256` maps a URL (as written in the Url
     source) to the sha256 its file must have. `progress`: "auto" (a bar on a TTY, log lines
     otherwise), "bar", "log" or "off"."""

@@ -1,4 +1,5 @@
-"""Model locations, and the local model folder each one resolves to.
+"""Model locations, parsed into the weight source types (ferrum.weights.sources) that name a folder,
+and the files of each one resolved for serving.
 
     hf://org/name[@revision]       the Hugging Face Hub (revision: a branch, tag or commit)
     s3://bucket[/prefix]           S3; region, endpoint and credentials from the AWS environment
@@ -12,10 +13,18 @@ or a mapping, as YAML gives it:
     {source: url, url: https://host/x/, sha256: {model.safetensors: <hex>}, headers: {...}}
     {source: local, path: models/x}
 
-`sha256` (s3 and url) pins files by name. `resolve_model_folder` returns a local folder holding
-config.json, tokenizer.json, the optional tokenizer/generation files and the weights (see
-`model_files`): for the Hub, huggingface_hub's snapshot folder (its cache: HF_HOME, HF_HUB_OFFLINE,
-see `hub`); for S3 and URLs, `<cache_dir>/models/<name>` (see `model_folder`).
+A location is one of File (a folder), HuggingFace (filename ""), S3 (a prefix) or Url (ending in
+"/"); `sha256` (s3 and url) pins files by name (the source's `pins`).
+
+Two ways to resolve one:
+- `resolve_model(location, config)` -> ModelFiles, for serving: the small files (config, tokenizer,
+  the index) in a local folder, and the weights' source. For S3 and URLs not yet in the cache the
+  weights stay remote: the WeightLoader streams them onto the device while it writes the verified
+  cache, and `publish_model_folder` then makes the folder a cache hit for the next start. For the
+  Hub, huggingface_hub downloads everything into its cache first (HF_HOME, HF_HUB_OFFLINE; see
+  `hub`); a local folder is used as it is.
+- `resolve_model_folder(location, config)` -> a local folder with every file (`ferrum pull`): for the
+  Hub its snapshot folder, for S3 and URLs `<cache_dir>/models/<name>` (see `model_folder`).
 """
 
 from __future__ import annotations
@@ -26,10 +35,9 @@ import posixpath
 import re
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 from ferrum.weights.errors import SourceNotFoundError, WeightError
 from ferrum.weights.model_files import (
@@ -37,24 +45,20 @@ from ferrum.weights.model_files import (
     OPTIONAL_FILES,
     REQUIRED_FILES,
     SINGLE_WEIGHTS_FILE,
+    ModelFiles,
+    local_weights,
     shards_of_index,
 )
-from ferrum.weights.sources import S3, HuggingFace, Url, normalize_sha256
-
-if TYPE_CHECKING:  # the remote machinery (aiohttp, boto3, huggingface_hub) is imported when first needed
-    from ferrum.weights.http import HttpObject
-    from ferrum.weights.s3 import S3Object
-    from ferrum.weights.spec import WeightLoaderConfig
+from ferrum.weights.sources import S3, File, HuggingFace, Url, normalize_sha256
+from ferrum.weights.spec import WeightLoaderConfig
 
 __all__ = [
-    "HubModel",
-    "LocalModel",
     "ModelLocation",
     "ModelLocationError",
-    "S3Model",
-    "UrlModel",
     "model_display_name",
     "parse_model_location",
+    "publish_model_folder",
+    "resolve_model",
     "resolve_model_folder",
 ]
 
@@ -63,56 +67,8 @@ class ModelLocationError(ValueError):
     """A model location that cannot be understood (bad scheme, repo id, bucket, mapping keys)."""
 
 
-@dataclass(frozen=True)
-class LocalModel:
-    path: Path
-
-    @property
-    def display(self) -> str:
-        return str(self.path)
-
-
-@dataclass(frozen=True)
-class HubModel:
-    repo_id: str
-    revision: str | None = None
-
-    @property
-    def display(self) -> str:
-        return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
-
-
-@dataclass(frozen=True)
-class S3Model:
-    bucket: str
-    prefix: str = ""  # "" or ending in "/"
-    region: str | None = None
-    endpoint: str | None = None
-    sha256: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def display(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
-
-
-@dataclass(frozen=True)
-class UrlModel:
-    url: str  # a folder URL: its path ends in "/"
-    headers: Mapping[str, str] = field(default_factory=dict)
-    sha256: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def display(self) -> str:
-        return Url(self.url).display
-
-    def file_url(self, name: str) -> str:
-        parts = urllib.parse.urlsplit(self.url)
-        path = parts.path + urllib.parse.quote(name)
-        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
-
-
-ModelLocation: TypeAlias = LocalModel | HubModel | S3Model | UrlModel
-_LOCATION_TYPES = (LocalModel, HubModel, S3Model, UrlModel)
+ModelLocation: TypeAlias = File | HuggingFace | S3 | Url  # each naming a folder
+_LOCATION_TYPES = (File, HuggingFace, S3, Url)
 _MAPPING_KEYS: Mapping[str, frozenset[str]] = {
     "hf": frozenset({"repo", "revision"}),
     "s3": frozenset({"bucket", "prefix", "region", "endpoint", "sha256"}),
@@ -125,27 +81,25 @@ _SOURCE_ALIASES = {"huggingface": "hf", "hub": "hf", "http": "url", "https": "ur
 # ------------------------------------------------------------------------------------------ parsing
 
 
-def _hub(repo_id: str, revision: str | None, text: str) -> HubModel:
+def _hub(repo_id: str, revision: str | None, text: str) -> HuggingFace:
     try:
-        HuggingFace(repo_id, "config.json", revision)  # checks the repo id and the revision
+        return HuggingFace(repo_id, "", revision)
     except ValueError as exc:
         raise ModelLocationError(f"model location {text}: {exc}") from None
-    return HubModel(repo_id, revision)
 
 
 def _s3(
     bucket: str, prefix: str, region: str | None, endpoint: str | None, sha256: Mapping[str, str], text: str
-) -> S3Model:
+) -> S3:
     prefix = prefix.strip("/")
     prefix = f"{prefix}/" if prefix else ""
     try:
-        S3(bucket, prefix + "config.json", region, endpoint)  # checks bucket, region and endpoint
+        return S3(bucket, prefix, region, endpoint, pins=sha256)
     except ValueError as exc:
         raise ModelLocationError(f"model location {text}: {exc}") from None
-    return S3Model(bucket, prefix, region, endpoint, sha256)
 
 
-def _url(url: str, headers: Mapping[str, str], sha256: Mapping[str, str], text: str) -> UrlModel:
+def _url(url: str, headers: Mapping[str, str], sha256: Mapping[str, str], text: str) -> Url:
     try:
         Url(url, headers)  # checks the scheme, the host and the headers
     except (TypeError, ValueError, WeightError) as exc:
@@ -158,7 +112,7 @@ def _url(url: str, headers: Mapping[str, str], sha256: Mapping[str, str], text: 
         )
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
     folder = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
-    return UrlModel(folder, MappingProxyType(dict(headers)), sha256)
+    return Url(folder, MappingProxyType(dict(headers)), pins=sha256)
 
 
 def _sha256_map(value: Any, text: str) -> Mapping[str, str]:
@@ -225,27 +179,27 @@ def _from_mapping(raw: Mapping[str, Any]) -> ModelLocation:
         return _url(
             main, {str(k): str(v) for k, v in headers.items()}, _sha256_map(raw.get("sha256"), text), text
         )
-    return LocalModel(Path(main).expanduser())
+    return File(Path(main).expanduser())
 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def parse_model_location(value: str | os.PathLike[str] | Mapping[str, Any] | ModelLocation) -> ModelLocation:
-    """A ModelLocation from a string, a path or a mapping (ModelLocationError when it is not one)."""
+    """A model location from a string, a path or a mapping (ModelLocationError when it is not one)."""
     if isinstance(value, _LOCATION_TYPES):
         return value
     if isinstance(value, Mapping):
         return _from_mapping(value)
     if isinstance(value, os.PathLike):
-        return LocalModel(Path(value).expanduser())
+        return File(Path(value).expanduser())
     if not isinstance(value, str) or not value.strip():
         raise ModelLocationError(f"model location must be a non-empty string or a mapping, got {value!r}")
     value = value.strip()
     text = repr(value)  # for messages
     match = _SCHEME.match(value)
     if match is None:
-        return LocalModel(Path(value).expanduser())
+        return File(Path(value).expanduser())
     scheme, rest = match.group(1).lower(), value[match.end() :]
     if scheme == "hf":
         repo, _, revision = rest.strip("/").partition("@")
@@ -256,7 +210,7 @@ def parse_model_location(value: str | os.PathLike[str] | Mapping[str, Any] | Mod
     if scheme in ("http", "https"):
         return _url(value, {}, {}, text)
     if scheme == "file":
-        return LocalModel(Path(urllib.parse.unquote(urllib.parse.urlsplit(value).path)))
+        return File(Path(urllib.parse.unquote(urllib.parse.urlsplit(value).path)))
     raise ModelLocationError(
         f"model location {text}: unsupported scheme {scheme}://; use hf://org/name[@revision], "
         "s3://bucket/prefix, https://host/folder/ or a local path"
@@ -266,12 +220,12 @@ def parse_model_location(value: str | os.PathLike[str] | Mapping[str, Any] | Mod
 def model_display_name(value: str | os.PathLike[str] | Mapping[str, Any] | ModelLocation) -> str:
     """The model's name for clients when none is configured: the folder's / repo's / prefix's last part."""
     location = parse_model_location(value)
-    if isinstance(location, LocalModel):
+    if isinstance(location, File):
         return location.path.name or str(location.path)
-    if isinstance(location, HubModel):
+    if isinstance(location, HuggingFace):
         return location.repo_id.rsplit("/", 1)[-1]
-    if isinstance(location, S3Model):
-        return location.prefix.rstrip("/").rsplit("/", 1)[-1] or location.bucket
+    if isinstance(location, S3):
+        return location.key.rstrip("/").rsplit("/", 1)[-1] or location.bucket
     return posixpath.basename(urllib.parse.urlsplit(location.url).path.rstrip("/")) or (
         urllib.parse.urlsplit(location.url).hostname or "model"
     )
@@ -285,11 +239,11 @@ def _folder_name(kind: str, readable: str, identity: str) -> str:
     return f"{kind}--{safe}--{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
-def _pins(sha256: Mapping[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(sha256.items()))
+def _pins_text(pins: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(pins.items()))
 
 
-def _check_local(location: LocalModel) -> Path:
+def _check_local(location: File) -> Path:
     folder = location.path
     if (folder / "config.json").is_file():
         return folder
@@ -302,7 +256,7 @@ def _check_local(location: LocalModel) -> Path:
     raise SourceNotFoundError(str(folder), f"not a model folder: no config.json{hint}")
 
 
-async def _resolve_hub(location: HubModel, config: WeightLoaderConfig) -> Path:
+async def _resolve_hub(location: HuggingFace, config: WeightLoaderConfig) -> Path:
     """Two snapshot passes at one commit: the small files (and the index, if any), then the shards."""
     from ferrum.weights.hub import hub_snapshot
 
@@ -344,51 +298,45 @@ async def _resolve_hub(location: HubModel, config: WeightLoaderConfig) -> Path:
     return folder
 
 
-async def _resolve_s3(location: S3Model, config: WeightLoaderConfig) -> Path:
-    from ferrum.weights.model_folder import RemoteFolder, materialize
-    from ferrum.weights.s3 import S3Object
+def _remote_folder(location: S3 | Url, config: WeightLoaderConfig, session: Any = None):  # -> RemoteFolder
+    """The RemoteFolder of an S3 prefix or a folder URL: its cache name, identity and objects."""
+    from ferrum.weights.model_folder import RemoteFolder
 
-    identity = (
-        f"s3 {location.endpoint or ''}|{location.region or ''}|{location.bucket}/{location.prefix}|"
-        + _pins(location.sha256)
-    )
+    if isinstance(location, S3):
+        from ferrum.weights.s3 import S3Object
 
-    def open_object(name: str) -> S3Object:
-        return S3Object(
-            S3(location.bucket, location.prefix + name, location.region, location.endpoint), config
+        identity = (
+            f"s3 {location.endpoint or ''}|{location.region or ''}|{location.bucket}/{location.key}|"
+            + _pins_text(location.pins)
         )
-
-    folder = RemoteFolder(
-        name=_folder_name("s3", f"{location.bucket}-{location.prefix}", identity),
-        display=location.display,
-        identity=identity,
-        open_object=open_object,
-        sha256=location.sha256,
-    )
-    return await materialize(folder, config)
-
-
-async def _resolve_url(location: UrlModel, config: WeightLoaderConfig) -> Path:
-    import aiohttp
-
-    from ferrum.weights.http import HttpObject
-    from ferrum.weights.model_folder import RemoteFolder, materialize
-
-    parts = urllib.parse.urlsplit(location.url)
-    identity = f"url {location.url}|" + _pins(location.sha256)
-    async with aiohttp.ClientSession(auto_decompress=False, trust_env=True) as session:
-
-        def open_object(name: str) -> HttpObject:
-            return HttpObject(location.file_url(name), location.headers, config, session=session)
-
-        folder = RemoteFolder(
-            name=_folder_name("url", f"{parts.netloc}{parts.path}", identity),
+        return RemoteFolder(
+            name=_folder_name("s3", f"{location.bucket}-{location.key}", identity),
             display=location.display,
             identity=identity,
-            open_object=open_object,
-            sha256=location.sha256,
+            open_object=lambda name: S3Object(location.child(name), config),
+            sha256=location.pins,
         )
-        return await materialize(folder, config)
+    from ferrum.weights.http import HttpObject
+
+    parts = urllib.parse.urlsplit(location.url)
+    identity = f"url {location.url}|" + _pins_text(location.pins)
+    return RemoteFolder(
+        name=_folder_name("url", f"{parts.netloc}{parts.path}", identity),
+        display=location.display,
+        identity=identity,
+        open_object=lambda name: HttpObject(location.child(name).url, location.headers, config, session=session),
+        sha256=location.pins,
+    )
+
+
+async def _with_folder(location: S3 | Url, config: WeightLoaderConfig, use):  # noqa: ANN001
+    """`use(remote_folder)`, with one HTTP session for a URL folder's objects."""
+    if isinstance(location, S3):
+        return await use(_remote_folder(location, config))
+    import aiohttp
+
+    async with aiohttp.ClientSession(auto_decompress=False, trust_env=True) as session:
+        return await use(_remote_folder(location, config, session))
 
 
 async def resolve_model_folder(
@@ -397,11 +345,46 @@ async def resolve_model_folder(
     """A local folder with the model's config, tokenizer files and weights (see the module docstring).
     Raises ModelLocationError for a location it cannot parse, WeightError subclasses (naming the
     repository / URL / key) when the model cannot be fetched."""
+    from ferrum.weights.model_folder import materialize
+
     parsed = parse_model_location(location)
-    if isinstance(parsed, LocalModel):
+    if isinstance(parsed, File):
         return _check_local(parsed)
-    if isinstance(parsed, HubModel):
+    if isinstance(parsed, HuggingFace):
         return await _resolve_hub(parsed, config)
-    if isinstance(parsed, S3Model):
-        return await _resolve_s3(parsed, config)
-    return await _resolve_url(parsed, config)
+    return await _with_folder(parsed, config, lambda folder: materialize(folder, config))
+
+
+async def resolve_model(
+    location: str | os.PathLike[str] | Mapping[str, Any] | ModelLocation, config: WeightLoaderConfig
+) -> ModelFiles:
+    """What serving needs before the weights: the small files local, and where the weights are. An
+    S3 or URL model already in the cache (a complete folder) loads from there, with no network
+    request; one that is not keeps its weights remote, to be streamed (see the module docstring)."""
+    from ferrum.weights.model_folder import complete_folder, stage_small_files
+
+    parsed = parse_model_location(location)
+    if isinstance(parsed, File):
+        folder = _check_local(parsed)
+        return ModelFiles(parsed, folder, local_weights(folder), complete=True)
+    if isinstance(parsed, HuggingFace):
+        folder = await _resolve_hub(parsed, config)
+        return ModelFiles(parsed, folder, local_weights(folder), complete=True)
+
+    async def stage(remote):  # noqa: ANN001, ANN202
+        cached = await complete_folder(remote, config)
+        if cached is not None:
+            return ModelFiles(parsed, cached, local_weights(cached), complete=True)
+        folder, weights_name = await stage_small_files(remote, config)
+        return ModelFiles(parsed, folder, parsed.child(weights_name), complete=False)
+
+    return await _with_folder(parsed, config, stage)
+
+
+async def publish_model_folder(files: ModelFiles, config: WeightLoaderConfig) -> Path:
+    """After a remote model's weights were loaded (and so verified and committed to the download
+    cache), the complete model folder `<cache_dir>/models/<name>`, for the next start to load with
+    no network request; the folder itself when it already was complete."""
+    if files.complete:
+        return files.folder
+    return await resolve_model_folder(files.location, config)

@@ -1,0 +1,246 @@
+"""Decode steps replayed as CUDA graphs, one per batch-size bucket, and greedy bursts of them.
+
+A decode step (every scheduled sequence adds one token) replays the graph captured for the
+smallest bucket that holds its sequences: their inputs are copied into the graphs' static
+buffers (padded rows point at a spare "trash" KV block), and the graph computes the logits of
+every row into one static buffer shared by all graphs (so that their memory pool holds one graph's
+temporaries, not every graph's output). Batches of up to `KernelConfig.fused_decode_rows` run the
+fused matrix-vector chain (ferrum.models.layers.fused_decode).
+
+Each graph ends with the greedy choice of every row, written where the next replay reads its
+input (one position on, ferrum.models.layers.greedy): a greedy burst replays a graph several
+times in a row with no host work between and copies the chosen ids back once. A burst may be
+queued behind the one still running (`continue_at`), so that the host reads one burst's tokens
+while the device computes the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ferrum.engine.sequence import Sequence
+from ferrum.models.attention.layout import KVCache, KVCacheLayout
+from ferrum.models.attention.triton_paged import TritonPagedAttention
+from ferrum.models.layers.fused_decode import FusedDecode
+from ferrum.models.layers.greedy import greedy_advance
+from ferrum.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GreedyBurst:
+    """Greedy decode iterations queued on the device: their ids land in host rows start..start+steps."""
+
+    done: torch.cuda.Event
+    start: int
+    steps: int
+    num_seqs: int
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets for decode graphs: 1, 2, 4, 8, then every 16 up to max_num_seqs (and it)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        layout: KVCacheLayout,
+        attention: TritonPagedAttention,
+        fused: FusedDecode | None,
+        fused_rows: int,
+        max_num_seqs: int,
+        max_blocks: int,
+        max_burst: int,
+        trash_block: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.attention = attention
+        self.fused = fused
+        self.fused_rows = fused_rows if fused is not None else 0
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks = max_blocks
+        self.max_burst = max_burst
+        self.trash_block = trash_block
+        self.trash_slot = trash_block * layout.block_size
+        self.device = device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sizes: list[int] = []
+        self._allocate_static_inputs()
+
+    # -- static buffers ----------------------------------------------------------------------
+    def _allocate_static_inputs(self) -> None:
+        """Device buffers the graphs read and write, and pinned host twins they are filled from (one
+        copy for the four per-row vectors, one for the block tables: both asynchronous)."""
+        n, dev = self.max_num_seqs, self.device
+        self.s_vec = torch.zeros(4, n, dtype=torch.long, device=dev)
+        self.s_vec[2] = self.trash_slot
+        self.s_vec[3] = 1
+        self.s_ids, self.s_pos, self.s_slots, self.s_lens = self.s_vec.unbind(0)
+        self.s_tables = torch.full((n, self.max_blocks), self.trash_block, dtype=torch.int32, device=dev)
+        self.s_logits = torch.zeros(n, self.model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.h_vec = self.s_vec.cpu().pin_memory()  # columns past a graph's rows: padding (trash slot, length 1)
+        self.h_tables = torch.zeros(n * self.max_blocks, dtype=torch.int32).pin_memory()  # see _upload_tables
+        self.h_vec_np = self.h_vec.numpy()
+        # greedy bursts: each replay writes its argmax into row s_step of s_tokens (two halves: a
+        # burst queued behind another writes the other half), for the first s_num_real rows
+        self.s_tokens = torch.zeros(2 * self.max_burst, n, dtype=torch.long, device=dev)
+        self.h_tokens = torch.zeros(2 * self.max_burst, n, dtype=torch.long).pin_memory()
+        self.h_tokens_np = self.h_tokens.numpy()
+        self.s_step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.s_num_real = torch.zeros(1, dtype=torch.long, device=dev)
+        self._burst_start, self._burst_size = 0, 1
+        # recorded after each upload from the pinned staging above: the host must not refill it
+        # before the last upload ran (a burst may be queued behind one still running)
+        self._staged = torch.cuda.Event()
+
+    def static_bytes(self) -> int:
+        """Device bytes of the static buffers (outside the graphs' pool)."""
+        return sum(t.numel() * t.element_size() for t in (self.s_vec, self.s_tables, self.s_logits, self.s_tokens))
+
+    # -- capture -------------------------------------------------------------------------------
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        rows = slice(0, size)
+        batch = self.attention.decode_graph_inputs(
+            self.s_pos[rows], self.s_slots[rows], self.s_tables[rows], self.s_lens[rows], self.model.rotary
+        )
+        logits = self.s_logits[rows]
+        if size <= self.fused_rows:  # weight-read bound: the fused matrix-vector chain
+            self.fused.logits(self.s_ids[rows], self.kv_caches, batch, into=logits)  # type: ignore[union-attr]
+        else:
+            logits.copy_(self.model.lm_head(self.model(self.s_ids[rows], self.kv_caches, batch)))
+        # after the logits: the greedy choice is recorded and becomes the next replay's input one
+        # position on (launch_greedy replays on; decode reloads the inputs)
+        greedy_advance(logits, self.s_tokens, self.s_step, self.s_ids[rows], self.s_pos[rows], self.s_lens[rows],
+                       self.s_slots[rows], self.s_tables[rows], self.layout.block_size, self.s_num_real,
+                       pdl=self.attention.pdl)
+        return logits
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int]) -> None:
+        """Captures one graph per batch size, largest first: the smaller graphs reuse its pool."""
+        started = time.perf_counter()
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for size in sorted(sizes, reverse=True):
+                self._decode_forward(size)  # warm-up: compiles the kernels, sets up cuBLAS
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._decode_forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.sizes = sorted(self.graphs)
+        log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs", len(sizes), max(sizes),
+                 time.perf_counter() - started)
+
+    def holds(self, num_seqs: int) -> bool:
+        return bool(self.sizes) and num_seqs <= self.sizes[-1]
+
+    # -- one decode ------------------------------------------------------------------------------
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Replays the graph of `seqs`' bucket; their logits [len(seqs), V] on the device."""
+        size = self._load_inputs(seqs)
+        self.graphs[size].replay()
+        return self.s_logits[: len(seqs)]
+
+    def _load_inputs(self, seqs: list[Sequence]) -> int:
+        """Fills the static inputs for a decode of `seqs`; returns the bucket size."""
+        n = len(seqs)
+        size = next(s for s in self.sizes if s >= n)
+        layout = self.layout
+        self._staging_free()
+        vec = self.h_vec_np[:, :size]  # rows: token ids, positions, slots, context lengths
+        vec[0] = 0
+        vec[1] = 0
+        vec[2] = self.trash_slot
+        vec[3] = 1
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed_tokens
+            vec[0, i] = seq.token_at(p)
+            vec[1, i] = p
+            vec[2, i] = layout.slot(seq.block_table, p)
+            vec[3, i] = p + 1
+        # whole rows (contiguous): an asynchronous copy; the columns past `size` are not read
+        self.s_vec.copy_(self.h_vec, non_blocking=True)
+        self._upload_tables(seqs, size)  # padded rows stay at position 0 of the trash block
+        self.s_step.zero_()
+        self.s_num_real.fill_(n)
+        self._staged.record()
+        return size
+
+    def _load_tables(self, seqs: list[Sequence], positions: list[int]) -> None:
+        """Block tables and the KV slot of each sequence's next position, for a continued burst."""
+        self._staging_free()
+        slots, n = self.h_vec_np[2], len(seqs)
+        for i, (seq, p) in enumerate(zip(seqs, positions)):
+            slots[i] = self.layout.slot(seq.block_table, p)
+        self._upload_tables(seqs, n)
+        self.s_slots[:n].copy_(self.h_vec[2, :n], non_blocking=True)
+        self._staged.record()
+
+    def _upload_tables(self, seqs: list[Sequence], rows: int) -> None:
+        """The block tables of `seqs` into the first `rows` rows of the graphs' table (rows past the
+        sequences point at the trash block), through a pinned staging block as wide as the
+        longest table: a contiguous source keeps the copy asynchronous and small."""
+        width = max(len(seq.block_table) for seq in seqs)
+        staging = self.h_tables[: rows * width].view(rows, width)
+        host = staging.numpy()
+        for i, seq in enumerate(seqs):
+            host[i, : len(seq.block_table)] = seq.block_table
+        host[len(seqs) :, 0] = self.trash_block
+        self.s_tables[:rows, :width].copy_(staging, non_blocking=True)
+
+    def _staging_free(self) -> None:
+        self._staged.synchronize()  # long done in practice: the uploads run first in their burst
+
+    # -- greedy bursts -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch_greedy(self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None) -> GreedyBurst:
+        """See ModelRunner.launch_greedy."""
+        assert steps <= self.max_burst, steps
+        if continue_at is not None:
+            size = self._burst_size
+            self._load_tables(seqs, continue_at)
+            start = self.max_burst - self._burst_start  # the other half of the token rows
+            self.s_step.fill_(start)
+        else:
+            size = self._load_inputs(seqs)
+            start = 0
+        graph = self.graphs[size]
+        for _ in range(steps):
+            graph.replay()
+        # whole rows: a contiguous copy stays asynchronous (a strided one goes through pageable memory)
+        self.h_tokens[start : start + steps].copy_(self.s_tokens[start : start + steps], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._burst_start, self._burst_size = start, size
+        return GreedyBurst(done, start, steps, len(seqs))
+
+    def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
+        """Waits for a burst; its chosen ids, [steps][sequences]."""
+        burst.done.synchronize()
+        return self.h_tokens_np[burst.start : burst.start + burst.steps, : burst.num_seqs].tolist()
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.sizes = []
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]
+        for name in ("s_vec", "s_ids", "s_pos", "s_slots", "s_lens", "s_tables", "s_logits", "s_tokens", "s_step",
+                     "s_num_real"):
+            self.__dict__.pop(name, None)

@@ -1,0 +1,137 @@
+"""GPUModelRunner: the model and its paged KV cache on a GPU, attention through the Triton
+kernels that read the paged cache (triton_paged).
+
+Decode steps replay CUDA graphs (ferrum.engine.cuda_graphs), which also run greedy bursts. Other
+steps (prefills, chunks, mixed batches) run eagerly: their decode rows through the decode kernel,
+their prompts through the prefill kernel, the step padded to a token-count bucket that start-up
+has already run once (a new GEMM shape costs cuBLAS a kernel choice and a module load mid-serving).
+Logits stay on the device for sampling. Without CUDA graphs (`enforce_eager`, or a device without
+them: Triton's interpreter in tests) every step runs eagerly and there are no bursts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ferrum.backends.device import Device
+from ferrum.engine.config import EngineConfig
+from ferrum.engine.cuda_graphs import DecodeGraphs, GreedyBurst, graph_batch_sizes
+from ferrum.engine.runner import advance, pack_step
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.scheduler import ScheduledSequence
+from ferrum.engine.sequence import Sequence
+from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.attention.triton_paged import TritonPagedAttention
+from ferrum.models.layers.fused_decode import FusedDecode
+from ferrum.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def eager_bucket(num_tokens: int) -> int:
+    """Token count an eager step is padded to: a multiple of 16 up to 256, then of 256."""
+    step = 16 if num_tokens <= 256 else 256
+    return -(-num_tokens // step) * step
+
+
+def eager_buckets(max_tokens: int) -> list[int]:
+    return sorted({eager_bucket(n) for n in [*range(16, 257, 16), *range(512, max_tokens + 256, 256)]})
+
+
+class GPUModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: Device,
+        layout: KVCacheLayout,
+        num_blocks: int,
+        attention: TritonPagedAttention,
+        config: EngineConfig,
+        max_model_len: int,
+        *,
+        graph_sizes: list[int] | None = None,
+    ) -> None:
+        """`config` has its device defaults filled in; `graph_sizes`: the decode graphs to capture
+        (default: every bucket up to max_num_seqs; none with enforce_eager or without CUDA graphs)."""
+        self.model = model
+        self.runtime = device.runtime
+        self.device = device.torch_device
+        self.layout = layout
+        self.attention = attention
+        self.trash_block = num_blocks  # one block past the allocator's: padded rows write here
+        self.trash_slot = num_blocks * layout.block_size
+        self.kv_caches = layout.allocate(num_blocks + 1, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.max_burst = 0
+        if device.cuda_graphs and not config.enforce_eager:
+            kernels = config.kernels
+            fused = FusedDecode(model, kernels.gemv, attention.pdl) if kernels.fused_decode_rows else None
+            max_num_seqs = config.max_num_seqs or 1
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, layout, attention, fused, kernels.fused_decode_rows, max_num_seqs,
+                layout.blocks_for(max_model_len), max(1, config.num_scheduler_steps), self.trash_block, self.device,
+            )
+            self.graphs.capture(graph_sizes if graph_sizes is not None else graph_batch_sizes(max_num_seqs))
+            self.max_burst = self.graphs.max_burst
+
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int) -> None:
+        """Runs one eager step at every padded token count up to max_tokens, largest first (the
+        smaller steps then reuse the largest one's cached memory instead of adding to it), so that
+        serving meets no GEMM shape and no kernel for the first time."""
+        started = time.perf_counter()
+        probe = Sequence("warm-up", [0, 0], SamplingParams(max_tokens=1), 0.0)
+        probe.block_table = [self.trash_block]
+        for size in reversed(eager_buckets(max_tokens)):
+            probe.num_computed_tokens = 0
+            self._run_eager([ScheduledSequence(probe, 2)], pad_to=size)
+        self.runtime.synchronize()
+        log.info("warmed up eager steps of up to %d tokens in %.1fs", max_tokens, time.perf_counter() - started)
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        if self.graphs is not None and all(s.is_decode for s in scheduled) and self.graphs.holds(len(scheduled)):
+            seqs = [s.seq for s in scheduled]
+            logits = self.graphs.decode(seqs)
+        else:
+            logits, seqs = self._run_eager(scheduled)
+        advance(scheduled)
+        return logits, seqs
+
+    def _run_eager(
+        self, scheduled: list[ScheduledSequence], pad_to: int = 0
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        # pad the step to a bucket of token counts: a handful of GEMM shapes, all met at start-up
+        step, sample_rows, sample_seqs = pack_step(
+            scheduled, self.layout, pad_to=max(pad_to, eager_bucket(num_tokens)), pad_slot=self.trash_slot
+        )
+        dev = self.device
+        batch = self.attention.step_inputs(step, self.model.rotary)
+        ids = step.input_ids + [0] * (step.num_rows - len(step.input_ids))
+        hidden = self.model(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), self.kv_caches, batch)
+        if not sample_rows:
+            return torch.empty(0, self.model.config.vocab_size, device=dev), []
+        rows = torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs
+
+    # -- greedy bursts -------------------------------------------------------------------------
+    def launch_greedy(self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None) -> GreedyBurst:
+        assert self.graphs is not None, "greedy bursts need the decode graphs"
+        return self.graphs.launch_greedy(seqs, steps, continue_at)
+
+    def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
+        assert self.graphs is not None
+        return self.graphs.read_greedy(burst)
+
+    def release(self) -> None:
+        """Drops the graphs, the KV cache and the model so that the device memory can be freed."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]

@@ -1,0 +1,55 @@
+"""TorchModelRunner: the model and its paged KV cache on any torch device, attention in plain
+PyTorch (torch_paged). The CPU's runner: one eager forward a step, logits back on the host."""
+
+from __future__ import annotations
+
+import torch
+
+from ferrum.backends.device import Device
+from ferrum.engine.runner import GreedyBurst, advance, pack_step
+from ferrum.engine.scheduler import ScheduledSequence
+from ferrum.engine.sequence import Sequence
+from ferrum.models.attention import AttentionBackend
+from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.llama import LlamaForCausalLM
+
+
+class TorchModelRunner:
+    max_burst = 0  # no greedy bursts: every decode is one host round trip
+
+    def __init__(
+        self, model: LlamaForCausalLM, device: Device, layout: KVCacheLayout, num_blocks: int,
+        attention: AttentionBackend,
+    ) -> None:
+        if device.packed_bf16_linears and layout.dtype == torch.bfloat16:
+            from ferrum.models.layers.packed_linear import pack_linears
+
+            pack_linears(model)
+        self.model = model
+        self.device = device.torch_device
+        self.layout = layout
+        self.attention = attention
+        self.kv_caches = layout.allocate(num_blocks, self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        step, sample_rows, sample_seqs = pack_step(scheduled, self.layout)
+        batch = self.attention.step_inputs(step, self.model.rotary)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, self.kv_caches, batch)
+        advance(scheduled)
+        if not sample_rows:
+            return torch.empty(0, self.model.config.vocab_size), []
+        rows = torch.tensor(sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[rows]).cpu(), sample_seqs
+
+    def launch_greedy(self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None) -> GreedyBurst:
+        raise NotImplementedError("TorchModelRunner runs no greedy bursts (max_burst is 0)")
+
+    def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
+        raise NotImplementedError("TorchModelRunner runs no greedy bursts (max_burst is 0)")
+
+    def release(self) -> None:
+        """Drops the KV cache and the model (the memory returns to the allocator)."""
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]

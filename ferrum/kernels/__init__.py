@@ -1,0 +1,15 @@
+"""Triton kernels of the GPU path, one job a module. Reached only through the layers of
+`ferrum.models.layers` (and the decode graphs' greedy step): nothing else calls a kernel, and
+nothing here reads the environment or probes hardware (what a kernel may use, such as programmatic
+dependent launch, is decided once from the `Device` and the engine's `KernelConfig`).
+
+    config.py           KernelConfig, GemvTable: the typed kernel settings (no triton import)
+    pdl.py              programmatic dependent launch: the in-kernel wait, the launch option
+    norm.py             RMSNorm (with the residual add), silu * mul
+    rope.py             rope on q and k, the KV-cache write
+    paged_attention.py  decode and prefill attention over the paged KV cache
+    gemv.py             fused matrix-vector products for decode batches of 1-4 rows
+    greedy.py           argmax and the next decode step's inputs, on the device
+
+Importing this package imports nothing; each module imports triton.
+"""

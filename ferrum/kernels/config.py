@@ -1,0 +1,94 @@
+"""How the Triton kernels are set up: a typed part of the engine's configuration (`engine.kernels`
+in YAML). Nothing here imports triton.
+
+The defaults were measured on one NVIDIA H100 (benchmarks/gpu.md): whole decode graphs of the
+Llama-3.2-1B and Llama-3.1-8B shapes replayed with and without each setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GemvTable:
+    """How the fused decode projections (batches of 1-4 rows) slice their weights.
+
+    Each program owns `features_per_program` output features. At one row, a projection with the
+    RMSNorm fused in reads all of K in one slice up to `whole_k_with_norm` (so that the norm is
+    applied to the whole row first, in HF's order); without a norm all of K up to
+    `whole_k_without_norm`, and past it `k_slice`-wide slices (twice the programs resident, each
+    loading its first slice while the kernel before finishes). The q/k/v projection at one row
+    takes two K slices from `qkv_two_slices_from` on. With 2-4 rows the slices shrink with the rows.
+    """
+
+    features_per_program: int = 2
+    num_warps: int = 4
+    whole_k_with_norm: int = 4096
+    whole_k_without_norm: int = 2048
+    k_slice: int = 2048
+    qkv_two_slices_from: int = 2048
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kernels.gemv.{item.name} must be a positive integer, got {value!r}")
+            if item.name != "num_warps" and item.name != "features_per_program" and value & (value - 1):
+                raise ValueError(f"kernels.gemv.{item.name} must be a power of two, got {value}")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """pdl: programmatic dependent launch through the decode chain, on devices that have it
+    (compute capability 9.0 and later): each kernel launches while the one before it runs and loads
+    its weights before waiting for it.
+    max_decode_splits: at most this many slices of each sequence's cache run in parallel in decode
+    attention (the splits fill the GPU at small batches).
+    fused_decode_rows: decode batches of up to this many rows run the fused matrix-vector chain
+    (0 turns it off: cuBLAS projections and separate norm / activation kernels).
+    gemv: the fused projections' slicing."""
+
+    pdl: bool = True
+    max_decode_splits: int = 32
+    fused_decode_rows: int = 4
+    gemv: GemvTable = field(default_factory=GemvTable)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"kernels.pdl must be true or false, got {self.pdl!r}")
+        if isinstance(self.max_decode_splits, bool) or not 1 <= self.max_decode_splits <= 64:
+            raise ValueError(f"kernels.max_decode_splits must be in 1..64, got {self.max_decode_splits!r}")
+        if isinstance(self.fused_decode_rows, bool) or not 0 <= self.fused_decode_rows <= 16:
+            raise ValueError(f"kernels.fused_decode_rows must be in 0..16, got {self.fused_decode_rows!r}")
+        if not isinstance(self.gemv, GemvTable):
+            raise ValueError(f"kernels.gemv must be a GemvTable, got {self.gemv!r}")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | KernelConfig | None) -> KernelConfig:
+        """From YAML: {pdl: false, max_decode_splits: 16, gemv: {k_slice: 1024}}; unknown keys are
+        refused by name."""
+        if raw is None:
+            return cls()
+        if isinstance(raw, KernelConfig):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"engine.kernels must be a mapping, got {raw!r}")
+        values = dict(raw)
+        _check_keys("kernels", values, cls)
+        gemv = values.get("gemv")
+        if gemv is not None and not isinstance(gemv, GemvTable):
+            if not isinstance(gemv, Mapping):
+                raise ValueError(f"engine.kernels.gemv must be a mapping, got {gemv!r}")
+            _check_keys("kernels.gemv", gemv, GemvTable)
+            values["gemv"] = GemvTable(**gemv)
+        return cls(**values)
+
+
+def _check_keys(where: str, values: Mapping[str, Any], kind: type) -> None:
+    known = {item.name for item in fields(kind)}
+    unknown = sorted(str(key) for key in values if key not in known)
+    if unknown:
+        raise ValueError(f"unknown engine.{where} key(s): {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")

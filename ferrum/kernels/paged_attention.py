@@ -1,0 +1,244 @@
+"""Attention over the paged KV cache.
+
+The cache of one layer is two tensors [num_slots, num_kv_heads, head_dim]; a token at position p
+of a sequence lives in slot block_table[p // page] * page + p % page (ferrum.engine.kv_layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
+
+
+@triton.jit
+def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_scale, qpos,
+                  ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax attention of q [ROWS, D] over one sequence's cached keys begin .. end-1 (`table`
+    points at its block-table row; with CAUSAL, row i sees keys up to position qpos[i]). Returns the
+    running max and sum (base 2) and the unnormalised output."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < end
+        off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        keep = valid[None, :]
+        if CAUSAL:
+            keep = keep & (n[None, :] <= qpos[:, None])
+        m, l, acc = _softmax_step(q, k, VC + off, valid, keep, m, l, acc, qk_scale, PRECISION)
+    return m, l, acc
+
+
+@triton.jit
+def _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D: tl.constexpr, PAGE: tl.constexpr):
+    """Offsets of the k (or v) rows of cache positions n [BLOCK_N] in one kv head: [BLOCK_N, D]."""
+    page = tl.load(table + n // PAGE, mask=valid, other=0)
+    slot = page.to(tl.int64) * PAGE + n % PAGE
+    return slot[:, None] * stride_kc + kvh * stride_kh + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def _softmax_step(q, k, v, valid, keep, m, l, acc, qk_scale, PRECISION: tl.constexpr):
+    """One block of keys k [BLOCK_N, D] into the running max m, sum l and output acc of q's rows
+    (v: the block's values, or pointers to load them from, masked by valid; keep: which scores
+    count). A block where a row keeps nothing leaves that row as it was."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept yet: no -inf - -inf
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, axis=1)
+    if v.dtype.is_ptr():
+        v = tl.load(v, mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+# The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
+                   stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
+                   G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+    """One program per (sequence, kv head, split): its G query heads against one slice of the
+    sequence's cache. With one split the result is final; with several, each writes its partial
+    (running max, sum, unnormalised output) for _decode_reduce_kernel to combine. (Combining them
+    in the last program to finish, counted with an atomic, measured slower on an H100: 6.7 vs 4.5 us
+    for a 512-token context at batch 1, scripts/gemv_bench.py.)
+
+    With PDL, the lengths, block tables and the k/v of every token but the newest are read before
+    the wait: in a decode step only the kernels before this one write the newest token's k/v and
+    q; the lengths and tables come from before the step (host copies, or the last step's
+    _advance_kernel, which a plain kernel at the start of each step waits for)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(LENS + b)
+    part = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * part
+    end = tl.minimum(begin + part, length)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gmask = g < G
+    table = TABLES + b * stride_bt
+    n = begin + tl.arange(0, BLOCK_N)  # the first block of keys
+    valid = n < end
+    off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
+    if PDL > 0:
+        last = length - 1  # the newest token: its k/v are this step's
+        old = (valid & (n < last))[:, None]
+        k = tl.load(KC + off, mask=old, other=0.0)
+        v = tl.load(VC + off, mask=old, other=0.0)
+        last_page = tl.load(table + last // PAGE).to(tl.int64)
+        last_off = (last_page * PAGE + last % PAGE) * stride_kc + kvh * stride_kh + d
+        pdl_wait(PDL)
+        here = (last >= begin) & (last < end) & (last < begin + BLOCK_N)  # in this first block
+        new = (n == last)[:, None]
+        k = tl.where(new, tl.load(KC + last_off, mask=(d < D) & here, other=0.0)[None, :], k)
+        v = tl.where(new, tl.load(VC + last_off, mask=(d < D) & here, other=0.0)[None, :], v)
+    else:
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        v = tl.load(VC + off, mask=valid[:, None], other=0.0)
+    q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    qk_scale = scale * 1.4426950408889634
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    m, l, acc = _softmax_step(q, k, v, valid, valid[None, :], m, l, acc, qk_scale, PRECISION)
+    for start in range(begin + BLOCK_N, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < end
+        off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
+        k = tl.load(KC + off, mask=valid[:, None], other=0.0)
+        m, l, acc = _softmax_step(q, k, VC + off, valid, valid[None, :], m, l, acc, qk_scale, PRECISION)
+    heads = kvh * G + g
+    if SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+    else:
+        num_heads = tl.num_programs(1) * G
+        row = (b * num_heads + heads) * SPLITS + split  # [B, H, SPLITS] partials
+        tl.store(PART_ACC + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(PART_ML + row * 2, m, mask=gmask)
+        tl.store(PART_ML + row * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(PART_ACC, PART_ML, OUT, stride_ot, stride_oh,
+                          D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < SPLITS
+    row = (b * num_heads + h) * SPLITS + sp
+    m = tl.load(PART_ML + row * 2, mask=smask, other=float("-inf"))
+    l = tl.load(PART_ML + row * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(smask & (l > 0), tl.exp2(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
+    d = tl.arange(0, D)
+    acc = tl.load(PART_ACC + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + b * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty))
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    """float32 models get float32 dot products (Triton's default for them is tf32)."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def decode_splits(batch: int, kv_heads: int, num_sms: int, max_splits: int = 32) -> int:
+    """Splits of each sequence's cache so that small and middling batches still fill the GPU (about
+    four programs per multiprocessor: each program's loop over its slice is latency-bound); large
+    batches need none. At most `max_splits` (KernelConfig.max_decode_splits; 32 by default: at
+    batch 1 on an H100 the 1B decode graph with 32 splits ran 4-6 us faster than with 16 in two A/B
+    runs of 1.07 ms, level in a third)."""
+    return max(1, min(max_splits, -(-4 * num_sms // (batch * kv_heads))))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, page: int, scale: float, splits: int = 1,
+                 out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
+                 pdl: bool = False) -> torch.Tensor:
+    """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache;
+    block_n: cache tokens per step of each program's loop."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q) if out is None else out
+    part_acc = part_ml = out
+    if splits > 1:
+        part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
+        PRECISION=_dot_precision(q), PDL=pdl_mode(pdl), num_warps=num_warps, num_stages=2, **pdl_launch(pdl),
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(batch, heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            D=dim, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl_mode(pdl), num_warps=1,
+            **pdl_launch(pdl),
+        )
+    return out
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PAST, scale,
+                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
+                    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One program per (tile of BLOCK_M new tokens of one sequence, query head). Query i of a
+    sequence sits at position past + i and sees the cached keys 0 .. past + i (its own included)."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    s_idx = tl.load(TILE_SEQ + tile)
+    m0 = tl.load(TILE_M + tile)
+    q_start = tl.load(Q_START + s_idx)
+    q_len = tl.load(Q_LEN + s_idx)
+    past = tl.load(PAST + s_idx)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    d = tl.arange(0, D)
+    q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
+    end = past + tl.minimum(m0 + BLOCK_M, q_len)
+    m, l, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
+                              scale * 1.4426950408889634, past + rows, BLOCK_M, D, PAGE, BLOCK_N, True, PRECISION)
+    out = acc / l[:, None]
+    tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=rmask[:, None])
+
+
+PREFILL_BLOCK_M = 64
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  tile_seq: torch.Tensor, tile_m: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                  past: torch.Tensor, page: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D] packed new tokens of several sequences (their k/v already in the cache).
+    Tiles (tile_seq, tile_m) cover each sequence's new tokens in steps of PREFILL_BLOCK_M; only the
+    rows of tiled sequences are written."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    _prefill_kernel[(tile_seq.shape[0], heads)](
+        q, k_cache, v_cache, out, block_tables, tile_seq, tile_m, q_start, q_len, past, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=heads // kv_heads, D=dim, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64,
+        PRECISION=_dot_precision(q), num_warps=4, num_stages=2,
+    )
+    return out

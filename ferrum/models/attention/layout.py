@@ -1,0 +1,74 @@
+"""`KVCacheLayout`: how the paged KV cache is laid out, shared by the block manager, both model
+runners and the memory planner.
+
+The cache of one layer is two tensors (k, v) of shape [num_slots, num_kv_heads, head_dim], with
+num_slots = num_blocks * block_size. A sequence's token at position p lives in slot
+
+    block_table[p // block_size] * block_size + p % block_size
+
+(the Triton kernels compute the same on the device: ferrum.kernels.paged_attention). The
+layout belongs to the attention layers; the engine sizes, allocates and hands out blocks by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ferrum.models.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k, v)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype: torch.dtype, block_size: int) -> KVCacheLayout:
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, dtype, block_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """k and v of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def blocks_in(self, nbytes: int) -> int:
+        """How many whole blocks `nbytes` holds (0 for none or less)."""
+        return max(0, nbytes // self.bytes_per_block)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks one sequence of `num_tokens` tokens needs."""
+        return -(-num_tokens // self.block_size)
+
+    def slot(self, block_table: Sequence[int], position: int) -> int:
+        size = self.block_size
+        return block_table[position // size] * size + position % size
+
+    def slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
+        """The slots of positions start .. end - 1."""
+        size = self.block_size
+        return [block_table[p // size] * size + p % size for p in range(start, end)]
+
+    def allocate(self, num_blocks: int, device: torch.device) -> list[KVCache]:
+        """Zeroed k and v tensors of `num_blocks` blocks for every layer."""
+        slots = num_blocks * self.block_size
+        shape = (slots, self.num_kv_heads, self.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+            for _ in range(self.num_layers)
+        ]

@@ -1,0 +1,134 @@
+"""torch_paged: attention over the paged KV cache in plain PyTorch, for every device (the CPU's
+path). Each step writes the new k and v into their slots (index_copy_), then gathers every
+sequence's cached k and v by slot and runs SDPA: decodes together (padded to the longest context,
+masked), each prefill on its own (causal, after its cached tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ferrum.backends.device import Device
+from ferrum.models.attention import PackedStep
+from ferrum.models.attention.layout import KVCache, KVCacheLayout
+from ferrum.models.layers.rotary import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from ferrum.models.llama import Attention
+
+
+@dataclass(frozen=True)
+class PrefillSegment:
+    start: int  # first row of this sequence's tokens in the packed batch
+    length: int  # new tokens this step
+    past: int  # tokens already in the cache before this step
+    context_slots: torch.Tensor | None  # [past + length] slots, None when past == 0
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """One step's attention inputs for the plain-torch path."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin for each token's position: [T, 1, head_dim]
+    slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [num_decode, max_context] slots to read, padded
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] True where a slot is real
+    prefills: tuple[PrefillSegment, ...]
+
+    def attend(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """qkv: [T, q_size + 2 kv_size] -> attention output [T, q_size]; writes k, v to the cache."""
+        heads = layer.num_heads + layer.num_kv_heads
+        qk = qkv[:, : layer.q_size + layer.kv_size].view(-1, heads, layer.head_dim)
+        v = qkv[:, layer.q_size + layer.kv_size :].view(-1, layer.num_kv_heads, layer.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = qk.split([layer.num_heads, layer.num_kv_heads], dim=1)
+            qk = torch.cat([layer.q_norm.norm(q), layer.k_norm.norm(k)], dim=1)
+        qk = apply_rotary(qk, *self.rope)  # q and k heads rotated together: one set of ops for both
+        q, k = qk.split([layer.num_heads, layer.num_kv_heads], dim=1)
+        out = paged_attention(q, k, v, cache[0], cache[1], self)
+        return out.reshape(-1, layer.q_size)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D]. Writes k, v to the cache and returns [T, H, D]."""
+    k_cache.index_copy_(0, batch.slot_mapping, k)
+    v_cache.index_copy_(0, batch.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+    n = batch.num_decode
+    if n:
+        qd = q[:n].unsqueeze(2)  # [n, H, 1, D]
+        kd = _gather(k_cache, batch.decode_slots).transpose(1, 2)  # [n, KV, L, D]
+        vd = _gather(v_cache, batch.decode_slots).transpose(1, 2)
+        decoded = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=gqa)
+        if not batch.prefills:
+            return decoded.squeeze(2)
+    out = torch.empty_like(q)
+    if n:
+        out[:n] = decoded.squeeze(2)
+
+    for seg in batch.prefills:
+        rows = slice(seg.start, seg.start + seg.length)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seg.context_slots is None:
+            ks = k[rows].transpose(0, 1).unsqueeze(0)
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        else:
+            ks = _gather(k_cache, seg.context_slots).transpose(0, 1).unsqueeze(0)  # [1, KV, past+n, D]
+            vs = _gather(v_cache, seg.context_slots).transpose(0, 1).unsqueeze(0)
+            # query i sits at position past+i and sees keys 0..past+i
+            mask = torch.ones(seg.length, seg.past + seg.length, dtype=torch.bool, device=q.device).tril(seg.past)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slots of any shape; index_select is far faster than advanced indexing on CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+class TorchPagedAttention:
+    name = "torch_paged"
+
+    def __init__(self, device: Device, layout: KVCacheLayout) -> None:
+        self.device = device.torch_device
+        self.layout = layout
+
+    def step_inputs(self, step: PackedStep, rotary: RotaryEmbedding) -> AttentionBatch:
+        dev, layout = self.device, self.layout
+        decodes = step.sequences[: step.num_decode]
+        decode_slots = decode_mask = None
+        if decodes:
+            contexts = [s.past + 1 for s in decodes]
+            longest = max(contexts)
+            padded = [layout.slots(s.block_table, 0, n) + [0] * (longest - n) for s, n in zip(decodes, contexts)]
+            decode_slots = torch.tensor(padded, dtype=torch.long, device=dev)
+            lengths = torch.tensor(contexts, device=dev)
+            decode_mask = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
+        segments = []
+        for s in step.sequences[step.num_decode :]:
+            context = None
+            if s.past:
+                context = torch.tensor(layout.slots(s.block_table, 0, s.past + s.length), dtype=torch.long, device=dev)
+            segments.append(PrefillSegment(s.start, s.length, s.past, context))
+        positions = torch.tensor(step.positions, dtype=torch.long, device=dev)
+        return AttentionBatch(
+            rope=rotary(positions, layout.dtype),
+            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
+            num_decode=step.num_decode,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=tuple(segments),
+        )

@@ -1,0 +1,68 @@
+"""`LayerOps`: the norm and activation ops layers call, chosen once from the `Device`.
+
+torch    the plain PyTorch ops, in HF's order of operations (every device)
+triton   ferrum.kernels.norm: one kernel for the residual add + RMSNorm, one for silu * mul
+         (devices Triton compiles for; in tests, Triton's interpreter on the CPU)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ferrum.backends.device import Device
+
+NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+GatedActivationFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    name: str
+    rms_norm: NormFn  # (x, weight, eps, residual) -> (norm of x [+ residual], x [+ residual])
+    silu_and_mul: GatedActivationFn  # [T, 2n] gate then up -> silu(gate) * up [T, n]
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's order of operations, in float32; torch's fused rms_norm accumulates in bf16 on the CPU,
+    which the large activations of real checkpoints do not survive."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+    return rms_norm_reference(x, weight, eps), x
+
+
+def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def torch_ops() -> LayerOps:
+    return LayerOps("torch", _torch_rms_norm, _torch_silu_and_mul)
+
+
+def triton_ops() -> LayerOps:
+    from ferrum.kernels import norm
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = norm.rms_norm(x, weight, eps, residual)
+        return normed, x if summed is None else summed
+
+    return LayerOps("triton", rms_norm, norm.silu_and_mul)
+
+
+def layer_ops(device: Device) -> LayerOps:
+    """Triton's kernels where they compile for the device, torch elsewhere."""
+    return triton_ops() if device.triton else torch_ops()

@@ -1,0 +1,146 @@
+"""The engine on a CUDA GPU: loading, the paged Triton path with CUDA graphs, memory sizing and
+release. Skipped without CUDA (CI has none); run on a GPU machine with
+`pytest tests/engine/test_gpu_engine.py` (scripts/gpu_suite.py runs it in its `kernels` phase)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+transformers = pytest.importorskip("transformers")
+
+from ferrum.engine.llm_engine import LLMEngine  # noqa: E402
+from ferrum.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.engines import host_device, load_test_model, local_engine  # noqa: E402
+from tests.tiny_model import save_hf_model, write_synthetic_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random Llama (GQA, tied embeddings) with a synthetic tokenizer: ids only."""
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+    )
+    folder = Path(tmp_path_factory.mktemp("tiny-llama"))
+    save_hf_model(folder, config)
+    write_synthetic_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+def engine(folder: Path, backend: str, **overrides) -> LLMEngine:
+    settings = dict(dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256)
+    if backend == "cpu":
+        settings["kv_cache_memory_gb"] = 0.05
+    else:
+        settings["gpu_memory_utilization"] = 0.3
+    return local_engine(folder, backend=backend, **(settings | overrides))
+
+
+def test_weights_reach_the_gpu_bit_for_bit(tiny: Path) -> None:
+    from ferrum.backends.cuda import create_backends
+
+    cpu = load_test_model(tiny, host_device(), torch.float32)
+    gpu = load_test_model(tiny, create_backends()[0].device(), torch.float32)
+    for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
+        assert torch.equal(a, b.cpu()), name
+
+
+def test_greedy_outputs_match_the_cpu_engine(tiny: Path) -> None:
+    """Prefill (eager Triton path), batched decode (CUDA graphs) and prompts of several lengths."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 40, 130, 7)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = engine(tiny, "cpu").generate(prompts, params)
+    gpu = engine(tiny, "cuda")
+    assert gpu.runner.max_burst  # decode steps replay graphs, which run bursts
+    assert gpu.generate(prompts, params) == expected
+    gpu.release()
+
+
+def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
+    """Several decode iterations per host round trip (num_scheduler_steps): the same tokens as one
+    step at a time, with lengths that end mid-burst, a stop token met mid-burst, and sequences
+    that reach max_model_len."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 40, 130, 7, 230)]
+    free = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)
+    single = engine(tiny, "cuda", num_scheduler_steps=1, max_model_len=256)
+    expected = single.generate(prompts[:4], free)
+    stop_id = expected[1][10]  # met part-way through the second burst of prompt 1
+    stopping = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    expected_stop = single.generate(prompts[:4], stopping)
+    near_limit = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)  # 230 + 25 = 255 < 256
+    expected_limit = single.generate([prompts[4]], near_limit)
+    longer = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    expected_b = single.generate([prompts[3]], longer)[0]
+    single.release()
+
+    burst = engine(tiny, "cuda", num_scheduler_steps=8, max_model_len=256)
+    assert burst.generate(prompts[:4], free) == expected
+    got_stop = burst.generate(prompts[:4], stopping)
+    assert got_stop == expected_stop
+    assert got_stop[1][-1] == stop_id and len(got_stop[1]) <= 11
+    assert burst.generate([prompts[4]], near_limit) == expected_limit
+    assert burst.block_manager.num_used == 0  # every block grown for a burst came back
+    assert burst.stats().generation_tokens_total == sum(map(len, expected + expected_stop + expected_limit))
+    # an abort while a burst is queued on the device: no further output, blocks back, engine goes on
+    burst.add_request("a", prompts[0], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    burst.add_request("b", prompts[3], longer)
+    while burst.sequences["a"].num_tokens < len(prompts[0]) + 20:
+        burst.step()
+    assert "a" in burst.sequences  # the next burst is already queued behind the one read
+    assert burst.abort_request("a").finish_reason == "abort"
+    rest: list[int] = list(burst.sequences["b"].output_token_ids)
+    while burst.has_work:
+        for out in burst.step():
+            assert out.request_id == "b"
+            rest.extend(out.new_token_ids)
+    assert rest == expected_b and burst.block_manager.num_used == 0
+    burst.release()
+
+
+def test_prefix_caching_and_chunked_prefill_give_the_same_tokens(tiny: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 1000, (100,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 60, 1)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = engine(tiny, "cuda", enable_prefix_caching=False, max_num_batched_tokens=512)
+    expected = [plain.generate([p], params)[0] for p in prompts]
+    plain.release()
+    cached = engine(tiny, "cuda", max_num_batched_tokens=64)  # prompts go in chunks of 64 tokens
+    got = [cached.generate([p], params)[0] for p in prompts]
+    assert got == expected
+    assert cached.stats().prefix_cache_hits > 0
+    cached.release()
+
+
+def test_kv_cache_is_sized_from_gpu_memory_utilization(tiny: Path) -> None:
+    """The whole process stays inside the budget (everything counted), and the KV cache takes most
+    of what the budget leaves."""
+    free_before, total = torch.cuda.mem_get_info()
+    eng = engine(tiny, "cuda", gpu_memory_utilization=0.2)
+    plan = eng.memory_plan
+    kv_bytes = eng.layout.bytes_per_block * plan.num_blocks
+    eng.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, ignore_eos=True))
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    assert used <= 0.2 * total + 64 * 2**20, (used, plan)  # the budget holds, give or take a cuBLAS workspace
+    assert kv_bytes > 0.2 * total - (total - free_before) - 2 * plan.peak_bytes
+    eng.release()
+
+
+def test_release_returns_the_device_memory(tiny: Path) -> None:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    eng = engine(tiny, "cuda")
+    assert torch.cuda.memory_allocated() > before + 2**20
+    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+    eng.release()
+    del eng
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + 2**20

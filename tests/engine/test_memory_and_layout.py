@@ -1,0 +1,129 @@
+"""One place for each fact: the KV-cache layout (bytes, slots, allocation), the request limits the
+engine, its clients and the server share, and the memory planner (host and GPU, the GPU's
+against a stand-in runtime: every byte counted against the budget). And the step observer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ferrum.backends.cuda import CUDABackend
+from ferrum.engine.config import EngineConfig
+from ferrum.engine.limits import PromptTooLongError, RequestLimits
+from ferrum.engine.memory_plan import plan_gpu, plan_host
+from ferrum.engine.observer import StepRecord
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.models.attention.layout import KVCacheLayout
+from tests.backends.test_backends import GIB, StubRuntime, gpu_facts
+from tests.engines import host_device
+
+MIB = 2**20
+
+
+def test_kv_layout_bytes_slots_and_allocation() -> None:
+    layout = KVCacheLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, block_size=4)
+    assert layout.bytes_per_token == 2 * 3 * 2 * 8 * 2
+    assert layout.bytes_per_block == layout.bytes_per_token * 4
+    assert layout.blocks_in(10 * layout.bytes_per_block + 1) == 10 and layout.blocks_in(-5) == 0
+    assert [layout.blocks_for(n) for n in (1, 4, 5)] == [1, 1, 2]
+    table = [7, 2, 9]
+    assert layout.slots(table, 2, 6) == [30, 31, 8, 9] and layout.slot(table, 9) == 37
+    caches = layout.allocate(5, torch.device("cpu"))
+    assert len(caches) == 3 and all(k.shape == v.shape == (20, 2, 8) and k.dtype == torch.bfloat16 for k, v in caches)
+
+
+def test_request_limits() -> None:
+    limits = RequestLimits(max_model_len=100, vocab_size=50)
+    assert limits.max_tokens(10, None) == 90 and limits.max_tokens(10, 90) == 90
+    with pytest.raises(PromptTooLongError, match="you requested 101 tokens") as info:
+        limits.max_tokens(10, 91)
+    assert (info.value.prompt_tokens, info.value.max_tokens) == (10, 91)
+    with pytest.raises(PromptTooLongError, match="leaves no room") as info:
+        limits.max_tokens(100, None)
+    assert info.value.max_tokens is None
+    limits.check([1, 2, 49], 97)
+    with pytest.raises(ValueError, match="empty"):
+        limits.check([], 1)
+    with pytest.raises(ValueError, match=r"out of range \[0, 50\): \[50, -1\]"):
+        limits.check([1, 50, -1], 1)
+
+
+def test_host_plan_takes_the_configured_size_or_a_share_of_free_memory() -> None:
+    device = host_device()
+    layout = KVCacheLayout(2, 2, 8, torch.float32, 16)
+    plan = plan_host(device, layout, EngineConfig(kv_cache_memory_gb=0.5))
+    assert plan.kv_cache_bytes == GIB // 2 and plan.num_blocks == (GIB // 2) // layout.bytes_per_block
+    default = plan_host(device, layout, EngineConfig())
+    assert 0 < default.kv_cache_bytes <= min(2 * GIB, device.free_memory_bytes() // 5 + 64 * MIB)
+
+
+class ProfilingRuntime(StubRuntime):
+    """A stand-in GPU whose allocator the profile fills: peak and held as torch would report."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.peak = 0
+
+    def allocate(self, size: int) -> None:
+        super().allocate(size)
+        self.peak = max(self.peak, self.memory_held())
+
+    def peak_memory_held(self) -> int:
+        return max(self.peak, self.memory_held())
+
+    def reset_peak_memory(self) -> None:
+        self.peak = self.memory_held()
+
+
+def test_gpu_plan_counts_every_byte_against_the_budget() -> None:
+    runtime = ProfilingRuntime(total_bytes=80 * GIB, used_by_others_bytes=3 * GIB)
+    device = CUDABackend(gpu_facts(), runtime).device()
+    runtime.allocate(16 * GIB)  # the weights
+    layout = KVCacheLayout(32, 8, 128, torch.bfloat16, 16)
+    scratch = layout.bytes_per_block * 600
+
+    def profile() -> int:
+        runtime.allocate(scratch)  # the scratch KV cache
+        runtime.allocate(2 * GIB)  # activations, the sampler, the largest graph's pool
+        runtime.free(2 * GIB)  # cached by the allocator, as torch keeps it
+        runtime.free(scratch)
+        return scratch
+
+    plan = plan_gpu(device, layout, EngineConfig(gpu_memory_utilization=0.9), profile)
+    assert runtime.log.count("empty_cache") == 1  # the profile's cached blocks went back first
+    assert plan.weights_bytes == 16 * GIB and plan.peak_bytes == 18 * GIB
+    assert plan.other_bytes == 3 * GIB
+    assert plan.budget_bytes == int(0.9 * 80 * GIB)
+    assert plan.kv_cache_bytes == plan.budget_bytes - 3 * GIB - 18 * GIB
+    assert plan.num_blocks == plan.kv_cache_bytes // layout.bytes_per_block
+    # the configured size wins over the measured budget
+    fixed = plan_gpu(device, layout, EngineConfig(kv_cache_memory_gb=4), lambda: 0)
+    assert fixed.kv_cache_bytes == 4 * GIB
+
+
+def test_step_observer_sees_every_step(engine) -> None:  # the conftest engine: the demo model, float32
+    records: list[StepRecord] = []
+    remove = engine.add_observer(records.append)
+    try:
+        prompt = engine.tokenizer.encode("The capital of France is")
+        (out,) = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    finally:
+        remove()
+    assert [r.kind for r in records] == ["prefill", "decode", "decode"]
+    assert records[0].num_tokens == len(prompt) and records[1].num_tokens == 1
+    assert all(r.num_generated == 1 and r.num_seqs == 1 and r.finished >= r.started for r in records)
+    assert [int(r.logits[0].argmax()) for r in records] == out  # greedy: the sampled rows' logits
+    engine.generate([prompt], SamplingParams(max_tokens=1))
+    assert len(records) == 3  # removed
+
+
+def test_engine_config_reads_kernel_settings_from_yaml() -> None:
+    config = EngineConfig.from_mapping({"kernels": {"pdl": False, "max_decode_splits": 16, "gemv": {"k_slice": 1024}}})
+    assert (config.kernels.pdl, config.kernels.max_decode_splits, config.kernels.gemv.k_slice) == (False, 16, 1024)
+    with pytest.raises(ValueError, match="unknown engine.kernels key"):
+        EngineConfig.from_mapping({"kernels": {"pld": False}})
+    with pytest.raises(ValueError, match="power of two"):
+        EngineConfig.from_mapping({"kernels": {"gemv": {"k_slice": 1000}}})
+    assert dataclasses.asdict(EngineConfig())["kernels"]["gemv"]["k_slice"] == 2048

@@ -1,0 +1,109 @@
+"""Compiles the decode path's Triton kernels for a Hopper GPU (sm_90) with programmatic dependent
+launch, on any machine: Triton's bundled ptxas needs no GPU. Run in its own process (the tests
+set TRITON_INTERPRET=1, under which kernels are interpreted, not compiled):
+
+    python -m tests.kernels.hopper_ptx [--ptx DIR]
+
+Prints one JSON object: for each kernel, the order of its global loads and griddepcontrol
+instructions in the PTX ("load", "wait", "trigger"), and its registers per thread. With --ptx,
+also writes each kernel's PTX into DIR (to compare two versions of the kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ferrum.kernels import gemv as tg
+from ferrum.kernels import greedy, paged_attention
+
+GEMV_ARGS = ["X", "W", "B", "R", "NW", "OUT", "IDX", "M", "N", "K",
+             "stride_xm", "stride_wn", "stride_rm", "stride_om", "eps"]
+GEMV_TYPES = ["*bf16"] * 6 + ["*i64"] + ["i32"] * 7 + ["fp32"]
+QKV_ARGS = ["X", "W", "B", "NW", "POS", "COS", "SIN", "SLOTS", "QOUT", "KC", "VC", "IDX", "M", "K",
+            "stride_xm", "stride_wn", "stride_cs", "stride_qt", "stride_qh", "stride_kc", "stride_kh", "eps"]
+QKV_TYPES = ["*bf16"] * 4 + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*bf16", "*i64"] + ["i32"] * 9 + ["fp32"]
+DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", "scale", "stride_qt", "stride_qh",
+               "stride_kc", "stride_kh", "stride_bt", "stride_ot", "stride_oh"]
+DECODE_TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i32", "*i32", "fp32"] + ["i32"] * 7
+
+
+def compile_sm90(fn, names: list[str], types: list[str], consts: dict, num_warps: int = 4):
+    """The kernel compiled for sm_90 with PDL; pointers, strides and sizes taken as multiples of
+    16, as Triton's launcher specialises them for the 1B shapes (the block tables' stride is left
+    unspecialised in the kernel)."""
+    sig = dict(zip(names, types))
+    aligned = [i for i, (name, ty) in enumerate(sig.items())
+               if ty.startswith("*") or (name.startswith("stride") and name != "stride_bt") or name in ("N", "K", "V")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "launch_pdl": True})
+
+
+def order(kernel) -> list[str]:
+    events = []
+    for line in kernel.asm["ptx"].splitlines():
+        if "ld.global" in line:
+            events.append("load")
+        elif "griddepcontrol.wait" in line:
+            events.append("wait")
+        elif "griddepcontrol.launch_dependents" in line:
+            events.append("trigger")
+    return events
+
+
+def registers(kernel) -> int | None:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    for word in out.split():
+        if word.startswith("REG:"):
+            return int(word[4:])
+    return None
+
+
+def main() -> None:
+    gemv = dict(ROWS=1, BLOCK_N=2, BIAS=False, PDL=1)
+    kernels = {
+        # 1B o_proj: all of K in one slice, residual rows from the embedding table (first layer)
+        "gemv o_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, GEMV_TYPES, dict(
+            gemv, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=True, R_GATHER=True)),
+        # 1B gate/up: the norm in the prologue, silu*mul in the epilogue
+        "gemv gate_up": compile_sm90(tg._gemv_kernel, GEMV_ARGS, GEMV_TYPES, dict(
+            gemv, BLOCK_K=2048, NORM=True, GATED=True, RESIDUAL=False, WHOLE_K=True)),
+        # 1B down_proj: K = 8192 in 2048-wide slices
+        "gemv down_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, GEMV_TYPES, dict(
+            gemv, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False)),
+        "qkv rope": compile_sm90(tg._qkv_rope_kernel, QKV_ARGS, QKV_TYPES, dict(
+            H=32, KV=8, D=64, ROWS=1, BLOCK_H=1, BLOCK_K=1024, NORM=True, BIAS=False, WHOLE_K=False, PDL=1,
+            X_GATHER=True)),
+        "decode attention": compile_sm90(paged_attention._decode_kernel, DECODE_ARGS, DECODE_TYPES, dict(
+            G=4, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=32, SPLITS=32, PRECISION="tf32", PDL=1)),
+        "decode reduce": compile_sm90(paged_attention._decode_reduce_kernel, ["PART_ACC", "PART_ML", "OUT", "stride_ot", "stride_oh"],
+                                      ["*fp32", "*fp32", "*bf16", "i32", "i32"], dict(D=64, SPLITS=32, BLOCK_S=32, PDL=1),
+                                      num_warps=1),
+        "argmax": compile_sm90(greedy._argmax_chunks_kernel, ["LOGITS", "VALS", "IDX", "stride_l", "V"],
+                               ["*fp32", "*fp32", "*i32", "i32", "i32"], dict(CHUNK=4008, BLOCK=1024, PDL=1)),
+    }
+    if "--ptx" in sys.argv:
+        folder = sys.argv[sys.argv.index("--ptx") + 1]
+        os.makedirs(folder, exist_ok=True)
+        for name, kernel in kernels.items():
+            with open(os.path.join(folder, name.replace(" ", "_") + ".ptx"), "w") as f:
+                f.write(kernel.asm["ptx"])
+    print(json.dumps({name: dict(order=order(k), registers=registers(k)) for name, k in kernels.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The GPU path's Triton kernels (ferrum.kernels) against plain-torch references.
+
+On a machine without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set before
+triton is imported), so CI checks the same kernel code the GPU runs; on a GPU they run compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_interpreter import ON_GPU, use_interpreter
+
+use_interpreter()
+from ferrum.kernels import greedy, norm, paged_attention, rope  # noqa: E402  (after the interpreter is chosen)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+# bf16 on the GPU; numpy (the interpreter) has no bf16, so CPU runs check the same kernels in fp16
+DTYPE = torch.bfloat16 if ON_GPU else torch.float16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def reference_attention(q, k, v, past):
+    """q: [n, H, D] at positions past..past+n-1; k, v: [past+n, KV, D]. float64, causal."""
+    n, heads, dim = q.shape
+    group = heads // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), k) / dim**0.5
+    mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v)
+
+
+def scattered_cache(seqs_kv, num_blocks, page, kv_heads, dim, gen):
+    """Writes each sequence's k/v into randomly chosen, non-contiguous pages of a fresh cache."""
+    k_cache = torch.randn(num_blocks * page, kv_heads, dim, generator=gen).to(DTYPE)  # poison
+    v_cache = torch.randn(num_blocks * page, kv_heads, dim, generator=gen).to(DTYPE)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for k, v in seqs_kv:
+        pages = [order.pop() for _ in range(-(-k.shape[0] // page))]
+        tables.append(pages)
+        for pos in range(k.shape[0]):
+            slot = pages[pos // page] * page + pos % page
+            k_cache[slot], v_cache[slot] = k[pos], v[pos]
+    width = max(len(t) for t in tables)
+    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), table_tensor.to(DEVICE)
+
+
+@pytest.mark.parametrize("splits,block_n", [(1, 32), (1, 64), (3, 32), (3, 64), (16, 32), (16, 64), (32, 32)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 4, 128), (6, 2, 64)])
+def test_paged_decode_matches_reference(heads, kv_heads, dim, splits, block_n):
+    gen = torch.Generator().manual_seed(heads * dim)
+    page = 16
+    lengths = [1, 17, 200, 5]  # with 16 splits most of a short sequence's splits are empty
+    kv = [(torch.randn(n, kv_heads, dim, generator=gen).to(DTYPE),
+           torch.randn(n, kv_heads, dim, generator=gen).to(DTYPE)) for n in lengths]
+    k_cache, v_cache, tables = scattered_cache(kv, 40, page, kv_heads, dim, gen)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(DTYPE)
+    out = paged_attention.paged_decode(q.to(DEVICE), k_cache, v_cache, tables,
+                          torch.tensor(lengths, dtype=torch.int32, device=DEVICE), page, dim**-0.5, splits,
+                          block_n=block_n)
+    for b, n in enumerate(lengths):
+        ref = reference_attention(q[b : b + 1], kv[b][0], kv[b][1], past=n - 1)
+        assert rel_err(out[b : b + 1].cpu(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 2, 128)])
+def test_paged_prefill_with_cached_context_matches_reference(heads, kv_heads, dim):
+    """Three sequences in one packed batch: a whole prompt, a chunk after 40 cached tokens, and one
+    token after 9 (a decode handled by the prefill kernel in a mixed step)."""
+    gen = torch.Generator().manual_seed(7 + dim)
+    page = 16
+    shapes = [(0, 70), (40, 33), (9, 1)]  # (past, new)
+    kv = [(torch.randn(p + n, kv_heads, dim, generator=gen).to(DTYPE),
+           torch.randn(p + n, kv_heads, dim, generator=gen).to(DTYPE)) for p, n in shapes]
+    k_cache, v_cache, tables = scattered_cache(kv, 40, page, kv_heads, dim, gen)
+    qs = [torch.randn(n, heads, dim, generator=gen).to(DTYPE) for _, n in shapes]
+    q = torch.cat(qs)
+    q_start, tile_seq, tile_m, row = [], [], [], 0
+    for i, (_, n) in enumerate(shapes):
+        q_start.append(row)
+        row += n
+        for m0 in range(0, n, paged_attention.PREFILL_BLOCK_M):
+            tile_seq.append(i)
+            tile_m.append(m0)
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    out = paged_attention.paged_prefill(q.to(DEVICE), k_cache, v_cache, tables, ints(tile_seq), ints(tile_m), ints(q_start),
+                           ints([n for _, n in shapes]), ints([p for p, _ in shapes]), page, dim**-0.5).cpu()
+    for i, (p, n) in enumerate(shapes):
+        ref = reference_attention(qs[i], kv[i][0], kv[i][1], past=p)
+        assert rel_err(out[q_start[i] : q_start[i] + n], ref) < 1e-2
+
+
+def test_rms_norm_and_fused_residual_match_hf_order():
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 96, generator=gen) * 3).to(DTYPE)
+    res = torch.randn(5, 96, generator=gen).to(DTYPE)
+    w = (1 + 0.1 * torch.randn(96, generator=gen)).to(DTYPE)
+
+    def hf(h):
+        hf32 = h.float()
+        normed = hf32 * torch.rsqrt(hf32.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return w * normed.to(DTYPE)
+
+    out, none = norm.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-5)
+    assert none is None
+    assert rel_err(out.cpu(), hf(x)) < 4e-3
+    summed = x + res
+    out, new_res = norm.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-5, residual=res.to(DEVICE))
+    assert torch.equal(new_res.cpu(), summed)
+    assert rel_err(out.cpu(), hf(summed)) < 4e-3
+
+
+def test_silu_and_mul():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 2 * 1500, generator=gen).to(DTYPE)
+    gate, up = x.float().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert rel_err(norm.silu_and_mul(x.to(DEVICE)).cpu(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_store_writes_rotated_k_and_v_into_slots(qk_norm):
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 4, 2, 64, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DTYPE)
+    positions = torch.tensor([0, 1, 2, 7, 30, 31])
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.outer(torch.arange(64).float(), inv)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos(), emb.sin()
+    slots = torch.tensor([5, 9, 0, 33, 12, 2])
+    k_cache = torch.zeros(40, kv_heads, dim, dtype=DTYPE)
+    v_cache = torch.zeros(40, kv_heads, dim, dtype=DTYPE)
+    qn = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DTYPE) if qk_norm else None
+    kn = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DTYPE) if qk_norm else None
+    dev = lambda t: None if t is None else t.to(DEVICE)
+    kc, vc = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    q = rope.rope_and_store(dev(qkv), dev(positions), dev(cos), dev(sin), dev(slots), kc, vc,
+                          heads, kv_heads, dim, dev(qn), dev(kn), 1e-6).cpu()
+
+    def norm(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(DTYPE)
+
+    def rotate(x):
+        c, s = cos[positions][:, None].double(), sin[positions][:, None].double()
+        x = x.double()
+        half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1)
+        return x * c + half * s
+
+    ref_q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    ref_k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    ref_v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    if qk_norm:
+        ref_q, ref_k = norm(ref_q, qn), norm(ref_k, kn)
+    assert rel_err(q, rotate(ref_q)) < 1e-2
+    assert rel_err(kc.cpu()[slots], rotate(ref_k)) < 1e-2
+    assert torch.equal(vc.cpu()[slots], ref_v)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc.cpu()[untouched].any() and not vc.cpu()[untouched].any()
+
+
+def test_greedy_advance_picks_argmax_and_moves_one_token_on():
+    """The in-graph step of a greedy burst: argmax (first index on ties, as torch.argmax) recorded
+    at row `step` and fed back as the next input; positions, lengths and KV slots move one on."""
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab, page = 3, 5000, 16
+    logits = torch.randn(rows, vocab, generator=gen)
+    logits[1, 4000] = logits[1, 17] = 50.0  # a tie across chunks: the first index wins
+    logits[2, 130] = logits[2, 131] = 60.0  # a tie inside one chunk
+    tables = torch.tensor([[7, 3, 0], [2, 9, 4], [5, 0, 0]], dtype=torch.int32)
+    positions = torch.tensor([15, 31, 2])  # row 0 crosses into its second block
+    tokens = torch.zeros(4, rows, dtype=torch.long, device=DEVICE)
+    step = torch.tensor([2], device=DEVICE)
+    ids = torch.zeros(rows, dtype=torch.long, device=DEVICE)
+    pos, lens = positions.to(DEVICE), (positions + 1).to(DEVICE)
+    slots = torch.zeros(rows, dtype=torch.long, device=DEVICE)
+    greedy.greedy_advance(logits.to(DEVICE), tokens, step, ids, pos, lens, slots, tables.to(DEVICE), page,
+                      torch.tensor([rows], device=DEVICE))
+    want = logits.argmax(dim=-1)
+    assert want.tolist()[1:] == [17, 130]
+    assert tokens[2].cpu().tolist() == want.tolist() and ids.cpu().tolist() == want.tolist()
+    assert not tokens[[0, 1, 3]].any() and step.item() == 3
+    assert pos.cpu().tolist() == [16, 32, 3] and lens.cpu().tolist() == [17, 33, 4]
+    # position 32 is in the third block of row 1 (block 4); row 2 stays in its first (block 5)
+    assert slots.cpu().tolist() == [3 * page + 0, 4 * page + 0, 5 * page + 3]
+    # a graph's padding rows (from num_real on) stay put: positions past the table never come
+    greedy.greedy_advance(logits.to(DEVICE), tokens, step, ids, pos, lens, slots, tables.to(DEVICE), page,
+                      torch.tensor([2], device=DEVICE))
+    assert pos.cpu().tolist() == [17, 33, 3] and lens.cpu().tolist() == [18, 34, 4] and step.item() == 4
+    assert tokens[3].cpu().tolist() == want.tolist()[:2] + [0]
