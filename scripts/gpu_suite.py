@@ -59,7 +59,13 @@ def record(phase: str, name: str, value, unit: str = "", note: str = "") -> None
     print(f"[{phase}] {name}: {value} {unit} {note}", flush=True)
 
 
+BACKEND = "cuda"  # --backend: "cpu" with --model runs the phases as a smoke test on a machine without a GPU
+MODEL_OVERRIDE: Path | None = None
+
+
 def checkpoint(shape: str, ckpt_root: Path) -> Path:
+    if MODEL_OVERRIDE is not None:
+        return MODEL_OVERRIDE.resolve()
     out = ckpt_root / shape
     if not (out / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", shape,
@@ -123,7 +129,7 @@ def bench(variant: Variant, *argv: str) -> dict:
 @contextmanager
 def server(variant: Variant, folder: Path, port: int, log_path: Path, *extra: str) -> Iterator[float]:
     """`ferrum serve` of the variant, up; yields the seconds from spawn to /health answering 200."""
-    cmd = variant.cli("serve", "--model", str(folder), "--port", str(port), "--backend", "cuda", *extra)
+    cmd = variant.cli("serve", "--model", str(folder), "--port", str(port), "--backend", BACKEND, *extra)
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=variant.root, env=variant.env(), stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -142,12 +148,13 @@ def server(variant: Variant, folder: Path, port: int, log_path: Path, *extra: st
             time.sleep(0.05)
         yield time.perf_counter() - started
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def metric(port: int, name: str) -> float:
@@ -210,7 +217,9 @@ def gpu_engine(folder: Path, **overrides):
     from ferrum.engine.builder import create_engine
 
     settings = dict(dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
-    return create_engine(str(folder), backend="cuda", **(settings | overrides))
+    if BACKEND == "cpu":
+        settings |= dict(dtype="float32", kv_cache_memory_gb=0.2, max_num_seqs=8, max_num_batched_tokens=512)
+    return create_engine(str(folder), backend=BACKEND, **(settings | overrides))
 
 
 def ferrum_decode_logits(engine, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -315,7 +324,7 @@ def time_batch1_decode(folder: Path, prompt_len: int = 128, new_tokens: int = 25
     engine.add_request("b1", [rng.randrange(vocab - 2) for _ in range(prompt_len)],
                        SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
     engine.step()  # prefill + first token
-    torch.cuda.synchronize()
+    engine.device.runtime.synchronize()
     started = time.perf_counter()
     tokens = 0
     while engine.has_work:
@@ -408,7 +417,7 @@ def phase_serve(args) -> None:
         with server(variant, folder, 8011, args.out / f"serve-{variant.name}.log", *flags):
             res = bench(variant, "serve", "--url", "http://127.0.0.1:8011", "--tokenizer", str(folder),
                         "--concurrency", "64", *common, "--output-json", str(args.out / f"serve-{variant.name}.json"))
-        reference = (before + offline("after")) / 2
+        reference = (before + offline("after")) / 2 if args.serve_refs > 1 else before
         lvl = res["levels"][0]
         record("serve", f"HTTP c=64 ({variant.name})", round(lvl["output_throughput"]), "output tok/s",
                f"offline c64 {before:.0f} / mean {reference:.0f}: {lvl['output_throughput'] / reference:.0%} of offline; "
@@ -442,7 +451,7 @@ def phase_cold(args) -> None:
 
     for variant in variants(args):
         record("cold", "safetensors load_file(device=cuda), 8B", round(load_file_rate(), 2), "GB/s")
-        for attempt in ("first start", "restart"):
+        for attempt in args.cold_starts.split(","):
             log_path = args.out / f"cold-{variant.name}-{attempt.replace(' ', '-')}.log"
             with server(variant, folder, 8012, log_path, "--max-model-len", "8192") as ready:
                 pass
@@ -455,7 +464,7 @@ def phase_cold(args) -> None:
 def phase_memory(args) -> None:
     """The 8B server with default settings (gpu_memory_utilization 0.9, 256 sequences, 8192 tokens):
     the device's memory in use, every process counted, against the budget; after start-up and after
-    a load of 256 requests; which processes hold memory on the GPU; KV blocks."""
+    64 requests at once; which processes hold memory on the GPU; KV blocks."""
     folder = checkpoint("llama-3.1-8b", args.ckpt)
     torch.cuda.empty_cache()
 
@@ -476,31 +485,34 @@ def phase_memory(args) -> None:
                    f"{used / total:.1%} of {total / 2**20:.0f} MiB; budget {budget / 2**20:.0f} MiB "
                    f"({'held' if used <= budget else 'EXCEEDED'}); server processes (pid: MiB) {mine}; KV blocks {blocks}")
             bench(variant, "serve", "--url", "http://127.0.0.1:8013", "--tokenizer", str(folder), "--concurrency", "64",
-                  "--num-prompts", "128", "--input-len", "100:2048", "--output-len", "16:128",
+                  "--num-prompts", "64", "--input-len", "100:2048", "--output-len", "16:128",
                   "--output-json", str(args.out / f"memory-load-{variant.name}.json"))
             used, total, procs = server_usage()
-            record("memory", f"8B server after 128 requests ({variant.name})", round(used / 2**20), "MiB",
+            record("memory", f"8B server after 64 requests ({variant.name})", round(used / 2**20), "MiB",
                    f"{used / total:.1%} of the device ({'within' if used <= budget else 'OVER'} the budget); "
                    f"processes { {p: m // 2**20 for p, m in procs.items() if p != os.getpid()} }")
 
 
 def phase_prefix(args) -> None:
-    """TTFT at concurrency 64: a shared 1536-token prefix (64 own tokens each, 32 out), first new
-    then already cached; and 1600-token prompts sharing nothing, with prefix caching on and off."""
+    """TTFT at concurrency 64 (--prefix-requests): a shared 1536-token prefix (--prefix-len; 64 own
+    tokens each, 32 out), first new then already cached; and prompts of the same length sharing
+    nothing, with prefix caching on and off."""
     folder = checkpoint("llama-3.2-1b", args.ckpt)
+    n, prefix = str(args.prefix_requests), args.prefix_len
     for variant in variants(args):
         for caching in ("on", "off"):
             extra = ["--max-model-len", "4096"] + (["--no-prefix-caching"] if caching == "off" else [])
             with server(variant, folder, 8014, args.out / f"prefix-{variant.name}-{caching}.log", *extra):
                 shared = bench(variant, "serve", "--url", "http://127.0.0.1:8014", "--tokenizer", str(folder),
-                               "--concurrency", "64,64", "--num-prompts", "64", "--prefix-len", "1536", "--input-len",
-                               "64", "--output-len", "32", "--output-json",
+                               "--concurrency", f"{n},{n}", "--num-prompts", n, "--prefix-len", str(prefix),
+                               "--input-len", "64", "--output-len", "32", "--output-json",
                                str(args.out / f"prefix-shared-{variant.name}-{caching}.json"))
                 alone = bench(variant, "serve", "--url", "http://127.0.0.1:8014", "--tokenizer", str(folder),
-                              "--concurrency", "64,64", "--num-prompts", "64", "--input-len", "1600", "--output-len",
-                              "32", "--output-json", str(args.out / f"prefix-none-{variant.name}-{caching}.json"))
-            for label, res, index in (("shared 1536-token prefix, new", shared, 0),
-                                      ("shared 1536-token prefix, cached", shared, 1),
+                              "--concurrency", f"{n},{n}", "--num-prompts", n, "--input-len", str(prefix + 64),
+                              "--output-len", "32", "--output-json",
+                              str(args.out / f"prefix-none-{variant.name}-{caching}.json"))
+            for label, res, index in ((f"shared {prefix}-token prefix, new", shared, 0),
+                                      (f"shared {prefix}-token prefix, cached", shared, 1),
                                       ("nothing shared", alone, 0), ("nothing shared, again", alone, 1)):
                 lvl = res["levels"][index]
                 record("prefix", f"{label}, caching {caching} ({variant.name})", round(lvl["ttft_ms"]["median"]),
@@ -546,7 +558,15 @@ def main() -> None:
     parser.add_argument("--kernel-variants", default="", help="decode: also time these KernelConfigs: no-pdl, "
                         "splits-16, no-fused")
     parser.add_argument("--compare", default="", help="another Ferrum checkout to measure beside this one")
+    parser.add_argument("--prefix-len", type=int, default=1536, help="prefix: the shared prefix's tokens")
+    parser.add_argument("--serve-refs", type=int, default=2, help="serve: offline references (1: before only)")
+    parser.add_argument("--cold-starts", default="first start,restart", help="cold: starts to time per variant")
+    parser.add_argument("--prefix-requests", type=int, default=64, help="prefix: requests at once")
+    parser.add_argument("--backend", default="cuda", help="cpu: a smoke test of the phases (with --model)")
+    parser.add_argument("--model", type=Path, default=None, help="this model folder instead of the checkpoints")
     args = parser.parse_args()
+    global BACKEND, MODEL_OVERRIDE
+    BACKEND, MODEL_OVERRIDE = args.backend, args.model
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

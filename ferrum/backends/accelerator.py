@@ -20,8 +20,9 @@ class AcceleratorBackend(ComputeBackend):
         return self._runtime.memory_held()
 
     async def _prepare_device(self, device: str) -> None:
-        """Checks the device answers (a synchronize), off the event loop."""
-        await asyncio.to_thread(self._runtime.synchronize)
+        """Checks the device answers (its memory is read), off the event loop. This opens no CUDA
+        context: the process that runs the engine opens it, through `device()`."""
+        await asyncio.to_thread(self._runtime.memory_info)
 
     async def synchronize(self, device: str) -> None:
         """Waits, in a worker thread, for all work queued on the device."""

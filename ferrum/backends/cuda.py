@@ -209,9 +209,10 @@ def cuda_device(facts: CudaDeviceFacts, runtime: DeviceRuntime) -> Device:
 
 
 class TorchCudaRuntime:
-    """The live calls for GPU `index` (a DeviceRuntime). Free memory comes from NVML (`nvml`,
-    `handle`) until this process has initialised CUDA, so that asking creates no context; from
-    cudaMemGetInfo after, or when NVML is not there."""
+    """The live calls for GPU `index` (a DeviceRuntime). None of them creates a CUDA context: until
+    this process has initialised CUDA (its engine opened the device), free memory comes from NVML
+    (`nvml`, `handle`), this process holds nothing and has nothing to wait for; after, everything
+    comes from torch.cuda (cudaMemGetInfo for free memory)."""
 
     def __init__(self, index: int, nvml: Nvml | None = None, handle: object = None) -> None:
         self._index = index
@@ -225,24 +226,28 @@ class TorchCudaRuntime:
         return free, total
 
     def memory_held(self) -> int:
-        return torch.cuda.memory_reserved(self._index)
+        return torch.cuda.memory_reserved(self._index) if torch.cuda.is_initialized() else 0
 
     def memory_allocated(self) -> int:
-        return torch.cuda.memory_allocated(self._index)
+        return torch.cuda.memory_allocated(self._index) if torch.cuda.is_initialized() else 0
 
     def peak_memory_held(self) -> int:
-        return torch.cuda.max_memory_reserved(self._index)
+        return torch.cuda.max_memory_reserved(self._index) if torch.cuda.is_initialized() else 0
 
     def reset_peak_memory(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self._index)
+        if torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats(self._index)
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self._index)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize(self._index)
 
     def empty_cache(self) -> None:
+        if not torch.cuda.is_initialized():
+            return
         # cuBLAS keeps a workspace per stream it ran on (a graph capture stream's too) until told
         clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None and torch.cuda.is_initialized():
+        if clear_workspaces is not None:
             clear_workspaces()
         with torch.cuda.device(self._index):
             torch.cuda.empty_cache()

@@ -155,14 +155,14 @@ class LLMEngine:
 
     def _profile(self) -> int:
         """The memory planner's profile (ferrum.engine.memory_plan): a scratch runner with a KV cache
-        for one step runs every eager step size (compiling every kernel before serving), the
-        sampler at its widest, and captures the largest decode graph. Returns its KV cache's bytes."""
+        of two blocks runs every eager step size up to max_num_batched_tokens (compiling every
+        kernel before serving; the rows past the probe's two tokens pad the step), the sampler at
+        its widest, and captures the largest decode graph. Returns its KV cache's bytes."""
         config = self.config
-        tokens = min(config.max_num_batched_tokens, self.max_model_len)
-        blocks = self.layout.blocks_for(tokens) + 2
+        blocks = 2
         graphs = [config.max_num_seqs] if self.device.cuda_graphs and not config.enforce_eager else []
         scratch = self._make_runner(blocks, graph_sizes=graphs)
-        scratch.warm_up(tokens)  # type: ignore[attr-defined]
+        scratch.warm_up(config.max_num_batched_tokens)  # type: ignore[attr-defined]
         _widest_sample(config.max_num_seqs, self.model_config.vocab_size, self.device)
         scratch.release()
         return self.layout.bytes_per_block * (blocks + 1)

@@ -157,3 +157,50 @@ async def test_default_registry_holds_every_gpu_and_auto_picks_one() -> None:
     finally:
         for name in gpu_names:
             await registry.get(name).shutdown()
+
+
+SELECT_WITHOUT_A_CONTEXT = """
+import asyncio, os, torch
+from ferrum.backends.registry import create_default_registry
+from ferrum.backends.selection import select_backend
+from ferrum.backends.nvml import Nvml
+
+async def main():
+    registry = await create_default_registry()
+    backend, device = await select_backend(registry, "cuda")
+    caps = backend.capabilities()
+    await backend.shutdown()
+    nvml = Nvml.load()
+    gpu = nvml.visible_gpus()[0]
+    print(device, caps.free_memory_bytes > 0, torch.cuda.is_initialized(), os.getpid() in nvml.process_memory(gpu.handle))
+
+asyncio.run(main())
+"""
+
+
+def test_selecting_a_gpu_opens_no_cuda_context() -> None:
+    """The API server selects and shuts down its backend through NVML: no CUDA context in its
+    process (the engine process opens the only one)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", SELECT_WITHOUT_A_CONTEXT], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["cuda:0", "True", "False", "False"]
+
+
+def test_nvml_facts_agree_with_torch() -> None:
+    from ferrum.backends.cuda import nvml_facts
+    from ferrum.backends.nvml import Nvml
+
+    nvml = Nvml.load()
+    assert nvml is not None, "nvidia-ml-py and the driver's NVML are there on a GPU machine"
+    facts = nvml_facts(nvml.visible_gpus()[0])
+    probed = probe_cuda_device(0)
+    assert (facts.name, facts.compute_capability) == (probed.name, probed.compute_capability)
+    assert abs(facts.total_memory_bytes - probed.total_memory_bytes) < 1024 * MIB  # NVML counts reserved memory
+    device = CUDABackend(facts).device()  # the multiprocessor count from torch, where the engine runs
+    assert device.multi_processor_count == probed.multi_processor_count and device.name == DEVICE
