@@ -87,7 +87,6 @@ def read_bandwidth() -> float:
     """Bytes a pure read moves per second (a float32 sum over 2 GiB of bf16): what a GEMV does."""
     big = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")
     t = graph_time(lambda: big.sum(dtype=torch.float32), 10)
-    del big
     return 2 * 2**30 / t
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
 from tests.live_server import stop_process_group
 
 LFS_THRESHOLD = 1 << 20  # files of 1 MiB and more are committed as LFS pointers

@@ -25,9 +25,9 @@ import torch
 
 from ferrum.backends.accelerator import AcceleratorBackend
 from ferrum.backends.base import ComputeBackend
-from ferrum.backends.device import Device, DeviceRuntime
 from ferrum.backends.capabilities import BackendCapabilities
 from ferrum.backends.cpu import limits_from_memory
+from ferrum.backends.device import Device, DeviceRuntime
 
 MPS_MEMORY_ALIGNMENT = 16_384  # bytes; the page size of Apple silicon
 BASE_DTYPES: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16})

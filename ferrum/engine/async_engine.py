@@ -108,7 +108,7 @@ class AsyncEngine(RequestStreams):
             loop.call_soon_threadsafe(self._deliver, outputs, stats)
 
         try:
-            run_engine_loop(self.engine, next_command, emit, lambda: not self._inbox.empty())
+            run_engine_loop(self.engine, next_command, emit)
         except Exception as exc:  # the model failed: fail every waiting request; health reports it
             log.exception("engine step failed")
             loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine step failed: {exc}"))

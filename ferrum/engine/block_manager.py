@@ -14,7 +14,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ferrum.engine.prefix_cache import ROOT_HASH, BlockHash, BlockHasher, PrefixCache, hash_block
+from ferrum.engine.prefix_cache import (
+    ROOT_HASH,
+    BlockHash,
+    BlockHasher,
+    BlockTokens,
+    PrefixCache,
+    hash_block,
+    token_bytes,
+)
 from ferrum.engine.sequence import Sequence
 
 
@@ -83,10 +91,10 @@ class BlockManager:
         if self._cache is None or seq.block_table or seq.num_computed_tokens:
             return []
         shareable = (seq.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(seq, shareable)
         found: list[int] = []
         parent = ROOT_HASH
-        for i, block_hash in enumerate(hashes):
+        for i in range(shareable):  # hashed block by block: a miss ends it (and the hashing)
+            block_hash = self._block_hashes(seq, i + 1)[i]
             block = self._cache.find(block_hash, parent, self._block_tokens(seq, i))
             if block is None:
                 break
@@ -157,13 +165,14 @@ class BlockManager:
         self._ref_counts[block] = 1
         return block
 
-    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
-        return tuple(seq.tokens(index * self.block_size, (index + 1) * self.block_size))
+    def _block_tokens(self, seq: Sequence, index: int) -> BlockTokens:
+        return token_bytes(seq.tokens(index * self.block_size, (index + 1) * self.block_size))
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
-        """The chained hashes of `seq`'s first `num_blocks` full blocks (kept on the sequence)."""
+        """`seq`'s chained block hashes (kept on the sequence), computed up to at least its first
+        `num_blocks` full blocks."""
         hashes = seq.block_hashes
         for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i else ROOT_HASH
             hashes.append(self._hasher(parent, self._block_tokens(seq, i)))
-        return hashes[:num_blocks]
+        return hashes

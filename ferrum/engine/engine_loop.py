@@ -2,9 +2,7 @@
 
 It blocks for a command only when the engine is idle; otherwise it takes the commands that have
 arrived, applies them, and steps. Each round ends with one `emit` of that round's deltas (aborts and
-rejections first, then the step's outputs) and the engine's stats. The engine asks the loop
-(`engine.input_pending`) whether commands have arrived that it has not applied yet, so that a
-greedy burst stops for a request that is on its way instead of running on past it.
+rejections first, then the step's outputs) and the engine's stats.
 """
 
 from __future__ import annotations
@@ -40,12 +38,10 @@ class StopLoop:
 Command = AddRequest | AbortRequest | StopLoop
 NextCommand = Callable[[bool], Command | None]  # block? -> a command, or None if none is waiting
 Emit = Callable[[list[RequestOutput], EngineStats], None]
-Pending = Callable[[], bool]  # whether a command is waiting, without taking it
 
 
-def run_engine_loop(engine: LLMEngine, next_command: NextCommand, emit: Emit, pending: Pending) -> None:
+def run_engine_loop(engine: LLMEngine, next_command: NextCommand, emit: Emit) -> None:
     """Runs until a StopLoop command. Errors from the engine (a failed step) propagate."""
-    engine.input_pending = pending
     while True:
         command = next_command(True) if not engine.has_work else None
         finals: list[RequestOutput] = []

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 
 from ferrum.engine.builder import EngineSpec, build_engine
 from ferrum.engine.engine_loop import Command, run_engine_loop
+from ferrum.engine.heap import freeze_startup_heap
 from ferrum.engine.limits import RequestLimits
 from ferrum.engine.llm_engine import EngineStats
 from ferrum.engine.outputs import RequestOutput
@@ -68,6 +69,7 @@ def run_engine_process(spec: EngineSpec, commands: Connection, results: Connecti
         log.debug("the engine could not start", exc_info=True)
         results.send(StartFailed(f"{type(exc).__name__}: {exc}", _portable(exc)))
         sys.exit(1)
+    freeze_startup_heap()
     results.send(Ready(engine.limits, engine.stats()))
 
     def next_command(block: bool) -> Command | None:
@@ -81,7 +83,7 @@ def run_engine_process(spec: EngineSpec, commands: Connection, results: Connecti
 
     failed = False
     try:
-        run_engine_loop(engine, next_command, emit, commands.poll)
+        run_engine_loop(engine, next_command, emit)
     except (EOFError, BrokenPipeError):  # the server is gone: nobody to serve
         pass
     except Exception as exc:

@@ -10,6 +10,7 @@ memory planner, and builds the runner, block manager and scheduler around one `K
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from ferrum.backends.device import Device
 from ferrum.dtypes import dtype_name
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.config import EngineConfig
+from ferrum.engine.heap import thaw_heap
 from ferrum.engine.limits import PromptTooLongError, RequestLimits
 from ferrum.engine.memory_plan import in_use_bytes, plan_gpu, plan_host
 from ferrum.engine.observer import StepKind, StepObserver, StepRecord
@@ -109,8 +111,6 @@ class LLMEngine:
                              self.outputs.eos_token_ids)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, bursts)
         self.sequences: dict[str, Sequence] = {}
-        # whether requests have arrived that the engine loop has not added yet (the loop sets it)
-        self.input_pending: Callable[[], bool] = lambda: False
         # greedy decodes queued on the device whose tokens the host has not read yet
         self._burst: tuple[list[Sequence], GreedyBurst] | None = None
         self._observers: list[StepObserver] = []
@@ -176,10 +176,13 @@ class LLMEngine:
             )
 
     def release(self) -> None:
-        """Frees what the engine holds on its device (KV cache, CUDA graphs, weights); the engine
-        cannot step afterwards."""
+        """Frees what the engine holds on its device (KV cache, CUDA graphs, weights) and hands the
+        memory back to the driver; the engine cannot step afterwards."""
         self.runner.release()
         self.model = None  # type: ignore[assignment]
+        thaw_heap()  # a serving process froze its start-up objects, the model's among them
+        gc.collect()
+        self.device.runtime.empty_cache()
 
     def add_observer(self, observer: StepObserver) -> Callable[[], None]:
         """Have `observer` called with a StepRecord after every step; returns its removal."""
@@ -220,7 +223,7 @@ class LLMEngine:
             seqs = self._finish_burst()
             record.update(kind="burst", num_tokens=len(seqs))
         else:
-            plan = self.scheduler.schedule(input_pending=self.input_pending())
+            plan = self.scheduler.schedule()
             self._preemptions += plan.num_preempted
             if plan.empty:
                 return []
@@ -274,7 +277,7 @@ class LLMEngine:
         self._burst = None
         following = self._queue_ahead(seqs, burst.steps)
         chosen = self.runner.read_greedy(burst)
-        if following is None and self.scheduler.burst_continues(seqs, chosen, self.input_pending()):
+        if following is None and self.scheduler.burst_continues(seqs, chosen):
             following = self._continue(seqs, len(chosen))
         if following is not None:
             self._burst = (seqs, following)
@@ -303,7 +306,7 @@ class LLMEngine:
         does stop has the rest of its rows dropped when they are read, as after any stop, and
         the following burst is not queued ahead. Not while a request waits for a free slot (it
         would wait one burst longer), nor for sequences with stop strings."""
-        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending(self.input_pending()):
+        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending():
             return None
         if any(seq.is_finished or seq.params.stop for seq in seqs):
             return None

@@ -68,6 +68,7 @@ def plan_gpu(
     and sampler with the weights loaded and returns the bytes of its scratch KV cache."""
     runtime = device.runtime
     runtime.synchronize()
+    runtime.empty_cache()  # blocks cached from earlier work are not the model's: hand them back first
     weights = runtime.memory_held()
     runtime.reset_peak_memory()
     scratch = profile()

@@ -22,7 +22,8 @@ sequence's length limits. While a burst runs, the engine may have the next one q
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence as SequenceOf
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 from ferrum.engine.block_manager import BlockManager
@@ -97,9 +98,8 @@ class Scheduler:
             self.blocks.cache_computed_blocks(seq)
 
     # -- one step ---------------------------------------------------------------------------------
-    def schedule(self, *, input_pending: bool = False) -> SchedulerOutput:
-        """The next step. `input_pending`: requests have arrived that are not added yet (they will be
-        before the next step): a burst is then kept to one iteration, as for a waiting request."""
+    def schedule(self) -> SchedulerOutput:
+        """The next step."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted = 0
@@ -139,7 +139,7 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
 
-        burst = self._plan_burst(scheduled, input_pending) if scheduled and not preempted else 0
+        burst = self._plan_burst(scheduled) if scheduled and not preempted else 0
         return SchedulerOutput(tuple(scheduled), preempted, burst)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -149,7 +149,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- greedy bursts ----------------------------------------------------------------------------
-    def _plan_burst(self, scheduled: SequenceOf[ScheduledSequence], input_pending: bool) -> int:
+    def _plan_burst(self, scheduled: SequenceOf[ScheduledSequence]) -> int:
         """Decode iterations to run on the device in one go (0: an ordinary step): only when every
         sequence decodes greedily without logprobs or penalties; one while a request could be
         admitted; else as many as every sequence may take and the free blocks allow."""
@@ -157,7 +157,7 @@ class Scheduler:
             return 0
         if not all(s.is_decode and _burstable(s.seq) for s in scheduled):
             return 0
-        if self.admission_pending(input_pending):
+        if self.admission_pending():
             return 1
         seqs = [s.seq for s in scheduled]
         computed = [seq.num_computed_tokens for seq in seqs]
@@ -172,18 +172,18 @@ class Scheduler:
         room = self._room(seqs, [len(seq.output_token_ids) + ahead for seq in seqs], computed)
         return self._grow_for(seqs, computed, room)
 
-    def burst_continues(self, seqs: SequenceOf[Sequence], rows: list[list[int]], input_pending: bool) -> bool:
+    def burst_continues(self, seqs: SequenceOf[Sequence], rows: list[list[int]]) -> bool:
         """Whether every sequence is sure to run on after the burst whose chosen ids are `rows`
         ([iteration][sequence]), judged without detokenizing (not aborted, no stop token, not at
         its length limits, no stop strings), and no request waits for a free slot."""
-        if self.admission_pending(input_pending):
+        if self.admission_pending():
             return False
         return all(self._keeps_going(seq, [row[i] for row in rows]) for i, seq in enumerate(seqs))
 
-    def admission_pending(self, input_pending: bool = False) -> bool:
-        """A request waits (or is arriving) and a running slot is free for it (with every slot taken,
-        it waits for a sequence to finish, which ends a burst anyway)."""
-        return (bool(self.waiting) or input_pending) and len(self.running) < self.max_num_seqs
+    def admission_pending(self) -> bool:
+        """A request waits and a running slot is free for it (with every slot taken, it waits for a
+        sequence to finish, which ends a burst anyway)."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def _room(self, seqs: SequenceOf[Sequence], outputs: list[int], computed: list[int]) -> int:
         steps = self.bursts.max_steps

@@ -22,6 +22,7 @@ from ferrum.backends.selection import select_backend
 from ferrum.config import ConfigError, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine, EngineClient
 from ferrum.engine.builder import EngineSpec
+from ferrum.engine.heap import freeze_startup_heap
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.process_client import ProcessEngineClient
 from ferrum.models.config import load_model_config
@@ -115,6 +116,7 @@ async def serve(config: ServerConfig) -> None:
     try:
         await engine.start()
         app = create_app(engine, config.model_name)
+        freeze_startup_heap()
         server = uvicorn.Server(
             uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
         )

@@ -273,6 +273,11 @@ class DownloadCache:
                     entries.append(_Entry(st.st_mtime, st.st_size, path.name[: -len(_PARTIAL)], False))
         return entries
 
+    def abandon_partial(self, key: str) -> bool:
+        """Delete `key`'s partial download and its side files unless a download holds its lock.
+        True when nothing of it is left."""
+        return self._evict(_Entry(0.0, 0, check_key(key), False))
+
     def _evict(self, entry: _Entry) -> bool:
         """Remove `entry` unless it is in use. True when removed."""
         path = self.blob_path(entry.key) if entry.is_blob else self.lock_path(entry.key)

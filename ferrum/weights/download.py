@@ -79,6 +79,7 @@ class Downloader:
             root = self._tmp_root = Path(tempfile.mkdtemp(prefix="ferrum-downloads-"))
         self.cache = DownloadCache(root, config.max_cache_size_bytes)
         self._transfers: dict[str, _Transfer] = {}
+        self._cancelled: set[str] = set()  # keys whose unfinished download was cancelled (partial kept)
 
     def __repr__(self) -> str:
         return f"Downloader({self.cache!r})"
@@ -123,6 +124,15 @@ class Downloader:
         if self._tmp_root is not None:
             shutil.rmtree(self._tmp_root, ignore_errors=True)
             self._tmp_root = None
+
+    def discard_cancelled(self) -> None:
+        """Delete the partials kept by downloads this downloader cancelled (for a load given up for
+        good, e.g. because another file of the model failed verification); a partial another
+        download is resuming right now stays."""
+        for key in sorted(self._cancelled):
+            if key not in self._transfers and self.cache.abandon_partial(key):
+                log.info("%s: discarded the partial download of a load given up", key)
+        self._cancelled.clear()
 
     def _existing(self, key: str) -> _Transfer | None:
         transfer = self._transfers.get(key)
@@ -274,6 +284,8 @@ class _Transfer:
         if self.task is not None and not self.task.done():
             self.task.cancel()
             await asyncio.wait({self.task})
+            if not self.committed:
+                self.downloader._cancelled.add(self.key)
         await self._close_fd()
 
     async def _close_fd(self) -> None:

@@ -40,6 +40,7 @@ import torch
 
 from ferrum.weights.errors import (
     CorruptWeightsError,
+    IntegrityError,
     SourceNotFoundError,
     SpecMismatchError,
     TensorNotFoundError,
@@ -49,13 +50,13 @@ from ferrum.weights.errors import (
 from ferrum.weights.formats import (
     OpenedWeights,
     StoredBytes,
-    stored_dtype,
     format_from_name,
     is_index_name,
     metadata_from_header,
     open_bytes,
     open_local,
     parse_index,
+    stored_dtype,
     tensor_from_bytes,
 )
 from ferrum.weights.model_files import local_weights
@@ -264,7 +265,8 @@ class WeightLoader:
         for spec in by_name.values():
             groups.setdefault(object_of(spec.source), []).append(spec)
         try:
-            parts = await _all(self._load_group(source, group, sink) for source, group in groups.items())
+            parts = await self._given_up_on_bad_bytes(
+                _all(self._load_group(source, group, sink) for source, group in groups.items()))
         finally:
             if sink is not None:
                 await asyncio.to_thread(sink.writer.finish)
@@ -329,7 +331,8 @@ class WeightLoader:
             source = await asyncio.to_thread(_existing_local_file, source)
         if _is_index(source):
             path, shards = await self._index(source)
-            await _all(self.preload(sibling(source, shard)) for shard in dict.fromkeys(shards.values()))
+            await self._given_up_on_bad_bytes(
+                _all(self.preload(sibling(source, shard)) for shard in dict.fromkeys(shards.values())))
             return path
         if isinstance(source, File):
             return source.path
@@ -415,6 +418,16 @@ class WeightLoader:
         return _merged_metadata(index.display, shards, metas)
 
     # ------------------------------------------------------------------------------------- remote
+
+    async def _given_up_on_bad_bytes(self, work: Awaitable[T]) -> T:
+        """`work`'s result; when a file fails verification, the partials its cancelled siblings
+        kept for resuming go too (a model with a bad file is not resumed: nothing of it stays)."""
+        try:
+            return await work
+        except IntegrityError:
+            if self._downloader is not None:
+                self._downloader.discard_cancelled()
+            raise
 
     def _get_downloader(self) -> Downloader:
         if self._downloader is None:

@@ -13,7 +13,13 @@ from typing import Literal, TypeAlias
 import torch
 
 from ferrum.weights.dtypes import as_dtype, as_shape
-from ferrum.weights.sources import SOURCE_TYPES, PicklableMappings, WeightFormat, WeightSource, normalize_sha256
+from ferrum.weights.sources import (
+    SOURCE_TYPES,
+    PicklableMappings,
+    WeightFormat,
+    WeightSource,
+    normalize_sha256,
+)
 from ferrum.weights.transforms import TensorTransformation
 
 __all__ = [

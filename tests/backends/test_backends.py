@@ -19,7 +19,6 @@ from ferrum.backends import cuda as cuda_module
 from ferrum.backends import mps as mps_module
 from ferrum.backends import registry as registry_module
 from ferrum.backends.base import BackendReleaseError, BackendStatus, ComputeBackend
-from ferrum.backends.device import Device
 from ferrum.backends.capabilities import (
     BackendCapabilities,
     BackendRequirements,
@@ -29,6 +28,7 @@ from ferrum.backends.capabilities import (
 )
 from ferrum.backends.cpu import CPUBackend, SystemMemory, limits_from_memory
 from ferrum.backends.cuda import CUDABackend, CudaDeviceFacts
+from ferrum.backends.device import Device
 from ferrum.backends.mps import MPSBackend, MpsDeviceFacts
 from ferrum.backends.registry import BackendRegistry, create_default_registry
 from ferrum.backends.selection import BackendSelectionError, parse_backend_spec, select_backend

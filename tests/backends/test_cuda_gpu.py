@@ -4,6 +4,7 @@ backend from stub facts on any machine."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 
 import pytest
@@ -85,6 +86,8 @@ def test_claimed_attention_kernels_run(gpu: CUDABackend) -> None:
 
 async def test_status_reports_the_memory_a_hook_then_frees(gpu: CUDABackend) -> None:
     await gpu.initialize(DEVICE)
+    gc.collect()  # tensors earlier tests dropped, and the blocks torch still caches, are not this test's
+    torch.cuda.empty_cache()
     allocated_before = torch.cuda.memory_allocated(0)
     in_use_before = gpu.status().memory_in_use_bytes
     assert in_use_before == torch.cuda.memory_reserved(0)
@@ -95,13 +98,15 @@ async def test_status_reports_the_memory_a_hook_then_frees(gpu: CUDABackend) -> 
 
     await gpu.shutdown()
     assert held == {}
-    assert torch.cuda.memory_allocated(0) == allocated_before
-    assert gpu.status().memory_in_use_bytes == in_use_before
+    assert torch.cuda.memory_allocated(0) <= allocated_before  # the held 256 MiB are gone
+    assert gpu.status().memory_in_use_bytes <= in_use_before  # and handed back to the driver
     assert not gpu.status().ready and gpu.status().last_error is None
 
 
 async def test_release_device_frees_a_captured_cuda_graph(gpu: CUDABackend) -> None:
     await gpu.initialize(DEVICE)
+    gc.collect()  # tensors earlier tests dropped, and the blocks torch still caches, are not this test's
+    torch.cuda.empty_cache()
     allocated_before = torch.cuda.memory_allocated(0)
     reserved_before = torch.cuda.memory_reserved(0)
 
@@ -126,7 +131,7 @@ async def test_release_device_frees_a_captured_cuda_graph(gpu: CUDABackend) -> N
 
     await gpu.release_device(DEVICE)
     assert held == {}
-    assert torch.cuda.memory_allocated(0) == allocated_before
+    assert torch.cuda.memory_allocated(0) <= allocated_before  # the held 256 MiB are gone
     assert torch.cuda.memory_reserved(0) == reserved_before
     assert gpu.status().active_devices == ()
 

@@ -6,6 +6,7 @@ caching must equal those without it.
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.prefix_cache import ROOT_HASH, hash_block
+from ferrum.engine.prefix_cache import ROOT_HASH, hash_block, token_bytes
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import Scheduler, SchedulerOutput
 from ferrum.engine.sequence import Sequence
@@ -49,10 +50,12 @@ def _compute_all(bm: BlockManager, seq: Sequence) -> list[int]:
 
 
 def test_block_hashes_chain_over_the_whole_prefix() -> None:
-    assert hash_block(ROOT_HASH, (1, 2)) == hash_block(ROOT_HASH, (1, 2))
-    assert hash_block(ROOT_HASH, (1, 2)) != hash_block(ROOT_HASH, (2, 1))
+    assert hash_block(ROOT_HASH, token_bytes((1, 2))) == hash_block(ROOT_HASH, token_bytes((1, 2)))
+    assert hash_block(ROOT_HASH, token_bytes((1, 2))) != hash_block(ROOT_HASH, token_bytes((2, 1)))
     # the same block after a different prefix is a different block
-    assert hash_block(hash_block(ROOT_HASH, (1, 2)), (5, 6)) != hash_block(hash_block(ROOT_HASH, (3, 4)), (5, 6))
+    after_12 = hash_block(ROOT_HASH, token_bytes((1, 2)))
+    after_34 = hash_block(ROOT_HASH, token_bytes((3, 4)))
+    assert hash_block(after_12, token_bytes((5, 6))) != hash_block(after_34, token_bytes((5, 6)))
 
     bm = BlockManager(num_blocks=16, block_size=2)
     a = _seq("a", [1, 2, 3, 4, 5, 6, 7])
@@ -63,7 +66,7 @@ def test_block_hashes_chain_over_the_whole_prefix() -> None:
     assert [len(s.block_hashes) for s in (a, b, c)] == [3, 3, 3]  # full blocks only
     assert a.block_hashes[:2] == b.block_hashes[:2] and a.block_hashes[2] != b.block_hashes[2]
     assert not set(a.block_hashes) & set(c.block_hashes)  # one changed token changes every later hash
-    assert a.block_hashes[1] == hash_block(hash_block(ROOT_HASH, (1, 2)), (3, 4))
+    assert a.block_hashes[1] == hash_block(hash_block(ROOT_HASH, token_bytes((1, 2))), token_bytes((3, 4)))
 
 
 # --- sharing and reference counts ----------------------------------------------------------------
@@ -197,7 +200,7 @@ def test_a_popular_prefix_survives_while_cold_blocks_are_evicted() -> None:
 
 
 def test_a_hash_collision_never_serves_another_prefix() -> None:
-    def constant(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    def constant(parent: bytes, tokens: bytes) -> bytes:
         return b"same"
 
     bm = BlockManager(num_blocks=8, block_size=2, block_hasher=constant)
@@ -205,8 +208,8 @@ def test_a_hash_collision_never_serves_another_prefix() -> None:
     assert bm.cached_prefix(_seq("b", [9, 9, 3])) == []  # equal hash, other tokens: a miss
     assert len(bm.cached_prefix(_seq("c", [1, 2, 3]))) == 1
 
-    def tokens_only(parent: bytes, tokens: tuple[int, ...]) -> bytes:  # forgets the prefix
-        return repr(tokens).encode()
+    def tokens_only(parent: bytes, tokens: bytes) -> bytes:  # forgets the prefix
+        return tokens
 
     bm = BlockManager(num_blocks=16, block_size=2, block_hasher=tokens_only)
     other = _seq("other", [9, 9, 5, 6, 0])
@@ -217,6 +220,22 @@ def test_a_hash_collision_never_serves_another_prefix() -> None:
     again = _seq("again", [1, 2, 5, 6, 0])
     # [1 2] hits; [5 6] names other's block, whose parent is [9 9], not [1 2]: refused
     assert bm.cached_prefix(again) == mine.block_table[:1]
+
+
+def test_the_index_gives_the_garbage_collector_nothing_to_track() -> None:
+    """Thousands of cached blocks add no container objects for the collector to walk: a full
+    collection in the engine process would otherwise stall steps as the cache fills."""
+    bm = BlockManager(num_blocks=4096, block_size=4)
+    seqs = [_seq(f"s{i}", list(range(i * 64, i * 64 + 64)) + [1]) for i in range(60)]
+    for seq in seqs[:1]:
+        _compute_all(bm, seq)
+    gc.collect()
+    tracked = len(gc.get_objects())
+    for seq in seqs[1:]:
+        _compute_all(bm, seq)
+    gc.collect()
+    assert bm.num_cached >= 59 * 16
+    assert len(gc.get_objects()) - tracked < 59 * 4  # a few per sequence (its lists), none per block
 
 
 # --- disabled -------------------------------------------------------------------------------------

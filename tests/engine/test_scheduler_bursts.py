@@ -69,10 +69,13 @@ def test_a_runner_without_bursts_gets_none() -> None:
     assert sched.schedule().burst == 0
 
 
-def test_a_request_waiting_for_a_free_slot_or_arriving_keeps_bursts_to_one_iteration() -> None:
+def test_a_request_waiting_for_a_free_slot_keeps_bursts_to_one_iteration() -> None:
     sched = _scheduler()
     _running(sched, _decoding("a"))
-    assert sched.schedule(input_pending=True).burst == 1  # a request is on its way to the engine
+    sched.add(Sequence("w", [1, 2, 3], GREEDY, 0.0))
+    plan = sched.schedule()
+    assert plan.burst == 0 and len(plan.scheduled) == 2  # the waiting request is admitted: a mixed step
+    assert sched.schedule().burst == 0  # w's first decode needs its prefill's token first
     full = _scheduler(max_num_seqs=1)
     _running(full, _decoding("a"))
     full.add(Sequence("w", [1, 2, 3], GREEDY, 0.0))  # waits for a slot no burst frees: bursts go on
@@ -97,19 +100,20 @@ def test_a_burst_is_followed_only_when_no_sequence_can_have_stopped() -> None:
     a, b = _decoding("a"), _decoding("b", params=SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     _running(sched, a, b)
     # rows: [iteration][sequence]
-    assert sched.burst_continues([a, b], [[1, 2], [3, 4]], input_pending=False)
-    assert not sched.burst_continues([a, b], [[1, 2], [EOS, 4]], input_pending=False)  # a met EOS
-    assert sched.burst_continues([a, b], [[1, EOS], [3, 4]], input_pending=False)  # b ignores EOS
-    assert not sched.burst_continues([a, b], [[1, 2], [3, 4]], input_pending=True)  # a request arrives
+    assert sched.burst_continues([a, b], [[1, 2], [3, 4]])
+    assert not sched.burst_continues([a, b], [[1, 2], [EOS, 4]])  # a met EOS
+    assert sched.burst_continues([a, b], [[1, EOS], [3, 4]])  # b ignores EOS
+    sched.add(Sequence("w", [1, 2, 3], GREEDY, 0.0))
+    assert not sched.burst_continues([a, b], [[1, 2], [3, 4]])  # a request waits for a free slot
     stopping = _decoding("c", params=SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=[5]))
     strings = _decoding("d", params=SamplingParams(max_tokens=50, temperature=0.0, stop=["x"]))
     short = _decoding("e", params=SamplingParams(max_tokens=3, temperature=0.0))
     other = _scheduler()
     _running(other, stopping, strings, short)
-    assert not other.burst_continues([stopping], [[5]], input_pending=False)
-    assert not other.burst_continues([strings], [[1]], input_pending=False)  # stop strings need the text
-    assert not other.burst_continues([short], [[1], [2]], input_pending=False)  # at max_tokens after them
-    assert other.burst_continues([short], [[1]], input_pending=False)
+    assert not other.burst_continues([stopping], [[5]])
+    assert not other.burst_continues([strings], [[1]])  # stop strings need the text
+    assert not other.burst_continues([short], [[1], [2]])  # at max_tokens after them
+    assert other.burst_continues([short], [[1]])
 
 
 def test_computed_blocks_are_registered_while_the_step_runs() -> None:

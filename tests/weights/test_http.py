@@ -24,8 +24,8 @@ from ferrum.weights.remote import RetryPolicy
 from ferrum.weights.safetensors_header import header_length, parse_header
 from ferrum.weights.sources import Url
 from ferrum.weights.spec import WeightLoaderConfig
-from tests.fault_server import FaultServer
 from tests.conftest import weights_config
+from tests.fault_server import FaultServer
 
 CHUNK = 64 * 1024
 FAST_RETRY = RetryPolicy(max_retries=3, base_delay_s=0.02, max_delay_s=0.1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from ferrum.weights import File, S3, TensorSpec, Url, WeightLoader
+from ferrum.weights import S3, File, TensorSpec, Url, WeightLoader
 from ferrum.weights.errors import IntegrityError, SpecMismatchError
 from ferrum.weights.transforms import Cast
 from tests.conftest import S3Bucket, weights_config

@@ -135,3 +135,29 @@ def test_serve_stops_on_bad_weights_naming_the_file(
     partial = cache / "partial"
     assert not partial.exists() or not list(partial.glob("*.partial"))
     assert not any(p.name.startswith("url--") for p in (cache / "models").iterdir())
+
+
+@pytest.mark.slow
+def test_a_bad_file_takes_the_partials_of_its_siblings_with_it(
+    fault_server: FaultServer, tiny: Path, tmp_path: Path
+) -> None:
+    """Shard 1 is still arriving (stalled mid-body) when shard 2 fails its pinned checksum: start-up
+    stops, and shard 1's partial, cancelled, is deleted rather than kept for a resume."""
+    files = folder_files(tiny)
+    fault_server.files.update({f"tiny/{name}": data for name, data in files.items()})
+    first, second = sorted(n for n in files if n.startswith("model-0000"))
+    fault_server.faults.stall_at_offset = len(files[first]) // 2
+    fault_server.faults.stall_s = 20.0
+    fault_server.faults.fault_path = f"/tiny/{first}"
+    cache = tmp_path / "cache"
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"model: {{source: url, url: '{fault_server.url('tiny/')}', sha256: {{{second}: '{'ab' * 32}'}}}}\n"
+        f"weights: {{cache_dir: '{cache}'}}\n"
+    )
+    result = run_cli("serve", "--config", str(config), "--backend", "cpu", "--port", "1")
+    assert_one_clear_error(result, second, "sha256")
+    assert any(r.path == f"/tiny/{first}" and r.method == "GET" for r in fault_server.requests)
+    assert not list((cache / "partial").glob("*")), "no partial, progress or lock file stays"
+    assert all(blob.stat().st_size not in (len(files[first]), len(files[second]))
+               for blob in (cache / "blobs").glob("*"))

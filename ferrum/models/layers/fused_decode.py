@@ -14,9 +14,9 @@ import torch
 from ferrum.kernels.config import GemvTable
 
 if TYPE_CHECKING:
+    from ferrum.engine.kv_layout import KVCache
     from ferrum.models.attention.triton_paged import TritonAttentionBatch
     from ferrum.models.llama import LlamaForCausalLM
-    from ferrum.engine.kv_layout import KVCache
 
 
 class FusedDecode:
