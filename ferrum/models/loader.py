@@ -11,10 +11,11 @@ S3 object or URL streamed as its bytes arrive while the verified cache is writte
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
@@ -32,6 +33,7 @@ from ferrum.weights.transforms import Cast
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class WeightsError(WeightError, ValueError):
@@ -105,18 +107,60 @@ async def load_weights(model: LlamaForCausalLM, weights: WeightSource, device: D
 def load_model(
     config: ModelConfig, weights: WeightSource, device: Device, dtype: torch.dtype, ops: LayerOps, loader: WeightLoader
 ) -> LlamaForCausalLM:
-    """build_model, then load_weights, from synchronous code (the engine's constructor)."""
+    """build_model, then load_weights, from synchronous code (the engine's constructor). A remote
+    checkpoint starts downloading first (`WeightLoader.fetching`), so its bytes arrive while the
+    model is built on this thread."""
     started = time.perf_counter()
-    model = build_model(config, device, dtype, ops)
-    device.runtime.synchronize()
-    reading = time.perf_counter()
-    nbytes = run_sync(load_weights(model, weights, device, loader))
+    built: concurrent.futures.Future[LlamaForCausalLM] = concurrent.futures.Future()
+    reading = started
+
+    async def fill() -> int:
+        nonlocal reading
+        async with loader.fetching(weights):
+            model = await asyncio.wrap_future(built)
+            reading = time.perf_counter()
+            return await load_weights(model, weights, device, loader)
+
+    def build() -> LlamaForCausalLM:
+        try:
+            model = build_model(config, device, dtype, ops)
+            device.runtime.synchronize()
+        except BaseException as exc:
+            built.set_exception(exc)
+            raise
+        built.set_result(model)
+        return model
+
+    model, nbytes = run_beside(fill(), build)
     device.runtime.synchronize()
     done = time.perf_counter()
     log.info("loaded %.2f GB of weights from %s to %s in %.2fs (%.2f GB/s; model set-up before them %.2fs)",
              nbytes / 1e9, weights.display, device.name, done - reading, nbytes / 1e9 / max(done - reading, 1e-9),
              reading - started)
     return model
+
+
+def run_beside(coroutine: Coroutine[Any, Any, T], work: Callable[[], R]) -> tuple[R, T]:
+    """`work()` on this thread while `coroutine` runs on an event loop of its own thread; both
+    results. An error of either is raised once both have ended (work's first)."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(asyncio.run(coroutine))
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="ferrum-load")
+    thread.start()
+    try:
+        done = work()
+    finally:
+        thread.join()
+    if error:
+        raise error[0]
+    return done, result[0]
 
 
 def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:

@@ -261,6 +261,7 @@ class _Transfer:
         self.chunk_size = 0  # 0 until the layout is known (after the lock and the side file)
         self.done: set[int] = set()
         self.pending: deque[int] = deque()
+        self.draining = False  # a chunk failed for good: no worker takes another
         self.progress: ChunkProgress | None = None
         self._save_lock = asyncio.Lock()
         self._dirty = False
@@ -427,7 +428,13 @@ class _Transfer:
         workers = [asyncio.create_task(self._worker(progress))
                    for _ in range(min(self.config.max_concurrent_downloads, len(self.pending)))]
         try:
-            await asyncio.gather(*workers)
+            if workers:
+                await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t.exception() for t in workers if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                self.draining = True  # the others finish the chunk in hand (kept for a resume), then stop
+                await asyncio.wait(workers)
+                raise failed
             self._verify(await hasher if hasher is not None else None)
         except BaseException:
             for task in (*workers, hasher):
@@ -521,7 +528,7 @@ class _Transfer:
         # Sources that can stream a range (`read_range_into`) have each piece written at its offset as
         # it arrives; others return the whole chunk from `read_range`.
         stream = getattr(self.obj, "read_range_into", None)
-        while self.pending:
+        while self.pending and not self.draining:
             index = self.pending.popleft()
             start = index * self.chunk_size
             end = start + self._length(index)

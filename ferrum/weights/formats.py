@@ -262,7 +262,7 @@ class SafetensorsReader(OpenedWeights):
             name = self.name
 
             def pread(buffer: memoryview, offset: int) -> None:
-                _pread_into(fd, buffer, start + offset, name)
+                pread_into(fd, buffer, start + offset, name)
 
             return StoredBytes(dtype, entry.shape, pread)
         data = memoryview(self._buf)
@@ -291,8 +291,9 @@ class SafetensorsReader(OpenedWeights):
                 self._fd = None
 
 
-def _pread_into(fd: int, buffer: memoryview, position: int, name: str) -> None:
-    """Fills `buffer` from the file at `position` (preadv until it is full)."""
+def pread_into(fd: int, buffer: memoryview, position: int, name: str) -> None:
+    """Fills `buffer` from the file at `position` (preadv until it is full; `name` for the error
+    when the file ends first)."""
     done = 0
     while done < len(buffer):
         got = os.preadv(fd, [buffer[done:]], position + done)

@@ -11,8 +11,10 @@ is opened / fetched once, and works on all groups at once):
     Memory      read from the bytes (copied out once)
     HuggingFace hub.hub_fetch (huggingface_hub's cache), then as a File
     Url / S3    SafeTensors: streamed: download.Downloader.open(obj) fetches the file into the cache
-                while each tensor is made as soon as `wait_range` says its bytes are in; the download's
-                verification (`result()`) is awaited before anything is returned.
+                while each tensor is made as soon as `wait_range` says its bytes are in (read from
+                the cache's file as it grows); the download's verification (`result()`) is awaited
+                before anything is returned. `fetching(source)` starts those downloads ahead, while
+                the caller prepares (builds the model); the loads inside it join them.
                 Other formats: Downloader.fetch, then as a File.
 
 Transformations, the shape / dtype check and the move to `spec.device` run in threads, as does
@@ -23,7 +25,8 @@ With `into` (and the `Device` the destinations live on), each tensor goes straig
 destination (a model's parameter, or rows of one) as soon as its bytes are there, through the
 device's writer (ferrum.backends.transfer: pinned staging on CUDA, the destination's own memory
 on the CPU): stored bytes that need no transformation are read directly into it (pread from a
-local file, or the bytes just downloaded), others are made, transformed and checked first.
+local file, or from the download's file as its bytes arrive), others are made, transformed and
+checked first.
 Destinations are written by several threads at once.
 """
 
@@ -31,7 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -56,6 +61,7 @@ from ferrum.weights.formats import (
     open_bytes,
     open_local,
     parse_index,
+    pread_into,
     stored_dtype,
     tensor_from_bytes,
 )
@@ -85,7 +91,7 @@ from ferrum.weights.transforms import apply_transformations, check_result
 if TYPE_CHECKING:
     from ferrum.backends.device import Device
     from ferrum.backends.transfer import DeviceWriter
-    from ferrum.weights.download import Downloader
+    from ferrum.weights.download import Download, Downloader
     from ferrum.weights.remote import RemoteObject
 
 __all__ = ["WeightLoader"]
@@ -338,6 +344,41 @@ class WeightLoader:
             return source.path
         return await self._fetch(source)
 
+    @asynccontextmanager
+    async def fetching(self, source: WeightSource) -> AsyncIterator[None]:
+        """Start downloading `source` now (a remote file, or every shard of a remote index) into
+        the cache, without waiting: bytes arrive while the caller prepares (builds the model), and
+        `load_tensors` inside the block joins these downloads. Leaving the block lets go of them
+        (one nobody else joined is cancelled, its partial kept). Nothing for local, Hub or memory
+        sources."""
+        source = object_of(source)
+        started: list[tuple[RemoteObject, Download]] = []
+        try:
+            if isinstance(source, (Url, S3)):
+                files = [source]
+                if _is_index(source):
+                    _, shards = await self._index(source)
+                    files = [sibling(source, shard) for shard in dict.fromkeys(shards.values())]
+                for file in files:
+                    assert isinstance(file, (Url, S3))
+                    obj = self._remote_object(file)
+                    try:
+                        started.append((obj, await self._get_downloader().open(obj, self._expected_sha256(file))))
+                    except BaseException:
+                        await _close(obj)
+                        raise
+            yield
+        except IntegrityError:  # a bad file: the partials of these, cancelled now, go too
+            for _obj, download in started:
+                await download.aclose()
+            if self._downloader is not None:
+                self._downloader.discard_cancelled()
+            raise
+        finally:
+            for obj, download in started:  # the download first: it reads through its object
+                await download.aclose()
+                await _close(obj)
+
     # ------------------------------------------------------------------------------------- groups
 
     async def _load_group(
@@ -473,15 +514,19 @@ class WeightLoader:
         obj = self._remote_object(source)
         try:
             download = await self._get_downloader().open(obj, self._expected_sha256(source))
-            async with download:
+            async with download, _GrowingFile(download) as file:
                 size = download.size
 
-                async def read(start: int, end: int) -> bytes:
+                async def arrived(start: int, end: int) -> None:
                     try:
-                        return await download.read(start, end)
+                        await download.wait_range(start, end)
                     except WeightError:
                         await download.result()  # a failed download: raise its own error (IntegrityError...)
                         raise
+
+                async def read(start: int, end: int) -> bytes:
+                    await arrived(start, end)
+                    return await file.read(start, end)
 
                 n = header_length(await read(0, min(8, size)), file_size=size, name=source.display)
                 raw = await read(8, 8 + n)
@@ -494,7 +539,12 @@ class WeightLoader:
                 reader_name = source.display
 
                 async def one(spec: TensorSpec) -> torch.Tensor:
-                    data = await read(*header.file_range(spec.stored_name))
+                    start, end = header.file_range(spec.stored_name)
+                    if sink is not None and not spec.transformations:  # file -> destination, one copy
+                        await arrived(start, end)
+                        stored = file.stored(header, spec.stored_name, reader_name)
+                        return await file.run(sink.put_stored, spec, stored, reader_name)
+                    data = await read(start, end)
                     if sink is not None:
                         return await asyncio.to_thread(_streamed_into, data, header, spec, reader_name, sink)
                     return await asyncio.to_thread(_streamed_tensor, data, header, spec, reader_name)
@@ -609,18 +659,63 @@ def _streamed_tensor(data: bytes, header: SafetensorsHeader, spec: TensorSpec, n
 def _streamed_into(
     data: bytes, header: SafetensorsHeader, spec: TensorSpec, name: str, sink: _Sink
 ) -> torch.Tensor:
-    """Downloaded bytes into the spec's destination (directly when it needs no transformation). Blocking."""
-    if spec.transformations:
-        return sink.put_tensor(spec, _streamed_tensor(data, header, spec, name))
-    entry = header.tensors[spec.stored_name]
-    if len(data) != entry.nbytes:
-        raise CorruptWeightsError(name, f"tensor {entry.name!r}: got {len(data)} bytes, expected {entry.nbytes}")
-    view = memoryview(data)
+    """Downloaded bytes, transformed and checked, into the spec's destination. Blocking."""
+    return sink.put_tensor(spec, _streamed_tensor(data, header, spec, name))
 
-    def read(buffer: memoryview, offset: int) -> None:
-        buffer[:] = view[offset : offset + len(buffer)]
 
-    return sink.put_stored(spec, StoredBytes(stored_dtype(entry, name), entry.shape, read), name)
+class _GrowingFile:
+    """A download's file in the cache (the partial while it grows, the blob once committed: a
+    descriptor survives the rename), read in threads; closing waits for every read begun."""
+
+    def __init__(self, download: Download) -> None:
+        self._download = download
+        self._fd: int | None = None
+        self._busy: set[asyncio.Future[Any]] = set()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        while self._busy:  # a cancelled await leaves its thread running: let it finish first
+            await asyncio.wait(set(self._busy))
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def fd(self) -> int:
+        """Opened on first use (after some bytes arrived, so the file exists). The partial may be
+        renamed to the blob between reading the path and opening it: then the new path is read."""
+        if self._fd is None:
+            for _ in range(3):
+                try:
+                    self._fd = os.open(self._download.path, os.O_RDONLY | os.O_CLOEXEC)
+                    break
+                except FileNotFoundError:
+                    continue
+            else:
+                raise WeightError(self._download.name, f"the download's file {self._download.path} is gone")
+        return self._fd
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._busy.add(future)
+        future.add_done_callback(self._busy.discard)
+        return await asyncio.shield(future)
+
+    async def read(self, start: int, end: int) -> bytes:
+        buffer = bytearray(end - start)
+        await self.run(pread_into, self.fd(), memoryview(buffer), start, self._download.name)
+        return bytes(buffer)
+
+    def stored(self, header: SafetensorsHeader, tensor: str, name: str) -> StoredBytes:
+        """The tensor's bytes, read from the file straight into the reader's buffer."""
+        entry = header.tensors[tensor]
+        fd, (start, _end) = self.fd(), header.file_range(tensor)
+
+        def pread(buffer: memoryview, offset: int) -> None:
+            pread_into(fd, buffer, start + offset, name)
+
+        return StoredBytes(stored_dtype(entry, name), entry.shape, pread)
 
 
 def _metadata_of_local(path: Path, hint: Any, name: str, filename: str | None) -> WeightMetadata:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
+import os
 import re
 import threading
 from collections.abc import Callable
@@ -67,6 +69,37 @@ _TRANSPORT = (
     botocore.exceptions.IncompleteReadError,
 )
 _TIMEOUTS = (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError)
+
+
+# what boto3's chain reads from the environment: a client is shared only while these stay the same
+_CHAIN_ENV = (
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+    "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3", "AWS_CA_BUNDLE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN",
+)
+
+
+def shared_client(region: str | None, endpoint: str | None, timeout_s: float, pool: int) -> Any:
+    """One boto3 client per region, endpoint, settings and credential environment in this process
+    (clients are thread-safe; making one costs tens of milliseconds, and a model's files, shards
+    and its publication would each make their own). Refreshable credentials (instance roles, SSO)
+    refresh themselves inside the client."""
+    return _client_for(region, endpoint, timeout_s, pool, tuple(os.environ.get(k) for k in _CHAIN_ENV))
+
+
+@functools.lru_cache(maxsize=16)
+def _client_for(region: str | None, endpoint: str | None, timeout_s: float, pool: int, _env: tuple[str | None, ...]) -> Any:
+    return boto3.session.Session().client(
+        "s3",
+        region_name=region,
+        endpoint_url=endpoint,
+        config=botocore.config.Config(
+            connect_timeout=timeout_s,
+            read_timeout=timeout_s,
+            retries={"total_max_attempts": 1},
+            max_pool_connections=pool,
+        ),
+    )
 
 
 class S3Object:
@@ -123,16 +156,9 @@ class S3Object:
     def client(self) -> Any:
         with self._client_lock:
             if self._client is None:
-                self._client = boto3.session.Session().client(
-                    "s3",
-                    region_name=self.source.region,
-                    endpoint_url=self.source.endpoint,
-                    config=botocore.config.Config(
-                        connect_timeout=self._config.timeout_s,
-                        read_timeout=self._config.timeout_s,
-                        retries={"total_max_attempts": 1},
-                        max_pool_connections=max(10, self._config.max_concurrent_downloads + 2),
-                    ),
+                self._client = shared_client(
+                    self.source.region, self.source.endpoint, self._config.timeout_s,
+                    max(10, self._config.max_concurrent_downloads + 2),
                 )
             return self._client
 

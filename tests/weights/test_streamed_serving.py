@@ -7,10 +7,13 @@ the file (exit status 2) and leaves nothing in the cache."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.weights.spec import WeightLoaderConfig
@@ -161,3 +164,37 @@ def test_a_bad_file_takes_the_partials_of_its_siblings_with_it(
     assert not list((cache / "partial").glob("*")), "no partial, progress or lock file stays"
     assert all(blob.stat().st_size not in (len(files[first]), len(files[second]))
                for blob in (cache / "blobs").glob("*"))
+
+
+async def test_fetching_starts_the_downloads_that_the_load_then_joins(
+    fault_server: FaultServer, tiny: Path, tmp_path: Path
+) -> None:
+    """`WeightLoader.fetching` (what the engine does before building the model) downloads every
+    shard of a remote index with nobody loading yet; the load inside the block joins those
+    downloads: each shard's bytes come over the wire once, and the tensors are the checkpoint's."""
+    from safetensors.torch import load_file
+
+    from ferrum.weights.loader import WeightLoader
+    from ferrum.weights.sources import Url
+    from ferrum.weights.spec import TensorSpec
+
+    files = folder_files(tiny)
+    fault_server.files.update({f"tiny/{name}": data for name, data in files.items()})
+    shards = sorted(n for n in files if n.endswith(".safetensors"))
+    expected = {k: v for shard in shards for k, v in load_file(tiny / shard).items()}
+    config = WeightLoaderConfig(cache_dir=tmp_path / "cache", progress="off", chunk_size=256 * 1024)
+    index = Url(fault_server.url("tiny/model.safetensors.index.json"))
+    specs = [TensorSpec(name, tuple(t.shape), t.dtype, source=replace(index, tensor_name=name))
+             for name, t in expected.items()]
+    async with WeightLoader(config) as loader:
+        async with loader.fetching(index):
+            for _ in range(500):  # both shards arrive with nobody loading
+                if len(list((config.cache_dir / "blobs").glob("*"))) >= len(shards) + 1:  # + the index
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("fetching did not download the shards")
+            fault_server.reset()
+            got = await loader.load_tensors(specs)
+    assert _weight_gets(fault_server) == []  # the load read the shards from the downloads: no GET twice
+    assert all(torch.equal(got[name], t) for name, t in expected.items())
