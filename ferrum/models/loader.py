@@ -170,18 +170,4 @@ def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coroutine)
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(asyncio.run(coroutine))
-        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
-            error.append(exc)
-
-    thread = threading.Thread(target=run, name="ferrum-load")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    return run_beside(coroutine, lambda: None)[1]
