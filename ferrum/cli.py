@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from ferrum.backends.selection import BackendSelectionError
@@ -12,7 +11,8 @@ from ferrum.bench.cli import add_bench_parser, run_bench
 from ferrum.config import ConfigError, load_config
 from ferrum.models.config import ModelConfigError
 from ferrum.models.loader import WeightsError
-from ferrum.server.launch import StartupError, pull_model, serve
+from ferrum.server.launch import StartupError, pull_model
+from ferrum.server.logs import setup_logging
 from ferrum.weights.errors import WeightError
 from ferrum.weights.uri import ModelLocationError
 
@@ -55,6 +55,41 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),
                    help="run the engine in a process of its own (auto: on cuda and mps, not on cpu)")
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
+    p.add_argument("--log-format", dest="log_format", choices=("text", "json"), help="log lines as text or JSON")
+    p.add_argument("--log-prompts", dest="log_prompts", action="store_const", const=True,
+                   help="put prompts in the per-request log line (off by default)")
+    p.add_argument("--no-log-requests", dest="log_requests", action="store_const", const=False,
+                   help="no log line per finished request")
+    api = p.add_argument_group("access")
+    api.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                     help="accept `Authorization: Bearer KEY` (repeat for several; also FERRUM_API_KEY)")
+    api.add_argument("--api-key-file", dest="api_key_file", metavar="FILE", help="more keys, one per line")
+    api.add_argument("--metrics-require-key", dest="metrics_require_key", action="store_const", const=True,
+                     help="/metrics needs a key too (it is open by default)")
+    api.add_argument("--cors-origin", dest="cors_origins", action="append", metavar="ORIGIN",
+                     help="allow cross-site requests from ORIGIN (repeat; * for any; default: CORS off)")
+    api.add_argument("--root-path", dest="root_path", help="the path prefix a proxy serves Ferrum under")
+    api.add_argument("--ssl-keyfile", dest="ssl_keyfile", help="serve HTTPS with this key (and --ssl-certfile)")
+    api.add_argument("--ssl-certfile", dest="ssl_certfile", help="serve HTTPS with this certificate")
+    limits = p.add_argument_group("admission and limits")
+    limits.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int,
+                        help="requests that may wait beyond the running batch (default 4 x max_num_seqs)")
+    limits.add_argument("--max-waiting-tokens", dest="max_waiting_tokens", type=int,
+                        help="prompt tokens that may wait (default: no limit)")
+    limits.add_argument("--overload-status", dest="overload_status", type=int, choices=(429, 503),
+                        help="the status of a request refused for load (default 429)")
+    limits.add_argument("--retry-after", dest="retry_after_s", type=int, metavar="SECONDS",
+                        help="Retry-After sent with an overload refusal (default 1)")
+    limits.add_argument("--max-body-mb", dest="max_body_mb", type=float, help="largest request body (default 4)")
+    limits.add_argument("--max-tokens-limit", dest="max_tokens", type=int,
+                        help="largest max_tokens a request may ask (default: the context length)")
+    limits.add_argument("--max-n", dest="max_n", type=int, help="largest n a request may ask (default 16)")
+    limits.add_argument("--request-timeout", dest="request_timeout_s", type=float, metavar="SECONDS",
+                        help="deadline of a request that sends no `timeout` of its own (default: none)")
+    limits.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT, how long in-flight requests may finish (default 30)")
+    limits.add_argument("--failed-start-linger", dest="failed_start_linger_s", type=float, metavar="SECONDS",
+                        help="after a failed start, how long /ready says why before exiting (default 3)")
 
 
 def _pull_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,10 +98,6 @@ def _pull_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="YAML config file: its model and weights sections")
     p.add_argument("--cache-dir", dest="cache_dir", help="where remote models are cached (weights.cache_dir)")
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
-
-
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,8 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)
-        _logging(config.log_level)
+        setup_logging(config.server.logging)
         if args.command == "serve":
+            from ferrum.server.serve import serve
+
             asyncio.run(serve(config))
         elif args.command == "pull":
             print(asyncio.run(pull_model(config)), flush=True)

@@ -44,7 +44,7 @@ def load_test_model(folder: Path, device: Device, dtype: torch.dtype) -> LlamaFo
     """Our model of the folder, on `device` in `dtype`, with the layer ops the engine would choose."""
     config = load_model_config(folder)
     loader = WeightLoader(WeightLoaderConfig(cache_enabled=False, progress="off"))
-    return load_model(config, local_weights(folder), device, dtype, layer_ops(device), loader)
+    return load_model(config, local_weights(folder), device, dtype, layer_ops(device), loader)[0]
 
 
 def make_runner(model: LlamaForCausalLM, device: Device, num_blocks: int, block_size: int,

@@ -24,6 +24,7 @@ from ferrum.engine.llm_engine import EngineStats, LLMEngine
 from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.request_streams import EngineDeadError, RequestStreams
 from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.startup import WeightLoadReport
 from ferrum.tokenizer import Tokenizer
 
 __all__ = ["AsyncEngine", "EngineClient", "EngineDeadError", "EngineStats", "PromptTooLongError"]
@@ -45,6 +46,11 @@ class EngineClient(Protocol):
         """What one request may ask (the same checks the engine makes)."""
         ...
 
+    @property
+    def weight_load(self) -> WeightLoadReport | None:
+        """How the model's weights were loaded (source kind, bytes, seconds)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def shutdown(self) -> None:
@@ -56,7 +62,7 @@ class EngineClient(Protocol):
         """The engine's stats after its latest step."""
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """The request's deltas (merged when the reader falls behind). Raises PromptTooLongError,
         ValueError for a request id still in use, EngineDeadError when the engine is gone."""
@@ -66,7 +72,7 @@ class EngineClient(Protocol):
 
 class AsyncEngine(RequestStreams):
     def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine.tokenizer, engine.limits, engine.stats())
+        super().__init__(engine.tokenizer, engine.limits, engine.stats(), engine.weight_load)
         self.engine = engine
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None

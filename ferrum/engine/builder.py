@@ -22,6 +22,7 @@ from ferrum.backends.registry import create_default_registry
 from ferrum.backends.selection import select_backend
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
+from ferrum.engine.startup import StartupObserver
 from ferrum.models.loader import run_sync
 from ferrum.weights.model_files import ModelFiles
 from ferrum.weights.spec import WeightLoaderConfig
@@ -46,11 +47,11 @@ async def open_device(spec: EngineSpec) -> tuple[ComputeBackend, Device]:
     return backend, backend.device(spec.device)
 
 
-def build_engine(spec: EngineSpec) -> tuple[LLMEngine, ComputeBackend]:
+def build_engine(spec: EngineSpec, on_progress: StartupObserver | None = None) -> tuple[LLMEngine, ComputeBackend]:
     """The engine of `spec`, in this process (its own engine process, or a worker thread), with its
     release registered on the backend (so that the backend's shutdown frees the device)."""
     backend, device = run_sync(open_device(spec))
-    engine = LLMEngine(spec.config, device, spec.files, spec.weights)
+    engine = LLMEngine(spec.config, device, spec.files, spec.weights, on_progress=on_progress)
     backend.add_release_hook(device.name, engine.release)
     return engine, backend
 

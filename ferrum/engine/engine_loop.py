@@ -23,6 +23,7 @@ class AddRequest:
     engine_id: str  # unique per request: the caller's id plus a counter (see RequestStreams.generate)
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def apply_command(engine: LLMEngine, command: AddRequest | AbortRequest) -> list
         aborted = engine.abort_request(command.engine_id)
         return [aborted] if aborted is not None else []
     try:
-        engine.add_request(command.engine_id, command.prompt_token_ids, command.params)
+        engine.add_request(command.engine_id, command.prompt_token_ids, command.params, command.priority)
     except ValueError as exc:  # PromptTooLongError too: the client checked the same limits
         log.warning("request %s rejected: %s", command.engine_id, exc)
         n_prompt = len(command.prompt_token_ids)

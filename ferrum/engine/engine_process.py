@@ -26,15 +26,22 @@ from ferrum.engine.heap import freeze_startup_heap
 from ferrum.engine.limits import RequestLimits
 from ferrum.engine.llm_engine import EngineStats
 from ferrum.engine.outputs import RequestOutput
+from ferrum.engine.startup import StartupProgress, WeightLoadReport
 from ferrum.models.loader import run_sync
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Starting:
+    progress: StartupProgress
+
+
+@dataclass(frozen=True)
 class Ready:
     limits: RequestLimits
     stats: EngineStats
+    weight_load: WeightLoadReport | None = None
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ class StepFailed:
     message: str
 
 
-Message = Ready | StartFailed | Stepped | StepFailed
+Message = Starting | Ready | StartFailed | Stepped | StepFailed
 
 
 def run_engine_process(spec: EngineSpec, commands: Connection, results: Connection, log_level: int) -> None:
@@ -64,13 +71,13 @@ def run_engine_process(spec: EngineSpec, commands: Connection, results: Connecti
         level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine process]: %(message)s"
     )
     try:
-        engine, backend = build_engine(spec)
+        engine, backend = build_engine(spec, on_progress=lambda p: results.send(Starting(p)))
     except Exception as exc:
         log.debug("the engine could not start", exc_info=True)
         results.send(StartFailed(f"{type(exc).__name__}: {exc}", _portable(exc)))
         sys.exit(1)
     freeze_startup_heap()
-    results.send(Ready(engine.limits, engine.stats()))
+    results.send(Ready(engine.limits, engine.stats(), engine.weight_load))
 
     def next_command(block: bool) -> Command | None:
         if not block and not commands.poll():

@@ -33,6 +33,7 @@ from ferrum.engine.sampler import SampleResult, sample
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import BurstLimits, Scheduler, SchedulerOutput
 from ferrum.engine.sequence import Sequence, SequenceStatus
+from ferrum.engine.startup import StartupObserver, StartupProgress
 from ferrum.models.attention import select_attention
 from ferrum.models.attention.layout import KVCacheLayout
 from ferrum.models.config import ModelConfig, load_model_config
@@ -67,6 +68,7 @@ class EngineStats:
     generation_tokens_total: int
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
+    max_num_seqs: int = 0  # the running batch's limit
 
 
 class LLMEngine:
@@ -77,8 +79,12 @@ class LLMEngine:
         files: ModelFiles,
         weights: WeightLoaderConfig | None = None,
         tokenizer: Tokenizer | None = None,
+        on_progress: StartupObserver | None = None,
     ) -> None:
+        """`on_progress` hears the start-up's phases (loading, with bytes, then warming), from this
+        thread and the loader's worker threads."""
         started = time.perf_counter()
+        self._on_progress = on_progress
         config = config.for_device(device)
         self.config = config
         self.device = device
@@ -95,6 +101,7 @@ class LLMEngine:
             self._check_fits(plan.num_blocks)
         weights = weights or WeightLoaderConfig()
         self.model = self._load(files, weights)
+        self._report(StartupProgress("warming"))
         if plan is None:
             plan = plan_gpu(device, self.layout, config, self._profile)
             self._check_fits(plan.num_blocks)
@@ -133,15 +140,31 @@ class LLMEngine:
             await loader.aclose()
 
         loader = WeightLoader(weights)
+        self._report(StartupProgress("loading"))
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:  # at most a few reports a second
+            now = time.monotonic()
+            if done >= total or now - last[0] >= 0.25:
+                last[0] = now
+                self._report(StartupProgress("loading", done, total))
+
         try:
-            model = load_model(self.model_config, files.weights, self.device, self.dtype,
-                               layer_ops(self.device), loader)
+            model, self.weight_load = load_model(self.model_config, files.weights, self.device, self.dtype,
+                                                 layer_ops(self.device), loader, progress)
         finally:
             run_sync(load_and_close(loader))
         if not files.complete:
             folder = run_sync(publish_model_folder(files, weights))
             log.info("model %s is in the cache at %s", files.display, folder)
         return model
+
+    def _report(self, progress: StartupProgress) -> None:
+        if self._on_progress is not None:
+            try:
+                self._on_progress(progress)
+            except Exception:  # a listener's failure must not fail the start
+                log.exception("start-up progress listener failed")
 
     def _make_runner(self, num_blocks: int, graph_sizes: list[int] | None = None) -> ModelRunner:
         if self.attention.name == "triton_paged":
@@ -190,11 +213,14 @@ class LLMEngine:
         return lambda: self._observers.remove(observer) if observer in self._observers else None
 
     # -- requests -------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Queues a request; among waiting requests a lower `priority` is admitted first."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
         self.limits.check(prompt_token_ids, params.max_tokens)
-        seq = Sequence(request_id, list(prompt_token_ids), params, time.monotonic())
+        seq = Sequence(request_id, list(prompt_token_ids), params, time.monotonic(), priority=priority)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed % 2**64)
         self.sequences[request_id] = seq
@@ -328,6 +354,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens,
             prefix_cache_queries=self.block_manager.prefix_cache_queries,
             prefix_cache_hits=self.block_manager.prefix_cache_hits,
+            max_num_seqs=self.scheduler.max_num_seqs,
         )
 
     # -- offline use ------------------------------------------------------

@@ -80,6 +80,10 @@ class OutputProcessor:
         seq.pending_logprobs = []
         seq.num_text_sent = text_end
         seq.num_tokens_sent = len(seq.output_token_ids)
+        queue_time = None
+        if seq.first_scheduled is not None and not seq.queue_time_sent:
+            seq.queue_time_sent = True
+            queue_time = seq.first_scheduled - seq.arrival
         return RequestOutput(
             request_id=seq.request_id,
             new_text=new_text,
@@ -89,4 +93,5 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            queue_time_s=queue_time,
         )

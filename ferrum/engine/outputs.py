@@ -37,6 +37,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
+    queue_time_s: float | None = None  # on the first output after it left the waiting queue: time spent there
 
 
 def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
@@ -57,4 +58,5 @@ def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
         finish_reason=last.finish_reason,
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
+        queue_time_s=next((out.queue_time_s for out in outputs if out.queue_time_s is not None), None),
     )

@@ -24,8 +24,17 @@ from multiprocessing.process import BaseProcess
 
 from ferrum.engine.builder import EngineSpec
 from ferrum.engine.engine_loop import AbortRequest, AddRequest, Command, StopLoop
-from ferrum.engine.engine_process import Message, Ready, StartFailed, StepFailed, Stepped, run_engine_process
+from ferrum.engine.engine_process import (
+    Message,
+    Ready,
+    StartFailed,
+    Starting,
+    StepFailed,
+    Stepped,
+    run_engine_process,
+)
 from ferrum.engine.request_streams import EngineDeadError, RequestStreams
+from ferrum.engine.startup import StartupObserver
 from ferrum.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -45,7 +54,7 @@ class ProcessEngineClient(RequestStreams):
         tokenizer: Tokenizer,
         ready: Ready,
     ) -> None:
-        super().__init__(tokenizer, ready.limits, ready.stats)
+        super().__init__(tokenizer, ready.limits, ready.stats, ready.weight_load)
         self._process = process
         self._commands = commands
         self._results = results
@@ -53,10 +62,13 @@ class ProcessEngineClient(RequestStreams):
         self._stopping = False
 
     @classmethod
-    async def launch(cls, spec: EngineSpec, log_level: int | None = None) -> ProcessEngineClient:
-        """Starts the engine process and waits until its engine is built. A failure there raises
-        the same exception here (an EngineDeadError if it cannot be carried over), leaving no
-        process behind."""
+    async def launch(
+        cls, spec: EngineSpec, log_level: int | None = None, on_progress: StartupObserver | None = None
+    ) -> ProcessEngineClient:
+        """Starts the engine process and waits until its engine is built (`on_progress` hears its
+        start-up phases, on this event loop). A failure there raises the same exception here (an
+        EngineDeadError if it cannot be carried over), leaving no process behind; so does
+        cancelling the wait."""
         ctx = multiprocessing.get_context("spawn")
         child_commands, commands = ctx.Pipe(duplex=False)  # (receiving end, sending end)
         results, child_results = ctx.Pipe(duplex=False)
@@ -75,6 +87,10 @@ class ProcessEngineClient(RequestStreams):
         loop = asyncio.get_running_loop()
         try:
             first = await loop.run_in_executor(None, _receive_or_none, results)
+            while isinstance(first, Starting):
+                if on_progress is not None:
+                    on_progress(first.progress)
+                first = await loop.run_in_executor(None, _receive_or_none, results)
             if isinstance(first, StartFailed):  # what LLMEngine raised there, raised here
                 if first.error is not None:
                     raise first.error

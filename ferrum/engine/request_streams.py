@@ -19,6 +19,7 @@ from ferrum.engine.limits import RequestLimits
 from ferrum.engine.llm_engine import EngineStats
 from ferrum.engine.outputs import RequestOutput, merge_outputs
 from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.startup import WeightLoadReport
 from ferrum.tokenizer import Tokenizer
 
 
@@ -27,9 +28,16 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestStreams(ABC):
-    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits, stats: EngineStats) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: RequestLimits,
+        stats: EngineStats,
+        weight_load: WeightLoadReport | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.weight_load = weight_load
         self._stats = stats
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # by engine id
         self._engine_ids: dict[str, str] = {}  # caller's request id -> engine id of its live request
@@ -48,7 +56,7 @@ class RequestStreams(ABC):
         return self._stats
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """The request's deltas. A reader slower than the engine gets the deltas that piled up
         merged into one, so it is never more than one item behind. Closing the generator before
@@ -64,7 +72,7 @@ class RequestStreams(ABC):
         self._queues[engine_id] = outputs
         finished = False
         try:
-            self._send(AddRequest(engine_id, list(prompt_token_ids), params))
+            self._send(AddRequest(engine_id, list(prompt_token_ids), params, priority))
             while True:
                 pending = [await outputs.get()]
                 while not outputs.empty():

@@ -100,9 +100,11 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     top_ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
     if any(p.top_p < 1.0 for p in params):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass before it already reaches top_p (always keep the first)
+        # drop a token when the mass before it already reaches top_p; the first is always kept (a
+        # top_p too small for float32, such as 1e-300, is 0 here and would otherwise drop every token)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= top_ps.unsqueeze(1)
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)

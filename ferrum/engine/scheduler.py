@@ -21,6 +21,7 @@ sequence's length limits. While a burst runs, the engine may have the next one q
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
@@ -81,7 +82,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queues `seq` behind every waiting sequence of its priority or a more urgent one (a lower
+        number), ahead of the less urgent ones."""
+        if not self.waiting or self.waiting[-1].priority <= seq.priority:
+            self.waiting.append(seq)
+            return
+        for i, queued in enumerate(self.waiting):
+            if queued.priority > seq.priority:
+                self.waiting.insert(i, seq)
+                return
 
     def remove(self, seq: Sequence) -> None:
         """Drops a finished or aborted sequence and frees its blocks."""
@@ -134,6 +143,8 @@ class Scheduler:
                 break  # the engine guarantees one max-length sequence fits in an empty cache
             self.waiting.popleft()
             self.blocks.admit(seq, cached, start + n)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))

@@ -34,6 +34,9 @@ class Sequence:
     num_cached_blocks: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # set when the request has a seed
+    priority: int = 0  # lower is served first (as vLLM); equal priorities in arrival order
+    first_scheduled: float | None = None  # time.monotonic() when it first left the waiting queue
+    queue_time_sent: bool = False
     # output text bookkeeping (filled by the output processor)
     output_text: str = ""
     num_text_sent: int = 0

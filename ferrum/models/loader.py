@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from ferrum.backends.device import Device
+from ferrum.engine.startup import WeightLoadReport
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import LayerOps, RotaryEmbedding
 from ferrum.models.llama import LlamaForCausalLM, WeightBinding, ignored_checkpoint_tensor
@@ -94,22 +95,35 @@ def _with_tensor(source: WeightSource, tensor: str) -> WeightSource:
     return replace(source, tensor_name=tensor)
 
 
-async def load_weights(model: LlamaForCausalLM, weights: WeightSource, device: Device, loader: WeightLoader) -> int:
+async def load_weights(
+    model: LlamaForCausalLM,
+    weights: WeightSource,
+    device: Device,
+    loader: WeightLoader,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
     """Fills every parameter of `model` (on `device`) from `weights` (a file, or a sharded
-    checkpoint's index, local or remote); returns the bytes loaded."""
+    checkpoint's index, local or remote); returns the bytes loaded. `progress(done, total)` is
+    called (from worker threads) as tensors land."""
     metadata = await loader.get_metadata(weights)
     dtype = model.embed_tokens.weight.dtype
     specs, into = weight_plan(model, metadata, weights, dtype)
-    await loader.load_tensors(specs, into=into, device=device)
+    await loader.load_tensors(specs, into=into, device=device, progress=progress)
     return sum(t.numel() * t.element_size() for t in into.values())
 
 
 def load_model(
-    config: ModelConfig, weights: WeightSource, device: Device, dtype: torch.dtype, ops: LayerOps, loader: WeightLoader
-) -> LlamaForCausalLM:
+    config: ModelConfig,
+    weights: WeightSource,
+    device: Device,
+    dtype: torch.dtype,
+    ops: LayerOps,
+    loader: WeightLoader,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[LlamaForCausalLM, WeightLoadReport]:
     """build_model, then load_weights, from synchronous code (the engine's constructor). A remote
     checkpoint starts downloading first (`WeightLoader.fetching`), so its bytes arrive while the
-    model is built on this thread."""
+    model is built on this thread. Returns the model and how its weights were loaded."""
     started = time.perf_counter()
     built: concurrent.futures.Future[LlamaForCausalLM] = concurrent.futures.Future()
     reading = started
@@ -119,7 +133,7 @@ def load_model(
         async with loader.fetching(weights):
             model = await asyncio.wrap_future(built)
             reading = time.perf_counter()
-            return await load_weights(model, weights, device, loader)
+            return await load_weights(model, weights, device, loader, progress)
 
     def build() -> LlamaForCausalLM:
         try:
@@ -137,7 +151,7 @@ def load_model(
     log.info("loaded %.2f GB of weights from %s to %s in %.2fs (%.2f GB/s; model set-up before them %.2fs)",
              nbytes / 1e9, weights.display, device.name, done - reading, nbytes / 1e9 / max(done - reading, 1e-9),
              reading - started)
-    return model
+    return model, WeightLoadReport(weights.kind, nbytes, done - reading)
 
 
 def run_beside(coroutine: Coroutine[Any, Any, T], work: Callable[[], R]) -> tuple[R, T]:

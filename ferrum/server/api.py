@@ -1,34 +1,51 @@
 """The OpenAI-compatible HTTP API over an EngineClient (in-process or an engine process).
 
-Routes: GET /health, /v1/models, /v1/models/{id}, /metrics; POST /v1/completions and
-/v1/chat/completions, each streaming (SSE) or not.
+Routes: GET /health (liveness), /ready (readiness, with the start-up phase), /version,
+/v1/models, /v1/models/{id}, /v1/backends, /metrics; POST /v1/completions and
+/v1/chat/completions (each streaming, SSE, or not), /tokenize, /detokenize. Every request body is a
+pydantic model in /openapi.json; errors are OpenAI-shaped with a fitting 4xx.
 
 Behaviour worth knowing:
+- HTTP comes up before the model is loaded: /health answers 200 at once; model routes answer 503
+  (with Retry-After) until /ready does 200, and again while the server drains.
 - A request without `model` is served by the served model; any other name is a 404.
 - `max_tokens` left out means "up to the end of the context" (max_model_len - prompt tokens).
 - `n` > 1 fans out to n engine requests with ids f"{id}-{i}"; a seed s gives them seeds s + i.
   A list of prompts gives len(prompts) * n choices, indexed prompt-major as OpenAI does.
+- Admission (ferrum.server.admission) refuses work past the limits with 429/503 and Retry-After;
+  `timeout` and `priority` (extensions) set a request's deadline and its place in the queue.
 - A client that goes away aborts its engine requests: streams through the closed generators,
   non-streaming requests through a disconnect watcher.
 - X-Request-Id is honoured (and echoed) when given, else a uuid4 hex is used; the response id is
   "cmpl-<id>" or "chatcmpl-<id>". Two running requests may not share an id (400).
 """
 
+from __future__ import annotations
+
+import asyncio
 import dataclasses
+import importlib.metadata
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from ferrum.engine.async_engine import EngineClient
 from ferrum.engine.limits import PromptTooLongError
+from ferrum.server.admission import Admission, Ticket
+from ferrum.server.auth import ApiKeyMiddleware
 from ferrum.server.body import parse_body
-from ferrum.server.errors import APIError, bad_request, install_error_handlers
+from ferrum.server.body_limit import BodyLimitMiddleware
+from ferrum.server.errors import APIError, ErrorResponse, bad_request, install_error_handlers
 from ferrum.server.jobs import ChoiceResult, Job, collect, engine_error, run_jobs, unless_disconnected
 from ferrum.server.logprobs import chat_logprobs, completion_logprobs
+from ferrum.server.logs import log_request
 from ferrum.server.metrics import ServerMetrics
 from ferrum.server.protocol import (
     ChatChoice,
@@ -42,42 +59,104 @@ from ferrum.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
 from ferrum.server.request_id import RequestIdMiddleware
+from ferrum.server.settings import ServerSettings
 from ferrum.server.sse import SSEResponse, sse_events
+from ferrum.server.state import ServerState
 from ferrum.tokenizer import ChatTemplateError
+
+BackendCards = Callable[[], list[dict[str, Any]]]
+
+
+def ferrum_version() -> str:
+    try:
+        return importlib.metadata.version("ferrum")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 class Server:
-    def __init__(self, engine: EngineClient, served_model_name: str) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        served_model_name: str,
+        settings: ServerSettings,
+        state: ServerState,
+        backends: BackendCards | None = None,
+    ) -> None:
         self.model_name = served_model_name
-        self.metrics = ServerMetrics(engine, served_model_name)
+        self.settings = settings
+        self.state = state
+        self.backends = backends or (lambda: [])
+        self.engine: EngineClient | None = None
+        self.metrics = ServerMetrics(served_model_name)
+        self.metrics.state = state
+        self.admission = Admission(settings.limits, self._max_running, self._abort, self.metrics.rejected)
+        self.metrics.in_flight = lambda: self.admission.in_flight
+        self.metrics.waiting_tokens = lambda: self.admission.waiting_tokens
         self.created = int(time.time())
         self._running_ids: set[str] = set()
 
-    # -- checks shared by both endpoints -----------------------------------------------------------
-    def check_request(self, req: SamplingFields, unsupported: tuple[str, str] | None) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise self.model_not_found(req.model)
+    def attach(self, engine: EngineClient) -> None:
+        """The loaded model's engine: model routes serve from now on (once the state is ready)."""
+        self.engine = engine
+        self.metrics.engine = engine
+
+    def _max_running(self) -> int:
+        return self.engine.stats().max_num_seqs if self.engine is not None else 0
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            asyncio.ensure_future(self.engine.abort(request_id))
+
+    # -- checks shared by the model routes ---------------------------------------------------------
+    def serving_engine(self) -> EngineClient:
+        """The engine, when the server takes requests; else the 503 that says why."""
+        if self.state.draining:
+            self.admission.refuse("shutting_down")
+        if not self.state.ready or self.engine is None:
+            self.admission.refuse("not_ready")
+        if not self.engine.is_ready():
+            raise APIError(503, "The engine is not running; see the server log.", code="engine_not_running")
+        return self.engine
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise self.model_not_found(name)
+
+    def check_request(self, req: SamplingFields, unsupported: tuple[str, str] | None) -> EngineClient:
+        engine = self.serving_engine()
+        self.check_model(req.model)
         if unsupported is not None:
             raise bad_request(*unsupported)
-        if not self.engine.is_ready():
-            raise APIError(503, "The engine is not ready to serve requests.")
+        limits = self.settings.limits
+        if req.n > limits.max_n:
+            raise bad_request(f"n is {req.n}; this server allows at most {limits.max_n}.", param="n")
+        asked = req.requested_max_tokens()
+        if limits.max_tokens is not None and asked is not None and asked > limits.max_tokens:
+            param = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and \
+                req.max_completion_tokens is not None else "max_tokens"
+            raise bad_request(f"{param} is {asked}; this server allows at most {limits.max_tokens}.", param=param)
+        return engine
 
     def model_not_found(self, name: str) -> APIError:
         return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def max_tokens_for(self, req: SamplingFields, num_prompt_tokens: int, prompt_param: str) -> int:
-        """The request's completion length by the engine's limits (ferrum.engine.limits), or an
-        OpenAI-style 400 saying which part is too long."""
+    def max_tokens_for(self, engine: EngineClient, req: SamplingFields, num_prompt_tokens: int,
+                       prompt_param: str) -> int:
+        """The request's completion length by the engine's limits (ferrum.engine.limits) and the
+        server's, or an OpenAI-style 400 saying which part is too long."""
         what = "messages" if prompt_param == "messages" else "prompt"
         try:
-            return self.engine.limits.max_tokens(num_prompt_tokens, req.requested_max_tokens())
+            n = engine.limits.max_tokens(num_prompt_tokens, req.requested_max_tokens())
         except PromptTooLongError as exc:
             if exc.max_tokens is None:
                 message = (
@@ -94,13 +173,15 @@ class Server:
                 )
                 param = "max_tokens"
             raise bad_request(message, param=param, code="context_length_exceeded") from None
+        cap = self.settings.limits.max_tokens
+        return min(n, cap) if cap is not None else n
 
     def make_jobs(
-        self, req: SamplingFields, base_id: str, prompts: Sequence[list[int]], prompt_param: str
+        self, engine: EngineClient, req: SamplingFields, base_id: str, prompts: Sequence[list[int]], prompt_param: str
     ) -> list[Job]:
         jobs: list[Job] = []
         for p, prompt_ids in enumerate(prompts):
-            params = req.sampling_params(self.max_tokens_for(req, len(prompt_ids), prompt_param))
+            params = req.sampling_params(self.max_tokens_for(engine, req, len(prompt_ids), prompt_param))
             for i in range(req.n):
                 index = p * req.n + i
                 seeded = params
@@ -110,17 +191,58 @@ class Server:
                 jobs.append(Job(index, p, request_id, prompt_ids, seeded))
         return jobs
 
-    def claim(self, response_id: str) -> Callable[[], None]:
-        """Reserves a response id for one running request; returns its release."""
+    def admit(self, req: SamplingFields, response_id: str, jobs: Sequence[Job], arrived: float,
+              route: str, prompt: object) -> tuple[Ticket, Callable[[int], None]]:
+        """Claims the response id and admits the jobs; returns the ticket and its release, which
+        takes the HTTP status and writes the request's log line (call it exactly once)."""
         if response_id in self._running_ids:
             raise bad_request(f"Request id {response_id!r} is already in use by a running request.")
+        ticket = self.admission.admit([j.request_id for j in jobs], [len(j.prompt_ids) for j in jobs],
+                                      arrived=arrived, timeout_s=req.timeout, priority=req.priority)
         self._running_ids.add(response_id)
-        return lambda: self._running_ids.discard(response_id)
+        prompt_tokens = sum({j.prompt_index: len(j.prompt_ids) for j in jobs}.values())
+
+        def release(status: int) -> None:
+            self._running_ids.discard(response_id)
+            self.admission.release(ticket)
+            unfinished = len(ticket.finish_reasons) < len(jobs)
+            outcome = ticket.end_reason or ("disconnected" if status == 499 or (status == 200 and unfinished)
+                                            else "ok" if status == 200 else "error")
+            log_request(
+                self.settings.logging, id=response_id, route=route, status=status, outcome=outcome,
+                finish_reasons=",".join(sorted(set(ticket.finish_reasons.values()))) or None,
+                prompt_tokens=prompt_tokens, completion_tokens=sum(ticket.output_tokens.values()),
+                choices=len(jobs), priority=req.priority or None, queue_s=ticket.queue_time_s,
+                ttft_s=ticket.first_token_s, duration_s=time.monotonic() - arrived, prompt=prompt,
+            )
+
+        return ticket, release
+
+    async def run_to_end(self, request: Request, engine: EngineClient, jobs: list[Job], ticket: Ticket,
+                         release: Callable[[int], None], param: str) -> list[ChoiceResult] | None:
+        """A non-streaming request's results (None: the client left). Raises the ticket's end error
+        (deadline, shutdown) or the engine's."""
+        status = 500
+        try:
+            results = await unless_disconnected(request, collect(engine, jobs, self.metrics, ticket))
+            ended = ticket.end_error()
+            if ended is not None:
+                status = ended.status_code
+                raise ended
+            status = 499 if results is None else 200
+            return results
+        except APIError as exc:
+            status = exc.status_code
+            raise
+        except Exception as exc:
+            raise engine_error(exc, param) from exc
+        finally:
+            release(status)
 
     # -- completions -------------------------------------------------------------------------------
-    def tokenize_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    def tokenize_prompts(self, engine: EngineClient, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         """Token ids of each prompt, and its text (for echo)."""
-        tok = self.engine.tokenizer
+        tok = engine.tokenizer
         ids: list[list[int]] = []
         texts: list[str] = []
         vocab = tok.vocab_size
@@ -144,20 +266,15 @@ class Server:
     async def completions(self, request: Request) -> Response:
         arrived = time.monotonic()
         req = await parse_body(request, CompletionRequest)
-        self.check_request(req, req.unsupported())
-        prompt_ids, prompt_texts = self.tokenize_prompts(req)
+        engine = self.check_request(req, req.unsupported())
+        prompt_ids, prompt_texts = self.tokenize_prompts(engine, req)
         response_id = f"cmpl-{request.state.request_id}"
-        jobs = self.make_jobs(req, response_id, prompt_ids, "prompt")
-        release = self.claim(response_id)
+        jobs = self.make_jobs(engine, req, response_id, prompt_ids, "prompt")
+        ticket, release = self.admit(req, response_id, jobs, arrived, "completions", req.prompt)
         if req.stream:
-            chunks = self._completion_chunks(req, response_id, jobs, prompt_texts, arrived)
-            return SSEResponse(sse_events(chunks, "prompt"), on_close=release)
-        try:
-            results = await unless_disconnected(request, collect(self.engine, jobs, self.metrics, arrived))
-        except Exception as exc:
-            raise engine_error(exc, "prompt") from exc
-        finally:
-            release()
+            chunks = self._completion_chunks(engine, req, response_id, jobs, prompt_texts, ticket)
+            return SSEResponse(sse_events(chunks, "prompt"), on_close=lambda: release(200))
+        results = await self.run_to_end(request, engine, jobs, ticket, release, "prompt")
         if results is None:
             return Response(status_code=499)
         choices = []
@@ -176,11 +293,12 @@ class Server:
 
     async def _completion_chunks(
         self,
+        engine: EngineClient,
         req: CompletionRequest,
         response_id: str,
         jobs: list[Job],
         prompt_texts: list[str],
-        arrived: float,
+        ticket: Ticket,
     ) -> AsyncGenerator[BaseModel, None]:
         created = int(time.time())
 
@@ -195,7 +313,7 @@ class Server:
         offsets = [0] * len(jobs)
         prompt_tokens = [len(job.prompt_ids) for job in jobs]
         output_tokens = [0] * len(jobs)
-        async with aclosing(run_jobs(self.engine, jobs, self.metrics, arrived)) as outputs:
+        async with aclosing(run_jobs(engine, jobs, self.metrics, ticket)) as outputs:
             async for job, out in outputs:
                 output_tokens[job.index] = out.num_output_tokens
                 lp = None
@@ -211,13 +329,20 @@ class Server:
                             )
                         ]
                     )
+        ended = ticket.end_error()
+        if ended is not None:
+            raise ended
         if req.include_usage:
             yield chunk([], self._usage_from_counts(jobs, prompt_tokens, output_tokens))
 
     # -- chat --------------------------------------------------------------------------------------
-    def tokenize_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def tokenize_chat(self, engine: EngineClient, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         try:
-            return self.engine.tokenizer.encode_chat(
+            if isinstance(req, TokenizeRequest):
+                return engine.tokenizer.encode_chat(
+                    [m.for_template() for m in req.messages or []], add_generation_prompt=req.add_generation_prompt
+                )
+            return engine.tokenizer.encode_chat(
                 req.template_messages(),
                 add_generation_prompt=req.add_generation_prompt,
                 tools=req.tools,
@@ -229,22 +354,17 @@ class Server:
     async def chat(self, request: Request) -> Response:
         arrived = time.monotonic()
         req = await parse_body(request, ChatCompletionRequest)
-        self.check_request(req, req.unsupported())
-        prompt_ids = self.tokenize_chat(req)
+        engine = self.check_request(req, req.unsupported())
+        prompt_ids = self.tokenize_chat(engine, req)
         if not prompt_ids:
             raise bad_request("The chat template produced an empty prompt.", param="messages")
         response_id = f"chatcmpl-{request.state.request_id}"
-        jobs = self.make_jobs(req, response_id, [prompt_ids], "messages")
-        release = self.claim(response_id)
+        jobs = self.make_jobs(engine, req, response_id, [prompt_ids], "messages")
+        ticket, release = self.admit(req, response_id, jobs, arrived, "chat", req.template_messages())
         if req.stream:
-            chunks = self._chat_chunks(req, response_id, jobs, arrived)
-            return SSEResponse(sse_events(chunks, "messages"), on_close=release)
-        try:
-            results = await unless_disconnected(request, collect(self.engine, jobs, self.metrics, arrived))
-        except Exception as exc:
-            raise engine_error(exc, "messages") from exc
-        finally:
-            release()
+            chunks = self._chat_chunks(engine, req, response_id, jobs, ticket)
+            return SSEResponse(sse_events(chunks, "messages"), on_close=lambda: release(200))
+        results = await self.run_to_end(request, engine, jobs, ticket, release, "messages")
         if results is None:
             return Response(status_code=499)
         choices = [
@@ -262,7 +382,7 @@ class Server:
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _chat_chunks(
-        self, req: ChatCompletionRequest, response_id: str, jobs: list[Job], arrived: float
+        self, engine: EngineClient, req: ChatCompletionRequest, response_id: str, jobs: list[Job], ticket: Ticket
     ) -> AsyncGenerator[BaseModel, None]:
         created = int(time.time())
 
@@ -275,7 +395,7 @@ class Server:
             yield chunk([ChatChunkChoice(index=job.index, delta=DeltaMessage(role="assistant", content=""))])
         prompt_tokens = [len(job.prompt_ids) for job in jobs]
         output_tokens = [0] * len(jobs)
-        async with aclosing(run_jobs(self.engine, jobs, self.metrics, arrived)) as outputs:
+        async with aclosing(run_jobs(engine, jobs, self.metrics, ticket)) as outputs:
             async for job, out in outputs:
                 output_tokens[job.index] = out.num_output_tokens
                 if out.new_text or out.new_logprobs:
@@ -295,8 +415,32 @@ class Server:
                             )
                         ]
                     )
+        ended = ticket.end_error()
+        if ended is not None:
+            raise ended
         if req.include_usage:
             yield chunk([], self._usage_from_counts(jobs, prompt_tokens, output_tokens))
+
+    # -- tokenizer routes --------------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> TokenizeResponse:
+        req = await parse_body(request, TokenizeRequest)
+        engine = self.serving_engine()
+        self.check_model(req.model)
+        if req.prompt is not None:
+            tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            tokens = self.tokenize_chat(engine, req)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
+
+    async def detokenize(self, request: Request) -> DetokenizeResponse:
+        req = await parse_body(request, DetokenizeRequest)
+        engine = self.serving_engine()
+        self.check_model(req.model)
+        vocab = engine.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"Token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
 
     # -- usage -------------------------------------------------------------------------------------
     def _usage(self, jobs: Sequence[Job], results: Sequence[ChoiceResult]) -> Usage:
@@ -315,48 +459,168 @@ class Server:
 
     # -- the small routes --------------------------------------------------------------------------
     def model_card(self) -> ModelCard:
+        engine = self.serving_engine()
         return ModelCard(
             id=self.model_name,
             created=self.created,
             root=self.model_name,
-            max_model_len=self.engine.max_model_len,
+            max_model_len=engine.max_model_len,
         )
 
 
-def create_app(engine: EngineClient, served_model_name: str) -> FastAPI:
-    server = Server(engine, served_model_name)
-    app = FastAPI(title="Ferrum", summary="OpenAI-compatible LLM inference server", version="0.1.0")
+# -- OpenAPI -----------------------------------------------------------------------------------------
+
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                                 DetokenizeRequest)
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """openapi_extra for a route that parses its own body (see ferrum.server.body) as `model`."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": "An OpenAI-style error"} for status in statuses}
+
+
+def _streaming(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": "The response; with `stream`, server-sent events of chunks",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in _REQUEST_MODELS:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return build
+
+
+def backend_card(backend: Any, selected: bool) -> dict[str, Any]:
+    """A registered backend as JSON: name, kind, version, whether it serves this model, its
+    probed capabilities and status."""
+    from ferrum.dtypes import dtype_name
+
+    caps = backend.capabilities()
+    status = backend.status()
+    return {
+        "name": backend.name,
+        "kind": backend.kind,
+        "version": backend.version(),
+        "selected": selected,
+        "capabilities": {
+            "dtypes": sorted(dtype_name(d) for d in caps.supported_dtypes),
+            "devices": list(caps.devices),
+            "max_batch_size": caps.max_batch_size,
+            "max_sequence_length": caps.max_sequence_length,
+            "paged_attention": caps.paged_attention,
+            "flash_attention": caps.flash_attention,
+            "cuda_graphs": caps.cuda_graphs,
+            "total_memory_bytes": caps.total_memory_bytes,
+            "free_memory_bytes": caps.free_memory_bytes,
+            "extras": {str(k): str(v) for k, v in caps.extras.items()},
+        },
+        "status": dataclasses.asdict(status),
+    }
+
+
+def create_app(
+    engine: EngineClient | None,
+    served_model_name: str,
+    settings: ServerSettings | None = None,
+    state: ServerState | None = None,
+    backends: BackendCards | None = None,
+) -> FastAPI:
+    """The app. With an engine and no state, it serves at once (tests, embedding); `ferrum serve`
+    passes the state and attaches the engine once loaded (`app.state.server.attach`)."""
+    settings = settings or ServerSettings()
+    if state is None:
+        state = ServerState()
+        if engine is not None:
+            state.set_ready()
+    server = Server(served_model_name, settings, state, backends)
+    if engine is not None:
+        server.attach(engine)
+    app = FastAPI(title="Ferrum", summary="OpenAI-compatible LLM inference server", version=ferrum_version(),
+                  root_path=settings.api.root_path)
     app.state.server = server
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    # middleware, innermost first: errors -> body limit -> API keys -> request id -> CORS
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
+    keys = settings.api.all_keys()
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys, metrics_open=not settings.api.metrics_require_key)
     app.add_middleware(RequestIdMiddleware)
+    if settings.api.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.api.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])
 
-    @app.get("/health")
+    @app.get("/health", tags=["operations"])
     async def health() -> JSONResponse:
-        if engine.is_ready():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        """Liveness: 200 while the process serves HTTP, whatever the model's state."""
+        return JSONResponse({"status": "ok", "phase": state.phase})
 
-    @app.get("/v1/models")
+    @app.get("/ready", tags=["operations"], responses={503: {"description": "Not ready: the phase and why"}})
+    async def ready() -> JSONResponse:
+        """Readiness: 200 once the model is loaded and warmed up; 503 before (with the phase:
+        fetching, loading with progress, warming, failed with the reason) and while draining."""
+        status, body = state.readiness()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/version", tags=["operations"])
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": ferrum_version()})
+
+    @app.get("/v1/models", tags=["models"], responses=_errors(401, 503))
     async def list_models() -> ModelList:
         return ModelList(data=[server.model_card()])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", tags=["models"], responses=_errors(401, 404, 503))
     async def get_model(model_id: str) -> ModelCard:
         if model_id != served_model_name:
             raise server.model_not_found(model_id)
         return server.model_card()
 
-    @app.get("/metrics")
+    @app.get("/v1/backends", tags=["operations"], responses=_errors(401))
+    async def list_backends() -> JSONResponse:
+        """The registered compute backends: capabilities, status, and which one serves the model."""
+        return JSONResponse({"object": "list", "data": server.backends()})
+
+    @app.get("/metrics", tags=["operations"])
     async def metrics() -> Response:
         body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.post("/v1/completions", response_model=None)
+    model_errors = _errors(400, 401, 404, 408, 413, 429, 503)
+
+    @app.post("/v1/completions", response_model=None, tags=["inference"], openapi_extra=_json_body(CompletionRequest),
+              responses={**_streaming(CompletionResponse), **model_errors})
     async def completions(request: Request) -> Response:
         return await server.completions(request)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, tags=["inference"],
+              openapi_extra=_json_body(ChatCompletionRequest),
+              responses={**_streaming(ChatCompletionResponse), **model_errors})
     async def chat_completions(request: Request) -> Response:
         return await server.chat(request)
+
+    @app.post("/tokenize", tags=["tokenizer"], openapi_extra=_json_body(TokenizeRequest),
+              responses=_errors(400, 401, 404, 413, 503))
+    async def tokenize(request: Request) -> TokenizeResponse:
+        return await server.tokenize(request)
+
+    @app.post("/detokenize", tags=["tokenizer"], openapi_extra=_json_body(DetokenizeRequest),
+              responses=_errors(400, 401, 404, 413, 503))
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        return await server.detokenize(request)
 
     return app

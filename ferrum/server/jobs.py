@@ -18,6 +18,7 @@ from ferrum.engine.async_engine import EngineClient
 from ferrum.engine.limits import PromptTooLongError
 from ferrum.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from ferrum.engine.sampling_params import SamplingParams
+from ferrum.server.admission import Ticket
 from ferrum.server.errors import APIError, bad_request, internal_error
 from ferrum.server.metrics import ServerMetrics
 
@@ -57,20 +58,34 @@ def _settle(task: asyncio.Task[RequestOutput]) -> None:
 
 
 async def run_jobs(
-    engine: EngineClient, jobs: Sequence[Job], metrics: ServerMetrics, arrived: float
+    engine: EngineClient, jobs: Sequence[Job], metrics: ServerMetrics, ticket: Ticket
 ) -> AsyncGenerator[tuple[Job, RequestOutput], None]:
     """The outputs of all jobs as they come. However the consumer stops (return, error, aclose,
     cancellation), every engine generator is closed, which aborts the unfinished requests."""
-    gens = [engine.generate(job.request_id, job.prompt_ids, job.params) for job in jobs]
+    gens = [engine.generate(job.request_id, job.prompt_ids, job.params, ticket.priority) for job in jobs]
     pending: dict[asyncio.Task[RequestOutput], int] = {}
-    first_token_seen = [False] * len(jobs)
+    last_token_at: list[float | None] = [None] * len(jobs)
 
     def observe(i: int, out: RequestOutput) -> None:
-        if out.new_token_ids and not first_token_seen[i]:
-            first_token_seen[i] = True
-            metrics.observe_first_token(time.monotonic() - arrived)
+        now = time.monotonic()
+        ticket.started(i)
+        if out.queue_time_s is not None:
+            metrics.observe_queue_time(out.queue_time_s)
+            ticket.queue_time_s = max(ticket.queue_time_s or 0.0, out.queue_time_s)
+        if out.new_token_ids:
+            before = last_token_at[i]
+            if before is None:
+                ticket.first_token_s = ticket.first_token_s or now - ticket.arrived
+                metrics.observe_first_token(now - ticket.arrived)
+                if len(out.new_token_ids) > 1:
+                    metrics.observe_tokens(0.0, len(out.new_token_ids) - 1)
+            else:
+                metrics.observe_tokens(now - before, len(out.new_token_ids))
+            last_token_at[i] = now
         if out.finished:
-            metrics.observe_finished(time.monotonic() - arrived, out.finish_reason or "stop")
+            ticket.finished(i, out)
+            metrics.observe_finished(now - ticket.arrived, out.finish_reason or "stop", out.num_prompt_tokens,
+                                     out.num_output_tokens)
 
     try:
         if len(gens) == 1:
@@ -107,13 +122,13 @@ async def run_jobs(
 
 
 async def collect(
-    engine: EngineClient, jobs: Sequence[Job], metrics: ServerMetrics, arrived: float
+    engine: EngineClient, jobs: Sequence[Job], metrics: ServerMetrics, ticket: Ticket
 ) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in jobs]
     for job, result in zip(jobs, results, strict=True):
         if job.params.logprobs is not None:
             result.logprobs = []
-    async with aclosing(run_jobs(engine, jobs, metrics, arrived)) as outputs:
+    async with aclosing(run_jobs(engine, jobs, metrics, ticket)) as outputs:
         async for job, out in outputs:
             r = results[job.index]
             r.text += out.new_text

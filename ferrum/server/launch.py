@@ -14,17 +14,15 @@ import logging
 import time
 from pathlib import Path
 
-import uvicorn
-
 from ferrum.backends.base import ComputeBackend
 from ferrum.backends.registry import create_default_registry
 from ferrum.backends.selection import select_backend
 from ferrum.config import ConfigError, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine, EngineClient
 from ferrum.engine.builder import EngineSpec
-from ferrum.engine.heap import freeze_startup_heap
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.process_client import ProcessEngineClient
+from ferrum.engine.startup import StartupObserver, StartupProgress
 from ferrum.models.config import load_model_config
 from ferrum.weights.model_files import ModelFiles
 from ferrum.weights.sources import File
@@ -40,7 +38,7 @@ class StartupError(RuntimeError):
     """Start-up cannot go on; the message is for the user, no traceback needed."""
 
 
-def _check_local_folder(config: ServerConfig) -> None:
+def check_local_folder(config: ServerConfig) -> None:
     location = parse_model_location(config.model)
     if isinstance(location, File):
         if not (location.path / "config.json").is_file():
@@ -53,7 +51,7 @@ async def model_files(config: ServerConfig) -> ModelFiles:
     """`config.model` resolved for serving (ferrum.weights.uri.resolve_model), its config.json read
     (an unsupported architecture is named here, in the server, before any engine starts). Raises
     StartupError, ModelConfigError, or a WeightError naming what is missing."""
-    _check_local_folder(config)
+    check_local_folder(config)
     started = time.perf_counter()
     files = await resolve_model(config.model, config.weights)
     load_model_config(files.folder)
@@ -67,7 +65,7 @@ async def pull_model(config: ServerConfig) -> Path:
     """`ferrum pull`: the whole model fetched into the cache (or found there); its local folder."""
     location = parse_model_location(config.model)
     if isinstance(location, File) and not (location.path / "config.json").is_file():
-        _check_local_folder(config)
+        check_local_folder(config)
     started = time.perf_counter()
     folder = await resolve_model_folder(config.model, config.weights)
     log.info("model %s is in %s (%.1fs)", parse_model_location(config.model).display, folder,
@@ -84,23 +82,35 @@ def engine_in_own_process(setting: str, kind: str) -> bool:
     return setting == "on"
 
 
-async def build_engine(config: ServerConfig) -> tuple[EngineClient, ComputeBackend]:
+async def build_engine(
+    config: ServerConfig,
+    on_progress: StartupObserver | None = None,
+    selected: tuple[ComputeBackend, str] | None = None,
+) -> tuple[EngineClient, ComputeBackend]:
     """The engine client, its model loaded (in its own process or on a worker thread), and the
-    backend it runs on. An in-process engine's device memory (weights, KV cache, CUDA graphs) is
-    freed by the backend's shutdown; an engine process frees its own before it exits."""
-    registry = await create_default_registry()
-    backend, device_name = await select_backend(registry, config.backend, config.requirements)
-    log.info("backend %s (%s) on %s", backend.name, backend.version(), device_name)
+    backend it runs on (`selected`, or chosen here). An in-process engine's device memory (weights,
+    KV cache, CUDA graphs) is freed by the backend's shutdown; an engine process frees its own
+    before it exits. `on_progress` hears the start-up's phases on this event loop."""
+    if selected is None:
+        selected = await choose_backend(config)
+    backend, device_name = selected
+    report = on_progress or (lambda progress: None)
+    report(StartupProgress("fetching"))
     files = await model_files(config)
     spec = EngineSpec(config.engine_config(), backend.name, device_name, files, config.weights)
     try:
         if engine_in_own_process(config.engine_process, backend.kind):
             log.info("engine: in its own process")
-            return await ProcessEngineClient.launch(spec), backend
+            return await ProcessEngineClient.launch(spec, on_progress=report), backend
         log.info("engine: on a thread of the server process")
         device = backend.device(device_name)
-        engine = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: LLMEngine(spec.config, device, files, spec.weights)
+        loop = asyncio.get_running_loop()
+
+        def from_thread(progress: StartupProgress) -> None:
+            loop.call_soon_threadsafe(report, progress)
+
+        engine = await loop.run_in_executor(
+            None, lambda: LLMEngine(spec.config, device, files, spec.weights, on_progress=from_thread)
         )
     except (OSError, ValueError) as exc:  # unreadable or invalid model files: the message names the file
         raise StartupError(f"cannot load the model from {files.display}: {exc}") from exc
@@ -108,24 +118,12 @@ async def build_engine(config: ServerConfig) -> tuple[EngineClient, ComputeBacke
     return AsyncEngine(engine), backend
 
 
-async def serve(config: ServerConfig) -> None:
-    from ferrum.server.api import create_app
-
-    started = time.perf_counter()
-    engine, backend = await build_engine(config)
-    try:
-        await engine.start()
-        app = create_app(engine, config.model_name)
-        freeze_startup_heap()
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
-        )
-        log.info("model %s loaded in %.2fs; listening on http://%s:%d", config.model_name,
-                 time.perf_counter() - started, config.host, config.port)
-        await server.serve()
-    finally:
-        await engine.shutdown()  # stops stepping first: then the backend may free the device
-        await backend.shutdown()
+async def choose_backend(config: ServerConfig) -> tuple[ComputeBackend, str]:
+    registry = await create_default_registry()
+    backend, device_name = await select_backend(registry, config.backend, config.requirements)
+    log.info("backend %s (%s) on %s", backend.name, backend.version(), device_name)
+    return backend, device_name
 
 
-__all__ = ["ConfigError", "StartupError", "build_engine", "engine_in_own_process", "model_files", "pull_model", "serve"]
+__all__ = ["ConfigError", "StartupError", "build_engine", "choose_backend", "engine_in_own_process", "model_files",
+           "pull_model"]

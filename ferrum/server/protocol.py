@@ -30,9 +30,11 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """What both endpoints accept for sampling and stopping."""
+    """What both endpoints accept for sampling and stopping, and Ferrum's extensions (sent with the
+    OpenAI client's `extra_body`): `timeout` (seconds: the request's deadline), `priority` (lower
+    is admitted first), and vLLM's sampling fields (top_k, min_p, repetition_penalty, ...)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -55,6 +57,10 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    timeout: float | None = Field(None, gt=0, description="Ferrum: seconds before the request is ended "
+                                  "with a request_timeout error (default: the server's limits.request_timeout_s)")
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="Ferrum (as vLLM): waiting requests with "
+                          "a lower value are admitted first")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -407,3 +413,41 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- tokenizer routes ---------------------------------------------------------------------------------
+
+
+class TokenizeRequest(BaseModel):
+    """Either `prompt` (text) or `messages` (rendered with the chat template first)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -144,9 +145,26 @@ def _is_plain(spec: TensorSpec) -> bool:
 class _Sink:
     """Where `load_tensors(into=...)` puts each tensor: its destination, through the device's writer."""
 
-    def __init__(self, into: Mapping[str, torch.Tensor], writer: DeviceWriter) -> None:
+    def __init__(
+        self,
+        into: Mapping[str, torch.Tensor],
+        writer: DeviceWriter,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.into = into
         self.writer = writer
+        self._progress = progress
+        self._done = 0
+        self._total = sum(t.numel() * t.element_size() for t in into.values())
+        self._lock = threading.Lock()
+
+    def _landed(self, target: torch.Tensor) -> torch.Tensor:
+        if self._progress is not None:
+            with self._lock:
+                self._done += target.numel() * target.element_size()
+                done = self._done
+            self._progress(done, self._total)
+        return target
 
     def check(self, spec: TensorSpec) -> None:
         target = self.into.get(spec.name)
@@ -162,7 +180,7 @@ class _Sink:
         """A made (transformed, checked) host tensor into its destination."""
         target = self.into[spec.name]
         self.writer.write_tensor(target, tensor)
-        return target
+        return self._landed(target)
 
     def put_stored(self, spec: TensorSpec, stored: StoredBytes, where: str) -> torch.Tensor:
         """Stored bytes straight into the destination, for a spec without transformations."""
@@ -173,7 +191,7 @@ class _Sink:
                 f"stored as {tuple(stored.shape)} {stored.dtype}"
             )
         self.writer.write(target, stored.read)
-        return target
+        return self._landed(target)
 
 
 def _finish_into(reader: OpenedWeights, spec: TensorSpec, sink: _Sink) -> torch.Tensor:
@@ -247,13 +265,15 @@ class WeightLoader:
         *,
         into: Mapping[str, torch.Tensor] | None = None,
         device: Device | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Tensors:
         """{spec.name: tensor} for all `specs` (names must be unique), in the order given. Every
         transformation is checked for support before any I/O (Quantize is refused then).
 
         `into` (with `device`, where the destinations live): spec name -> a contiguous tensor of the
         spec's shape and dtype, filled in place (see the module docstring); the destinations are
-        returned, every upload finished."""
+        returned, every upload finished. `progress(done_bytes, total_bytes)` is called (from worker
+        threads) as each destination is written."""
         by_name = specs_by_name(specs)
         for spec in by_name.values():
             for step in spec.transformations:
@@ -264,7 +284,7 @@ class WeightLoader:
                 raise ValueError("load_tensors: `into` needs the device its tensors are on")
             from ferrum.backends.transfer import device_writer
 
-            sink = _Sink(into, device_writer(device))
+            sink = _Sink(into, device_writer(device), progress)
             for spec in by_name.values():
                 sink.check(spec)
         groups: dict[WeightSource, list[TensorSpec]] = {}

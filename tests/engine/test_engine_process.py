@@ -349,6 +349,6 @@ def test_live_server_with_engine_process(one_thread_children: None) -> None:
             events = [line for line in s.iter_lines() if line.startswith("data: {")]
         streamed = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or "" for e in events)
         assert streamed == r.json()["choices"][0]["message"]["content"]
-        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "phase": "ready"}
         metrics = httpx.get(f"{url}/metrics").text
         assert "ferrum_requests_finished" in metrics and "ferrum_kv_blocks_total" in metrics

@@ -91,6 +91,13 @@ def test_top_k_off_or_at_least_vocab_keeps_everything(k: int) -> None:
     assert support == set(range(8))
 
 
+def test_top_p_below_float32_keeps_the_most_likely_token() -> None:
+    """1e-300 is 0 in float32: the most likely token stays, the row never turns into NaN."""
+    params = SamplingParams(temperature=2.0, top_p=1e-300, top_k=1, min_p=1.0)
+    assert _support(_log(PROBS), params) == {ORDER[0]}
+    assert _support(_log(PROBS), SamplingParams(temperature=1e-4, top_p=1e-300)) == {ORDER[0]}
+
+
 @pytest.mark.parametrize(
     "top_p, kept",
     [

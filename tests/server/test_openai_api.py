@@ -63,9 +63,11 @@ def _error(response: httpx.Response) -> dict[str, Any]:
 # -- the small routes -----------------------------------------------------------------------------------
 
 
-def test_health(base_url: str) -> None:
+def test_health_and_ready(base_url: str) -> None:
     r = httpx.get(f"{base_url}/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "phase": "ready"}
+    r = httpx.get(f"{base_url}/ready")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
 
 
 def test_models(client: openai.OpenAI, model: str, max_model_len: int) -> None:

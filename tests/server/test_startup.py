@@ -12,14 +12,16 @@ import pytest
 
 from ferrum.config import ConfigError, load_config
 from tests.engines import host_device
+from tests.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "SmolLM2-135M-Instruct"
 
 
 def run_serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`ferrum serve ARGS` to its end (a failed start exits at once: no linger)."""
     return subprocess.run(
-        [sys.executable, "-m", "ferrum.cli", "serve", *args],
+        [sys.executable, "-m", "ferrum.cli", "serve", *args, "--failed-start-linger", "0"],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )
 
@@ -79,7 +81,7 @@ def test_bad_config_files_are_named_and_explained(tmp_path: Path, text: str, fra
 
 
 def test_missing_backend_fails_with_one_clear_message() -> None:
-    result = run_serve("--model", str(DEMO), "--backend", "cuda", "--port", "1")
+    result = run_serve("--model", str(DEMO), "--backend", "cuda", "--port", str(free_port()))
     assert result.returncode == 2
     err = result.stderr
     assert "Traceback" not in err
@@ -91,7 +93,7 @@ def test_missing_backend_fails_with_one_clear_message() -> None:
 def test_unmet_requirements_name_the_failed_requirement(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {DEMO}\nrequirements: {{requires_flash_attention: true}}\n")
-    result = run_serve("--config", str(cfg), "--port", "1")
+    result = run_serve("--config", str(cfg), "--port", str(free_port()))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "flash attention" in result.stderr
@@ -99,13 +101,13 @@ def test_unmet_requirements_name_the_failed_requirement(tmp_path: Path) -> None:
 
 
 def test_invalid_backend_spec_lists_valid_forms() -> None:
-    result = run_serve("--model", str(DEMO), "--backend", "tpu", "--port", "1")
+    result = run_serve("--model", str(DEMO), "--backend", "tpu", "--port", str(free_port()))
     assert result.returncode == 2
     assert "invalid backend 'tpu'" in result.stderr and "cuda:N" in result.stderr
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:
-    result = run_serve("--model", str(tmp_path / "nope"), "--backend", "cpu", "--port", "1")
+    result = run_serve("--model", str(tmp_path / "nope"), "--backend", "cpu", "--port", str(free_port()))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "nope" in result.stderr and "config.json" in result.stderr
@@ -113,7 +115,7 @@ def test_missing_model_folder(tmp_path: Path) -> None:
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    result = run_serve("--model", str(tmp_path), "--backend", "cpu", "--port", "1")
+    result = run_serve("--model", str(tmp_path), "--backend", "cpu", "--port", str(free_port()))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "GPT2LMHeadModel" in result.stderr
@@ -126,7 +128,7 @@ def test_missing_weights_name_the_folder(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((DEMO / name).read_bytes())
-    result = run_serve("--model", str(tmp_path), "--backend", "cpu", "--port", "1")
+    result = run_serve("--model", str(tmp_path), "--backend", "cpu", "--port", str(free_port()))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert str(tmp_path) in result.stderr and "safetensors" in result.stderr
@@ -136,7 +138,7 @@ def test_corrupt_weights_name_the_file(tmp_path: Path) -> None:
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((DEMO / name).read_bytes())
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    result = run_serve("--model", str(tmp_path), "--backend", "cpu", "--port", "1")
+    result = run_serve("--model", str(tmp_path), "--backend", "cpu", "--port", str(free_port()))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "model.safetensors" in result.stderr

@@ -37,6 +37,7 @@ from tests.conftest import S3Bucket
 from tests.engines import local_engine
 from tests.fault_server import FaultServer
 from tests.hub_mirror import HubMirror, olah_server
+from tests.live_server import free_port
 from tests.tiny_model import folder_files, make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -525,7 +526,9 @@ async def test_pull_and_serve_errors_exit_2_with_one_line(
             "--backend",
             "cpu",
             "--port",
-            "1",
+            str(free_port()),
+            "--failed-start-linger",
+            "0",
             "--cache-dir",
             cache,
         ),
@@ -539,7 +542,9 @@ async def test_pull_and_serve_errors_exit_2_with_one_line(
             "--backend",
             "cpu",
             "--port",
-            "1",
+            str(free_port()),
+            "--failed-start-linger",
+            "0",
             "--cache-dir",
             cache,
         ),

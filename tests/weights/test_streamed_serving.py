@@ -21,7 +21,7 @@ from ferrum.weights.uri import resolve_model
 from tests.conftest import S3Bucket
 from tests.engines import local_engine
 from tests.fault_server import FaultServer
-from tests.live_server import live_server
+from tests.live_server import free_port, live_server
 from tests.tiny_model import folder_files, make_tiny_llama
 from tests.weights.test_model_sources import assert_one_clear_error, linked_into, put_folder, run_cli
 
@@ -131,7 +131,8 @@ def test_serve_stops_on_bad_weights_naming_the_file(
         f"model: {{source: url, url: '{fault_server.url('tiny/')}', sha256: {{{shard}: '{pins[shard]}'}}}}\n"
         f"weights: {{cache_dir: '{cache}'}}\n"
     )
-    result = run_cli("serve", "--config", str(config), "--backend", "cpu", "--port", "1")
+    result = run_cli("serve", "--config", str(config), "--backend", "cpu", "--port", str(free_port()),
+                     "--failed-start-linger", "0")
     assert_one_clear_error(result, shard, "sha256")
     # the small files' blobs stay (verified); nothing of the bad shard, no partial file, no model folder
     assert all(blob.stat().st_size != len(files[shard]) for blob in (cache / "blobs").glob("*"))
@@ -158,7 +159,8 @@ def test_a_bad_file_takes_the_partials_of_its_siblings_with_it(
         f"model: {{source: url, url: '{fault_server.url('tiny/')}', sha256: {{{second}: '{'ab' * 32}'}}}}\n"
         f"weights: {{cache_dir: '{cache}'}}\n"
     )
-    result = run_cli("serve", "--config", str(config), "--backend", "cpu", "--port", "1")
+    result = run_cli("serve", "--config", str(config), "--backend", "cpu", "--port", str(free_port()),
+                     "--failed-start-linger", "0")
     assert_one_clear_error(result, second, "sha256")
     assert any(r.path == f"/tiny/{first}" and r.method == "GET" for r in fault_server.requests)
     assert not list((cache / "partial").glob("*")), "no partial, progress or lock file stays"
