@@ -52,6 +52,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="GPU: greedy decode iterations per host round trip while no request waits for a slot (default 16)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
                    help="do not reuse the KV of prompt prefixes shared with earlier requests")
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
+                   help="split the model across N devices (one process each; default 1)")
     p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),
                    help="run the engine in a process of its own (auto: on cuda and mps, not on cpu)")
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")

@@ -69,6 +69,7 @@ class BackendRequirements:
     min_sequence_length: int = 1
     requires_flash_attention: bool = False
     requires_paged_attention: bool = False
+    tensor_parallel_size: int = 1  # devices the model is split across (set from the engine config)
 
     def __post_init__(self) -> None:
         for device in self.devices:
@@ -76,7 +77,7 @@ class BackendRequirements:
         for dtype in self.dtypes:
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"dtypes must hold torch.dtype values, got {dtype!r}")
-        for name in ("min_batch_size", "min_sequence_length"):
+        for name in ("min_batch_size", "min_sequence_length", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -114,7 +115,7 @@ def _parse_requirement_value(key: str, value: object) -> object:
         return devices
     if key == "dtypes":
         return tuple(parse_dtype(name) for name in _string_list(value))
-    if key in ("min_batch_size", "min_sequence_length"):
+    if key in ("min_batch_size", "min_sequence_length", "tensor_parallel_size"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"must be a positive integer, got {value!r}")
         return value
@@ -148,6 +149,10 @@ class BackendCapabilities:
     memory_alignment: int  # bytes
     total_memory_bytes: int
     free_memory_bytes: int
+    # tensor parallelism: whether a model can be split across devices from this backend's one, and
+    # across how many at most (this device and the ones after it; the CPU's ranks share its cores)
+    supports_tensor_parallelism: bool = False
+    max_tensor_parallel_size: int = 1
     extras: Mapping[str, object] = field(default_factory=_empty_extras, hash=False)
 
     def __post_init__(self) -> None:
@@ -164,7 +169,7 @@ class BackendCapabilities:
             if getattr(self, flag_name) != (dtype in self.supported_dtypes):
                 supported = dtype_names(self.supported_dtypes)
                 raise ValueError(f"{flag_name} disagrees with supported_dtypes ({supported})")
-        for name in ("max_batch_size", "max_sequence_length", "memory_alignment"):
+        for name in ("max_batch_size", "max_sequence_length", "memory_alignment", "max_tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.memory_alignment & (self.memory_alignment - 1):
@@ -202,4 +207,9 @@ class BackendCapabilities:
             unmet.append("requires flash attention, not supported")
         if requirements.requires_paged_attention and not self.paged_attention:
             unmet.append("requires paged attention, not supported")
+        tp = requirements.tensor_parallel_size
+        if tp > 1 and not self.supports_tensor_parallelism:
+            unmet.append(f"requires tensor parallelism over {tp} devices, not supported")
+        elif tp > self.max_tensor_parallel_size:
+            unmet.append(f"requires tensor parallelism over {tp} devices, can span {self.max_tensor_parallel_size}")
         return unmet

@@ -259,6 +259,8 @@ class CPUBackend(ComputeBackend):
             memory_alignment=CPU_MEMORY_ALIGNMENT,
             total_memory_bytes=memory.total_bytes,
             free_memory_bytes=memory.available_bytes,
+            supports_tensor_parallelism=True,  # ranks in processes of their own, gloo between them
+            max_tensor_parallel_size=max(1, self._core_count),  # at least a core per rank
             extras={
                 "cores": self._core_count,
                 "cpu_capability": self._cpu_capability,

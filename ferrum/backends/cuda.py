@@ -153,8 +153,11 @@ def cuda_attention_kernels(facts: CudaDeviceFacts) -> tuple[str, ...]:
     return tuple(kernels)
 
 
-def cuda_capabilities(facts: CudaDeviceFacts, free_bytes: int, total_bytes: int) -> BackendCapabilities:
-    """The capabilities of the GPU `facts` describes, with `free_bytes` of `total_bytes` free now.
+def cuda_capabilities(
+    facts: CudaDeviceFacts, free_bytes: int, total_bytes: int, span: int = 1
+) -> BackendCapabilities:
+    """The capabilities of the GPU `facts` describes, with `free_bytes` of `total_bytes` free now;
+    `span`: the visible GPUs from this one on, which a tensor-parallel model can be split across.
 
     max_batch_size and max_sequence_length follow the CPU backend's formula (ferrum.backends.cpu)
     on the GPU's total memory.
@@ -176,6 +179,8 @@ def cuda_capabilities(facts: CudaDeviceFacts, free_bytes: int, total_bytes: int)
         memory_alignment=CUDA_MEMORY_ALIGNMENT,
         total_memory_bytes=total_bytes,
         free_memory_bytes=min(max(free_bytes, 0), total_bytes),
+        supports_tensor_parallelism=True,  # NCCL between the ranks' GPUs
+        max_tensor_parallel_size=max(1, span),
         extras={
             "device_name": facts.name,
             "compute_capability": facts.compute_capability,
@@ -257,9 +262,11 @@ class CUDABackend(AcceleratorBackend):
     """One GPU through torch. `facts` as nvml_facts or probe_cuda_device give them; `runtime`
     defaults to the real torch.cuda calls for that GPU (tests pass a stub)."""
 
-    def __init__(self, facts: CudaDeviceFacts, runtime: DeviceRuntime | None = None) -> None:
+    def __init__(self, facts: CudaDeviceFacts, runtime: DeviceRuntime | None = None, span: int = 1) -> None:
+        """`span`: the visible GPUs from this one on (tensor parallelism can split a model across them)."""
         super().__init__(runtime if runtime is not None else TorchCudaRuntime(facts.index))
         self._facts = facts
+        self._span = span
 
     @property
     def facts(self) -> CudaDeviceFacts:
@@ -275,7 +282,7 @@ class CUDABackend(AcceleratorBackend):
 
     def capabilities(self) -> BackendCapabilities:
         free_bytes, total_bytes = self._runtime.memory_info()
-        return cuda_capabilities(self._facts, free_bytes, total_bytes)
+        return cuda_capabilities(self._facts, free_bytes, total_bytes, self._span)
 
     def version(self) -> str:
         return f"torch {torch.__version__}, CUDA {self._facts.cuda_version}"
@@ -303,13 +310,15 @@ def create_backends() -> list[ComputeBackend]:
         except Exception:
             logger.exception("NVML could not list the GPUs; probing them through torch.cuda instead")
         else:
-            return [CUDABackend(nvml_facts(gpu), TorchCudaRuntime(gpu.ordinal, nvml, gpu.handle)) for gpu in gpus]
+            return [CUDABackend(nvml_facts(gpu), TorchCudaRuntime(gpu.ordinal, nvml, gpu.handle), span=len(gpus) - i)
+                    for i, gpu in enumerate(gpus)]
     if not torch.cuda.is_available():
         return []
     backends: list[ComputeBackend] = []
-    for index in range(torch.cuda.device_count()):
+    count = torch.cuda.device_count()
+    for index in range(count):
         try:
-            backends.append(CUDABackend(probe_cuda_device(index)))
+            backends.append(CUDABackend(probe_cuda_device(index), span=count - index))
         except RuntimeError:
             logger.exception("could not probe cuda:%d; leaving it out", index)
     return backends

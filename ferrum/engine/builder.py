@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ferrum.backends.base import ComputeBackend
@@ -68,10 +68,11 @@ def create_engine(
     cuda:N, mps); `settings` are EngineConfig's fields."""
     config = EngineConfig(**settings)
     weights = weights or WeightLoaderConfig()
+    wanted = replace(requirements or BackendRequirements(), tensor_parallel_size=config.tensor_parallel_size)
 
     async def select() -> tuple[ComputeBackend, str, ModelFiles]:
         registry = await create_default_registry()
-        chosen, device = await select_backend(registry, backend, requirements)
+        chosen, device = await select_backend(registry, backend, wanted)
         files = await resolve_model(model, weights)
         return chosen, device, files
 

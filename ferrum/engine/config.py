@@ -31,12 +31,15 @@ class EngineConfig:
     # GPUs: greedy decodes run back to back per host round trip while every running sequence decodes
     # greedily and no request waits for a free slot (tokens after a stop are dropped)
     num_scheduler_steps: int = 16
+    # ranks the model is split across (tensor parallelism): one process and device per rank
+    tensor_parallel_size: int = 1
     kernels: KernelConfig = field(default_factory=KernelConfig)  # GPUs: the Triton kernels' settings
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             serving_dtype(self.dtype)  # ValueError naming the valid ones
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
+                     "tensor_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

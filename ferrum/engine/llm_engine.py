@@ -14,7 +14,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,22 +24,19 @@ from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.heap import thaw_heap
 from ferrum.engine.limits import PromptTooLongError, RequestLimits
-from ferrum.engine.memory_plan import in_use_bytes, plan_gpu, plan_host
+from ferrum.engine.model_rank import ModelRank
 from ferrum.engine.observer import StepKind, StepObserver, StepRecord
 from ferrum.engine.output_processor import OutputProcessor
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.runner import GreedyBurst, ModelRunner
+from ferrum.engine.runner import GreedyBurst
 from ferrum.engine.sampler import SampleResult, sample
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import BurstLimits, Scheduler, SchedulerOutput
 from ferrum.engine.sequence import Sequence, SequenceStatus
 from ferrum.engine.startup import StartupObserver, StartupProgress
-from ferrum.models.attention import select_attention
-from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.engine.tensor_parallel import TensorParallelError
 from ferrum.models.config import ModelConfig, load_model_config
-from ferrum.models.layers import layer_ops
-from ferrum.models.llama import LlamaForCausalLM
-from ferrum.models.loader import load_model, run_sync
+from ferrum.models.loader import run_sync
 from ferrum.tokenizer import Tokenizer
 from ferrum.weights.loader import WeightLoader
 from ferrum.weights.model_files import ModelFiles
@@ -94,24 +91,14 @@ class LLMEngine:
         self.dtype = config.serving_dtype(model_config.dtype, device)
         self.max_model_len = _max_model_len(config, model_config)
         self.limits = RequestLimits(self.max_model_len, model_config.vocab_size)
-        self.layout = KVCacheLayout.of(model_config, self.dtype, config.block_size)
-        self.attention = select_attention(device, self.layout, config.kernels)
-        plan = plan_host(device, self.layout, config) if device.kind != "cuda" else None
-        if plan is not None:  # sized before loading, so that a cache too small fails fast
-            self._check_fits(plan.num_blocks)
         weights = weights or WeightLoaderConfig()
-        self.model = self._load(files, weights)
-        self._report(StartupProgress("warming"))
-        if plan is None:
-            plan = plan_gpu(device, self.layout, config, self._profile)
-            self._check_fits(plan.num_blocks)
-        self.memory_plan = plan
-        self.runner = self._make_runner(plan.num_blocks)
-        if device.kind == "cuda":
-            used, held = in_use_bytes(device)
-            log.info("GPU memory after start-up: %.2f GiB in use on the device (this process's allocator %.2f GiB), "
-                     "budget %.2f GiB", used / 2**30, held / 2**30, plan.budget_bytes / 2**30)
-        self.block_manager = BlockManager(plan.num_blocks, config.block_size,
+        self.rank = self._build_rank(files, weights)
+        self.model, self.layout, self.attention = self.rank.model, self.rank.layout, self.rank.attention
+        self.memory_plan, self.weight_load, self.runner = self.rank.memory_plan, self.rank.weight_load, self.rank.runner
+        if not files.complete:
+            folder = run_sync(publish_model_folder(files, weights))
+            log.info("model %s is in the cache at %s", files.display, folder)
+        self.block_manager = BlockManager(self.rank.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         bursts = BurstLimits(min(config.num_scheduler_steps, self.runner.max_burst), self.max_model_len,
@@ -128,36 +115,45 @@ class LLMEngine:
         log.info(
             "engine ready in %.1fs: %s %s on %s (%s attention), %d KV blocks x %d tokens, max_model_len %d",
             time.perf_counter() - started, model_config.architecture, dtype_name(self.dtype), device.name,
-            self.attention.name, plan.num_blocks, config.block_size, self.max_model_len,
+            self.attention.name, self.rank.num_blocks, config.block_size, self.max_model_len,
         )
 
     # -- building ---------------------------------------------------------------------------
-    def _load(self, files: ModelFiles, weights: WeightLoaderConfig) -> LlamaForCausalLM:
-        """The model on the device, its weights streamed in; a remote model's folder is then
-        published in the cache for the next start."""
+    def _build_rank(self, files: ModelFiles, weights: WeightLoaderConfig) -> ModelRank:
+        """The model (its weights streamed in), KV cache and runner on this device. With
+        tensor_parallel_size N > 1 this is rank 0 of N: the other ranks start in worker processes
+        first, build their shards alongside, and replay every step (MirroredRunner)."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return ModelRank(self.config, self.device, self.model_config, files, weights, self.dtype,
+                             self.max_model_len, report=self._report)
+        from ferrum.engine.tensor_parallel import MirroredRunner, RankGroup
+        from ferrum.models.layers.parallel import ShardPlan
 
-        async def load_and_close(loader: WeightLoader) -> None:
-            await loader.aclose()
-
-        loader = WeightLoader(weights)
-        self._report(StartupProgress("loading"))
-        last = [0.0]
-
-        def progress(done: int, total: int) -> None:  # at most a few reports a second
-            now = time.monotonic()
-            if done >= total or now - last[0] >= 0.25:
-                last[0] = now
-                self._report(StartupProgress("loading", done, total))
-
+        ShardPlan.check(self.model_config, size)
+        if not files.complete:  # every rank reads its shards from the cache: fetch once, here
+            files = run_sync(_fetched(files, weights))
+        threads = max(1, torch.get_num_threads() // size) if self.device.kind == "cpu" else 0
+        if threads:
+            torch.set_num_threads(threads)
+        spec_config = replace(self.config, max_model_len=self.max_model_len)
+        group, url = RankGroup.start(size, self.device.name, spec_config, files, weights, threads)
         try:
-            model, self.weight_load = load_model(self.model_config, files.weights, self.device, self.dtype,
-                                                 layer_ops(self.device), loader, progress)
-        finally:
-            run_sync(load_and_close(loader))
-        if not files.complete:
-            folder = run_sync(publish_model_folder(files, weights))
-            log.info("model %s is in the cache at %s", files.display, folder)
-        return model
+            tp = group.join(self.device.kind, url, self.device.torch_device if self.device.kind == "cuda" else None)
+            rank = ModelRank(self.config, self.device, self.model_config, files, weights, self.dtype,
+                             self.max_model_len, tp, report=self._report, agree_blocks=group.agree_blocks)
+            reports = group.wait_ready()
+        except BaseException as exc:
+            group.close()
+            if group.failure is not None and not isinstance(exc, TensorParallelError):
+                raise TensorParallelError(group.failure) from exc
+            raise
+        self.rank_reports = [rank.weight_load, *reports]
+        for i, report in enumerate(self.rank_reports):
+            log.info("tensor parallel rank %d/%d: %.3f GB of weights on its device, %.3f GB read from the checkpoint",
+                     i, size, report.nbytes / 1e9, report.bytes_read / 1e9)
+        rank.runner = MirroredRunner(rank.runner, group)
+        return rank
 
     def _report(self, progress: StartupProgress) -> None:
         if self._on_progress is not None:
@@ -166,42 +162,11 @@ class LLMEngine:
             except Exception:  # a listener's failure must not fail the start
                 log.exception("start-up progress listener failed")
 
-    def _make_runner(self, num_blocks: int, graph_sizes: list[int] | None = None) -> ModelRunner:
-        if self.attention.name == "triton_paged":
-            from ferrum.engine.gpu_runner import GPUModelRunner
-
-            return GPUModelRunner(self.model, self.device, self.layout, num_blocks, self.attention,  # type: ignore[arg-type]
-                                  self.config, self.max_model_len, graph_sizes=graph_sizes)
-        from ferrum.engine.torch_runner import TorchModelRunner
-
-        return TorchModelRunner(self.model, self.device, self.layout, num_blocks, self.attention)
-
-    def _profile(self) -> int:
-        """The memory planner's profile (ferrum.engine.memory_plan): a scratch runner with a KV cache
-        of two blocks runs every eager step size up to max_num_batched_tokens (compiling every
-        kernel before serving; the rows past the probe's two tokens pad the step), the sampler at
-        its widest, and captures the largest decode graph. Returns its KV cache's bytes."""
-        config = self.config
-        blocks = 2
-        graphs = [config.max_num_seqs] if self.device.cuda_graphs and not config.enforce_eager else []
-        scratch = self._make_runner(blocks, graph_sizes=graphs)
-        scratch.warm_up(config.max_num_batched_tokens)  # type: ignore[attr-defined]
-        _widest_sample(config.max_num_seqs, self.model_config.vocab_size, self.device)
-        scratch.release()
-        return self.layout.bytes_per_block * (blocks + 1)
-
-    def _check_fits(self, num_blocks: int) -> None:
-        if num_blocks * self.config.block_size < self.max_model_len:
-            memory = "gpu_memory_utilization" if self.device.kind == "cuda" else "kv_cache_memory_gb"
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {self.config.block_size} tokens) cannot hold one "
-                f"sequence of max_model_len={self.max_model_len} tokens; raise {memory} or lower max_model_len"
-            )
-
     def release(self) -> None:
         """Frees what the engine holds on its device (KV cache, CUDA graphs, weights) and hands the
-        memory back to the driver; the engine cannot step afterwards."""
-        self.runner.release()
+        memory back to the driver (and stops the other tensor-parallel ranks); the engine cannot
+        step afterwards."""
+        self.rank.release()
         self.model = None  # type: ignore[assignment]
         thaw_heap()  # a serving process froze its start-up objects, the model's among them
         gc.collect()
@@ -370,6 +335,17 @@ class LLMEngine:
         return [results[i] for i in ids]
 
 
+async def _fetched(files: ModelFiles, weights: WeightLoaderConfig) -> ModelFiles:
+    """A remote model's files, downloaded into the cache first (tensor-parallel ranks each read
+    their shards from there)."""
+    from ferrum.weights.uri import resolve_model
+
+    async with WeightLoader(weights) as loader:
+        await loader.preload(files.weights)
+    folder = await publish_model_folder(files, weights)
+    return await resolve_model(str(folder), weights)
+
+
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
     if model_config.sliding_window:
@@ -377,15 +353,3 @@ def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} is longer than the model supports ({limit} tokens)")
     return config.max_model_len or limit
-
-
-def _widest_sample(rows: int, vocab: int, device: Device) -> None:
-    """The sampler over `rows` rows with every filter and penalty on: its widest temporaries."""
-    params = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
-                            presence_penalty=0.1, frequency_penalty=0.1, logprobs=20)
-    seqs = [Sequence(f"profile-{i}", [1, 2, 3], params, 0.0) for i in range(rows)]
-    for seq in seqs:
-        seq.output_token_ids = [4, 5]
-    logits = torch.randn(rows, vocab, dtype=torch.float32, device=device.torch_device)
-    sample(logits, seqs)
-

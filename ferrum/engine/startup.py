@@ -31,3 +31,4 @@ class WeightLoadReport:
     source: str
     nbytes: int
     seconds: float
+    bytes_read: int = 0  # of the checkpoint: a tensor-parallel rank reads only its shards where it can

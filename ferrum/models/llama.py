@@ -16,6 +16,14 @@ from torch import nn
 from ferrum.models.attention.layout import KVCache
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import GatedMLP, LayerOps, RMSNorm, RotaryEmbedding, torch_ops
+from ferrum.models.layers.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    ShardPlan,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass(frozen=True)
@@ -25,17 +33,21 @@ class WeightBinding:
     checkpoint_name: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
     parameter: str  # e.g. "layers.0.self_attn.qkv_proj.weight"
     rows: tuple[int, int] | None = None  # the rows [start, end) of the parameter; None: all of it
+    shard: Shard | None = None  # under tensor parallelism: the part of the checkpoint tensor this rank reads
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+    """`config` is this rank's (its share of the heads under tensor parallelism)."""
+
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = (nn.Linear(self.q_size, config.hidden_size, bias=False) if tp.size == 1
+                       else RowParallelLinear(self.q_size, config.hidden_size, False, tp))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
 
@@ -45,12 +57,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(config, ops, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops)
+        if tp.size > 1:
+            self.mlp.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, batch
@@ -73,15 +87,26 @@ FUSED_PROJECTIONS = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: LayerOps | None = None) -> None:
+    """`config` is the whole model's; with `tp` (tensor parallelism) this is one rank's shard of
+    it: its heads, MLP columns and vocabulary rows (ferrum.models.layers.parallel.ShardPlan)."""
+
+    def __init__(self, config: ModelConfig, ops: LayerOps | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         ops = ops or torch_ops()
+        tp = tp or TensorParallel.single()
         self.config = config
+        self.shard = ShardPlan(config, tp.rank, tp.size)
+        rank_config = self.shard.rank_config()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            rows = self.shard.vocab_rows
+            self.embed_tokens = VocabParallelEmbedding(rows, self.shard.vocab_start, config.hidden_size, tp)
+            self.lm_head = ParallelLMHead(rows, config.hidden_size, config.vocab_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(rank_config, ops, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -98,27 +123,33 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def shard_rows(self, fused: str) -> list[int]:
-        """Row offsets of the shards of a fused projection: q, k, v or gate, up."""
-        c = self.config
+        """Row offsets of the parts of a fused projection (this rank's): q, k, v or gate, up."""
+        c = self.shard.rank_config()
         if fused == "qkv_proj":
             return [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
         return [0, c.intermediate_size, 2 * c.intermediate_size]
 
     def weight_bindings(self) -> list[WeightBinding]:
-        """Every checkpoint tensor the model needs (HF names) and the parameter rows it fills. The
-        rotary tables are computed, and a tied lm_head is the embedding, so neither is listed."""
+        """Every checkpoint tensor the model needs (HF names), the parameter rows it fills and, for
+        a tensor-parallel rank, the part of it the rank reads. The rotary tables are computed, and a
+        tied lm_head is the embedding, so neither is listed."""
         bindings: list[WeightBinding] = []
         by_fused = {(fused, shard): name for name, (fused, shard) in FUSED_PROJECTIONS.items()}
-        for parameter, _ in self.named_parameters():  # a tied lm_head.weight appears once, as the embedding
+        for parameter, tensor in self.named_parameters():  # a tied lm_head.weight appears once, as the embedding
             parts = parameter.split(".")
             checkpoint = parameter if parameter.startswith("lm_head.") else f"model.{parameter}"
             if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj"):
                 rows = self.shard_rows(parts[-2])
-                for shard in range(len(rows) - 1):
-                    name = ".".join(["model", *parts[:-2], by_fused[(parts[-2], shard)], parts[-1]])
-                    bindings.append(WeightBinding(name, parameter, (rows[shard], rows[shard + 1])))
+                for part in range(len(rows) - 1):
+                    projection = by_fused[(parts[-2], part)]
+                    name = ".".join(["model", *parts[:-2], projection, parts[-1]])
+                    bindings.append(WeightBinding(name, parameter, (rows[part], rows[part + 1]),
+                                                  self.shard.checkpoint_shard(projection, parts[-1])))
             else:
-                bindings.append(WeightBinding(checkpoint, parameter))
+                shard = self.shard.checkpoint_shard(parts[-2], parts[-1])
+                fill = None if shard is None or shard.end - shard.start == tensor.shape[shard.dim] else (
+                    0, shard.end - shard.start)  # the last rank's vocabulary rows past the end stay unused
+                bindings.append(WeightBinding(checkpoint, parameter, fill, shard))
         return bindings
 
 

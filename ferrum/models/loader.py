@@ -24,12 +24,13 @@ from ferrum.backends.device import Device
 from ferrum.engine.startup import WeightLoadReport
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import LayerOps, RotaryEmbedding
+from ferrum.models.layers.parallel import TensorParallel
 from ferrum.models.llama import LlamaForCausalLM, WeightBinding, ignored_checkpoint_tensor
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
 from ferrum.weights.sources import WeightSource
 from ferrum.weights.spec import TensorSpec, WeightMetadata
-from ferrum.weights.transforms import Cast
+from ferrum.weights.transforms import Cast, Slice
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,20 @@ class WeightsError(WeightError, ValueError):
     """Weights missing or not matching the model's config; names the file."""
 
 
-def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: LayerOps) -> LlamaForCausalLM:
-    """The model's parameters allocated on `device` in `dtype` (uninitialised), its rotary tables
-    computed there in float32."""
+def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: LayerOps,
+                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """The model's parameters (one rank's shard of them under `tp`) allocated on `device` in `dtype`
+    (uninitialised), its rotary tables computed there in float32."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops)
+        model = LlamaForCausalLM(config, ops, tp)
     model = model.to(dtype).to_empty(device=device.torch_device)  # allocated once, in the target dtype
     if config.tie_word_embeddings:  # to_empty gives every module a parameter of its own
         model.lm_head.weight = model.embed_tokens.weight
+    if model.shard.sharded:  # the last rank's vocabulary rows past the end: never filled, never read
+        with torch.no_grad():
+            model.embed_tokens.weight.zero_()
+            if not config.tie_word_embeddings:
+                model.lm_head.weight.zero_()
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device.torch_device)
     return model.eval()
 
@@ -73,12 +80,18 @@ def weight_plan(
     for name, binding in bindings.items():
         target = _target(params[binding.parameter], binding)
         shape, stored = metadata.tensors[name]
-        if tuple(shape) != tuple(target.shape):
-            raise WeightsError(where, f"tensor {name!r} has shape {tuple(shape)}, config.json implies {tuple(target.shape)}")
+        shard = binding.shard
+        read_shape = list(shape)
+        if shard is not None and 0 <= shard.dim < len(read_shape) and shard.end <= read_shape[shard.dim]:
+            read_shape[shard.dim] = shard.end - shard.start
+        if tuple(read_shape) != tuple(target.shape):
+            implied = tuple(target.shape) if shard is None else f"{tuple(target.shape)} for this rank's shard"
+            raise WeightsError(where, f"tensor {name!r} has shape {tuple(shape)}, config.json implies {implied}")
+        slices = (Slice(shard.dim, shard.start, shard.end),) if shard is not None else ()
         specs.append(TensorSpec(
             name, tuple(target.shape), dtype,
             source=_with_tensor(weights, name),
-            transformations=(Cast(dtype),) if stored != dtype else (),
+            transformations=slices + ((Cast(dtype),) if stored != dtype else ()),
         ))
         into[name] = target
     return specs, into
@@ -120,6 +133,7 @@ def load_model(
     ops: LayerOps,
     loader: WeightLoader,
     progress: Callable[[int, int], None] | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, WeightLoadReport]:
     """build_model, then load_weights, from synchronous code (the engine's constructor). A remote
     checkpoint starts downloading first (`WeightLoader.fetching`), so its bytes arrive while the
@@ -137,7 +151,7 @@ def load_model(
 
     def build() -> LlamaForCausalLM:
         try:
-            model = build_model(config, device, dtype, ops)
+            model = build_model(config, device, dtype, ops, tp)
             device.runtime.synchronize()
         except BaseException as exc:
             built.set_exception(exc)
@@ -151,7 +165,7 @@ def load_model(
     log.info("loaded %.2f GB of weights from %s to %s in %.2fs (%.2f GB/s; model set-up before them %.2fs)",
              nbytes / 1e9, weights.display, device.name, done - reading, nbytes / 1e9 / max(done - reading, 1e-9),
              reading - started)
-    return model, WeightLoadReport(weights.kind, nbytes, done - reading)
+    return model, WeightLoadReport(weights.kind, nbytes, done - reading, loader.bytes_read)
 
 
 def run_beside(coroutine: Coroutine[Any, Any, T], work: Callable[[], R]) -> tuple[R, T]:

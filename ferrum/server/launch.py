@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ferrum.backends.base import ComputeBackend
@@ -120,7 +121,8 @@ async def build_engine(
 
 async def choose_backend(config: ServerConfig) -> tuple[ComputeBackend, str]:
     registry = await create_default_registry()
-    backend, device_name = await select_backend(registry, config.backend, config.requirements)
+    wanted = replace(config.requirements, tensor_parallel_size=config.engine_config().tensor_parallel_size)
+    backend, device_name = await select_backend(registry, config.backend, wanted)
     log.info("backend %s (%s) on %s", backend.name, backend.version(), device_name)
     return backend, device_name
 

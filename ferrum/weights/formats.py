@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import io
 import json
+import math
 import mmap
 import os
 import pickle
@@ -167,6 +168,35 @@ class StoredBytes:
     dtype: torch.dtype
     shape: tuple[int, ...]
     read: Callable[[memoryview, int], None]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def sliced(self, dim: int, start: int, end: int) -> StoredBytes:
+        """[start, end) along `dim`, reading only those bytes: one range when every dim before
+        `dim` is 1 (a block of rows), else one range per run of the dims before it (the columns of
+        each row)."""
+        shape = list(self.shape)
+        if not 0 <= dim < len(shape) or not 0 <= start <= end <= shape[dim]:
+            raise ValueError(f"slice [{start}, {end}) of dim {dim} is outside shape {tuple(self.shape)}")
+        inner = math.prod(shape[dim + 1 :]) * self.dtype.itemsize  # bytes per index of `dim`
+        run = (end - start) * inner  # bytes of one run
+        stride = shape[dim] * inner  # between runs in the stored tensor
+        first = start * inner
+        shape[dim] = end - start
+        source = self.read
+
+        def read(buffer: memoryview, offset: int) -> None:
+            done = 0
+            while done < len(buffer):
+                at = offset + done
+                index, within = divmod(at, run) if run else (0, 0)
+                n = min(run - within, len(buffer) - done)
+                source(buffer[done : done + n], index * stride + first + within)
+                done += n
+
+        return StoredBytes(self.dtype, tuple(shape), read)
 
 
 def _missing(name: str, tensor: str, available: Sequence[str]) -> TensorNotFoundError:

@@ -38,6 +38,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -50,6 +51,7 @@ from ferrum.weights.errors import (
     SourceNotFoundError,
     SpecMismatchError,
     TensorNotFoundError,
+    TransformError,
     UnsupportedError,
     WeightError,
 )
@@ -87,7 +89,7 @@ from ferrum.weights.spec import (
     WeightMetadata,
     specs_by_name,
 )
-from ferrum.weights.transforms import apply_transformations, check_result
+from ferrum.weights.transforms import Slice, apply_transformations, check_result
 
 if TYPE_CHECKING:
     from ferrum.backends.device import Device
@@ -157,6 +159,11 @@ class _Sink:
         self._done = 0
         self._total = sum(t.numel() * t.element_size() for t in into.values())
         self._lock = threading.Lock()
+        self.bytes_read = 0  # of the sources: a whole tensor, or only a slice read as such
+
+    def read_from_source(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
 
     def _landed(self, target: torch.Tensor) -> torch.Tensor:
         if self._progress is not None:
@@ -196,12 +203,43 @@ class _Sink:
 
 def _finish_into(reader: OpenedWeights, spec: TensorSpec, sink: _Sink) -> torch.Tensor:
     """The spec's tensor into its destination: its stored bytes directly when it needs no
-    transformation and the format has them, else made and checked first. Blocking."""
-    if not spec.transformations:
+    transformation (or only a leading Slice: then only the slice's bytes are read, as a tensor-
+    parallel rank reads its shard) and the format has them, else made and checked first. Blocking."""
+    steps = spec.transformations
+    leading = steps[0] if steps and isinstance(steps[0], Slice) and steps[0].step == 1 else None
+    if not steps or leading is not None:
         stored = reader.stored_bytes(spec.stored_name)
         if stored is not None:
-            return sink.put_stored(spec, stored, reader.name)
-    return sink.put_tensor(spec, _finish(reader, spec))
+            if leading is not None:
+                stored = _sliced(stored, leading, reader.name, spec.name)
+            sink.read_from_source(stored.nbytes)
+            rest = steps[1:] if leading is not None else ()
+            if not rest:
+                return sink.put_stored(spec, stored, reader.name)
+            host = torch.empty(stored.shape, dtype=stored.dtype)
+            if host.numel():
+                stored.read(memoryview(host.reshape(-1).view(torch.uint8).numpy()), 0)
+            return sink.put_tensor(spec, _transformed(host, replace(spec, transformations=rest), where=reader.name))
+    tensor = _finish(reader, spec)
+    sink.read_from_source(_stored_nbytes(reader, spec))
+    return sink.put_tensor(spec, tensor)
+
+
+def _sliced(stored: StoredBytes, step: Slice, where: str, name: str) -> StoredBytes:
+    dim = step.dim % max(len(stored.shape), 1) if -len(stored.shape) <= step.dim < len(stored.shape) else -1
+    size = stored.shape[dim] if dim >= 0 else 0
+    start, end, _ = slice(step.start, step.end).indices(size)
+    if dim < 0:
+        raise TransformError(where, f"tensor {name!r}: {step!r}: dim {step.dim} is out of range for shape {stored.shape}")
+    return stored.sliced(dim, start, max(start, end))
+
+
+def _stored_nbytes(reader: OpenedWeights, spec: TensorSpec) -> int:
+    try:
+        stored = reader.stored_bytes(spec.stored_name)
+    except Exception:  # noqa: BLE001 - only for the count
+        return 0
+    return stored.nbytes if stored is not None else 0
 
 
 def _format_hint_of(source: WeightSource) -> WeightFormat | None:
@@ -225,6 +263,7 @@ class WeightLoader:
     release the downloader's temporary directory when the cache is disabled."""
 
     def __init__(self, config: WeightLoaderConfig | None = None) -> None:
+        self.bytes_read = 0  # source bytes `load_tensors(into=...)` has read so far (a slice counts alone)
         self.config = config or WeightLoaderConfig()
         self._downloader: Downloader | None = None
 
@@ -296,6 +335,7 @@ class WeightLoader:
         finally:
             if sink is not None:
                 await asyncio.to_thread(sink.writer.finish)
+                self.bytes_read += sink.bytes_read
         merged: Tensors = {}
         for part in parts:
             merged.update(part)
@@ -563,9 +603,11 @@ class WeightLoader:
                     if sink is not None and not spec.transformations:  # file -> destination, one copy
                         await arrived(start, end)
                         stored = file.stored(header, spec.stored_name, reader_name)
+                        sink.read_from_source(stored.nbytes)
                         return await file.run(sink.put_stored, spec, stored, reader_name)
                     data = await read(start, end)
                     if sink is not None:
+                        sink.read_from_source(len(data))
                         return await asyncio.to_thread(_streamed_into, data, header, spec, reader_name, sink)
                     return await asyncio.to_thread(_streamed_tensor, data, header, spec, reader_name)
 

@@ -1,0 +1,145 @@
+"""One rank's model on its device: the model (or its tensor-parallel shard) built and filled
+through the WeightLoader, its KV cache planned, and the runner around both.
+
+The engine builds one `ModelRank` for itself; under tensor parallelism every worker process builds
+one the same way, step for step, so that the collectives of the profile and of CUDA graph capture
+meet in the same order on every rank. `agree_blocks` makes the ranks settle on one KV cache size
+(the smallest any rank can hold).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from ferrum.backends.device import Device
+from ferrum.engine.config import EngineConfig
+from ferrum.engine.memory_plan import MemoryPlan, in_use_bytes, plan_gpu, plan_host
+from ferrum.engine.runner import ModelRunner
+from ferrum.engine.sampler import sample
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.sequence import Sequence
+from ferrum.engine.startup import StartupProgress, WeightLoadReport
+from ferrum.models.attention import select_attention
+from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.config import ModelConfig
+from ferrum.models.layers import layer_ops
+from ferrum.models.layers.parallel import ShardPlan, TensorParallel
+from ferrum.models.llama import LlamaForCausalLM
+from ferrum.models.loader import load_model, run_sync
+from ferrum.weights.loader import WeightLoader
+from ferrum.weights.model_files import ModelFiles
+from ferrum.weights.spec import WeightLoaderConfig
+
+log = logging.getLogger(__name__)
+
+
+class ModelRank:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: Device,
+        model_config: ModelConfig,
+        files: ModelFiles,
+        weights: WeightLoaderConfig,
+        dtype: torch.dtype,
+        max_model_len: int,
+        tp: TensorParallel | None = None,
+        report: Callable[[StartupProgress], None] = lambda _: None,
+        agree_blocks: Callable[[int], int] = lambda n: n,
+    ) -> None:
+        """`config` has its device defaults filled in."""
+        self.tp = tp or TensorParallel.single()
+        if self.tp.size > 1 and config.kernels.fused_decode_rows:
+            # the fused decode chain adds the residual inside o_proj's and down_proj's kernels, before
+            # the sum across ranks could happen: a split model decodes through its plain layers
+            config = replace(config, kernels=replace(config.kernels, fused_decode_rows=0))
+        self.config, self.device, self.dtype, self.max_model_len = config, device, dtype, max_model_len
+        self.shard = ShardPlan(model_config, self.tp.rank, self.tp.size)
+        self.model_config = model_config
+        self.layout = KVCacheLayout.of(self.shard.rank_config(), dtype, config.block_size)
+        self.attention = select_attention(device, self.layout, config.kernels)
+        self._report = report
+        plan = plan_host(device, self.layout, config) if device.kind != "cuda" else None
+        if plan is not None:  # sized before loading, so that a cache too small fails fast
+            self.check_fits(plan.num_blocks)
+        self.model, self.weight_load = self._load(files, weights)
+        report(StartupProgress("warming"))
+        if plan is None:
+            plan = plan_gpu(device, self.layout, config, self._profile)
+        self.memory_plan: MemoryPlan = plan
+        self.num_blocks = agree_blocks(plan.num_blocks)
+        self.check_fits(self.num_blocks)
+        self.runner: ModelRunner = self.make_runner(self.num_blocks)
+        if device.kind == "cuda":
+            used, held = in_use_bytes(device)
+            log.info("GPU memory after start-up: %.2f GiB in use on the device (this process's allocator %.2f GiB), "
+                     "budget %.2f GiB", used / 2**30, held / 2**30, plan.budget_bytes / 2**30)
+
+    def _load(self, files: ModelFiles, weights: WeightLoaderConfig) -> tuple[LlamaForCausalLM, WeightLoadReport]:
+        loader = WeightLoader(weights)
+        self._report(StartupProgress("loading"))
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:  # at most a few reports a second
+            now = time.monotonic()
+            if done >= total or now - last[0] >= 0.25:
+                last[0] = now
+                self._report(StartupProgress("loading", done, total))
+
+        try:
+            return load_model(self.model_config, files.weights, self.device, self.dtype, layer_ops(self.device),
+                              loader, progress, tp=self.tp)
+        finally:
+            run_sync(loader.aclose())
+
+    def make_runner(self, num_blocks: int, graph_sizes: list[int] | None = None) -> ModelRunner:
+        if self.attention.name == "triton_paged":
+            from ferrum.engine.gpu_runner import GPUModelRunner
+
+            return GPUModelRunner(self.model, self.device, self.layout, num_blocks, self.attention,  # type: ignore[arg-type]
+                                  self.config, self.max_model_len, graph_sizes=graph_sizes)
+        from ferrum.engine.torch_runner import TorchModelRunner
+
+        return TorchModelRunner(self.model, self.device, self.layout, num_blocks, self.attention)
+
+    def _profile(self) -> int:
+        """The memory planner's profile (ferrum.engine.memory_plan): a scratch runner with a KV cache
+        of two blocks runs every eager step size up to max_num_batched_tokens (compiling every
+        kernel before serving; the rows past the probe's two tokens pad the step), the sampler at
+        its widest, and captures the largest decode graph. Returns its KV cache's bytes."""
+        config = self.config
+        blocks = 2
+        graphs = [config.max_num_seqs] if self.device.cuda_graphs and not config.enforce_eager else []
+        scratch = self.make_runner(blocks, graph_sizes=graphs)
+        scratch.warm_up(config.max_num_batched_tokens)  # type: ignore[attr-defined]
+        _widest_sample(config.max_num_seqs, self.model_config.vocab_size, self.device)
+        scratch.release()
+        return self.layout.bytes_per_block * (blocks + 1)
+
+    def check_fits(self, num_blocks: int) -> None:
+        if num_blocks * self.config.block_size < self.max_model_len:
+            memory = "gpu_memory_utilization" if self.device.kind == "cuda" else "kv_cache_memory_gb"
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {self.config.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len} tokens; raise {memory} or lower max_model_len"
+            )
+
+    def release(self) -> None:
+        self.runner.release()
+        self.model = None  # type: ignore[assignment]
+
+
+def _widest_sample(rows: int, vocab: int, device: Device) -> None:
+    """The sampler over `rows` rows with every filter and penalty on: its widest temporaries."""
+    params = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.1, frequency_penalty=0.1, logprobs=20)
+    seqs = [Sequence(f"profile-{i}", [1, 2, 3], params, 0.0) for i in range(rows)]
+    for seq in seqs:
+        seq.output_token_ids = [4, 5]
+    logits = torch.randn(rows, vocab, dtype=torch.float32, device=device.torch_device)
+    sample(logits, seqs)

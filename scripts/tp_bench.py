@@ -1,0 +1,175 @@
+"""Tensor parallelism on one host's GPUs: correctness against TP 1 and batch-1 decode per TP size.
+
+    NCCL_NVLS_ENABLE=0 python scripts/tp_bench.py --shapes llama-3.2-1b,llama-3.1-8b --tp 1,2 --out DIR
+
+For each shape (a random checkpoint with the real shape, scripts/make_random_checkpoint.py) and each
+TP size: greedy tokens and the sampled rows' logits of three prompts against TP 1 (bf16: reduction
+order differs, so a bound rather than equality), then batch-1 decode ms/token (CUDA graphs, greedy
+bursts) timed over whole engine steps, against the floor of one rank's weight bytes over the
+measured copy bandwidth of one GPU. Prints one table and writes DIR/tp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ROWS: list[dict] = []
+
+
+def record(name: str, value, unit: str = "", note: str = "") -> None:
+    ROWS.append({"name": name, "value": value, "unit": unit, "note": note})
+    print(f"{name:60s} {value!s:>14} {unit:8s} {note}", flush=True)
+
+
+def copy_bandwidth() -> float:
+    x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2**29 * 2 / statistics.median(times)
+
+
+def weight_bytes(folder: Path) -> int:
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text())
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings"):
+                    continue
+                shape = f.get_slice(name).get_shape()
+                total += 2 * int(torch.tensor(shape).prod())
+    return total
+
+
+def engine(folder: Path, tp: int, **overrides):
+    from ferrum.engine.builder import create_engine
+
+    settings = dict(dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
+                    gpu_memory_utilization=0.85, tensor_parallel_size=tp)
+    return create_engine(str(folder), backend="cuda", **(settings | overrides))
+
+
+def greedy_with_logits(eng, prompts: list[list[int]], steps: int):
+    from ferrum.engine.sampling_params import SamplingParams
+
+    records = []
+    remove = eng.add_observer(records.append)
+    try:  # logprobs keep every step on the host's sampler, so each step's logits are observed
+        outs = eng.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=0))
+    finally:
+        remove()
+    return outs, [r.logits.float().cpu() for r in records if r.logits is not None and r.logits.numel()]
+
+
+def batch1_ms(eng, prompt_len: int = 128, new_tokens: int = 256) -> float:
+    from ferrum.engine.sampling_params import SamplingParams
+
+    rng = random.Random(1)
+    vocab = eng.model_config.vocab_size
+    eng.generate([[rng.randrange(vocab - 2) for _ in range(prompt_len)]],
+                 SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    eng.add_request("b1", [rng.randrange(vocab - 2) for _ in range(prompt_len)],
+                    SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    eng.step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    tokens = 0
+    while eng.has_work:
+        tokens += sum(len(out.new_token_ids) for out in eng.step())
+    return (time.perf_counter() - started) * 1e3 / tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama-3.2-1b")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/ferrum-ckpt"))
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
+    ap.add_argument("--eager", action="store_true", help="also time with enforce_eager")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(t) for t in args.tp.split(",")]
+    record("machine", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", "",
+           f"torch {torch.__version__}, {platform.python_version()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+    bw = copy_bandwidth()
+    record("copy bandwidth of one GPU (read+write)", round(bw / 1e9), "GB/s")
+    rng = random.Random(0)
+    for shape in args.shapes.split(","):
+        folder = args.ckpt / shape
+        if not (folder / "config.json").exists():
+            subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", shape,
+                            "--out", str(folder)], check=True)
+        total = weight_bytes(folder)
+        reference = None
+        prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in (7, 33, 120)]
+        for tp in sizes:
+            started = time.perf_counter()
+            eng = engine(folder, tp)
+            record(f"{shape} TP{tp} start-up", round(time.perf_counter() - started, 1), "s")
+            try:
+                outs, logits = greedy_with_logits(eng, prompts, 8)
+                if reference is None:
+                    reference = (outs, logits)
+                else:
+                    err = max(float((a - b).abs().max()) for a, b in zip(logits, reference[1]))
+                    top1 = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits, reference[1]))
+                    rows = sum(a.shape[0] for a in logits)
+                    same = [next((k for k, (x, y) in enumerate(zip(o, r)) if x != y), len(r))
+                            for o, r in zip(outs, reference[0])]
+                    record(f"{shape} TP{tp} vs TP1 logits max|diff|", round(err, 4), "", f"top-1 {top1}/{rows}; "
+                           f"greedy tokens equal before the first difference: {same} of 8")
+                ms = batch1_ms(eng)
+                floor = total / tp / bw * 1e3 * 2  # copy bandwidth counts read+write: a read is half of it
+                record(f"{shape} TP{tp} batch-1 decode", round(ms, 3), "ms/token",
+                       f"floor {floor:.3f} ms (weights/TP over one GPU's read bandwidth): {floor / ms:.1%}")
+                if tp > 1 and reports(eng):
+                    record(f"{shape} TP{tp} checkpoint bytes read per rank", reports(eng), "GB",
+                           f"of {total / 1e9:.2f} GB")
+            finally:
+                eng.release()
+                del eng
+                torch.cuda.empty_cache()
+            if args.eager:
+                eng = engine(folder, tp, enforce_eager=True)
+                try:
+                    record(f"{shape} TP{tp} batch-1 decode, eager", round(batch1_ms(eng), 3), "ms/token")
+                finally:
+                    eng.release()
+                    del eng
+                    torch.cuda.empty_cache()
+    (args.out / "tp.json").write_text(json.dumps(ROWS, indent=1))
+
+
+def reports(eng) -> list[float]:
+    return [round(r.bytes_read / 1e9, 2) for r in getattr(eng, "rank_reports", [])]
+
+
+if __name__ == "__main__":
+    main()
