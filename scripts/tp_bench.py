@@ -79,13 +79,18 @@ def engine(folder: Path, tp: int, **overrides):
 def greedy_with_logits(eng, prompts: list[list[int]], steps: int):
     from ferrum.engine.sampling_params import SamplingParams
 
-    records = []
-    remove = eng.add_observer(records.append)
+    seen: list[torch.Tensor] = []
+
+    def keep(record) -> None:  # copied now: a step's logits may live in a buffer the next step reuses
+        if record.logits is not None and record.logits.numel():
+            seen.append(record.logits.float().cpu())
+
+    remove = eng.add_observer(keep)
     try:  # logprobs keep every step on the host's sampler, so each step's logits are observed
         outs = eng.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=0))
     finally:
         remove()
-    return outs, [r.logits.float().cpu() for r in records if r.logits is not None and r.logits.numel()]
+    return outs, seen
 
 
 def batch1_ms(eng, prompt_len: int = 128, new_tokens: int = 256) -> float:
@@ -113,6 +118,7 @@ def main() -> None:
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/ferrum-ckpt"))
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--eager", action="store_true", help="also time with enforce_eager")
+    ap.add_argument("--unfused", action="store_true", help="also time TP 1 without the fused decode chain")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(t) for t in args.tp.split(",")]
@@ -138,15 +144,9 @@ def main() -> None:
                 if reference is None:
                     reference = (outs, logits)
                 else:
-                    err = max(float((a - b).abs().max()) for a, b in zip(logits, reference[1]))
-                    top1 = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits, reference[1]))
-                    rows = sum(a.shape[0] for a in logits)
-                    same = [next((k for k, (x, y) in enumerate(zip(o, r)) if x != y), len(r))
-                            for o, r in zip(outs, reference[0])]
-                    record(f"{shape} TP{tp} vs TP1 logits max|diff|", round(err, 4), "", f"top-1 {top1}/{rows}; "
-                           f"greedy tokens equal before the first difference: {same} of 8")
+                    compare(f"{shape} TP{tp} vs TP1", (outs, logits), reference)
                 ms = batch1_ms(eng)
-                floor = total / tp / bw * 1e3 * 2  # copy bandwidth counts read+write: a read is half of it
+                floor = total / tp / bw * 1e3  # as scripts/gpu_suite.py: weight bytes over the copy bandwidth
                 record(f"{shape} TP{tp} batch-1 decode", round(ms, 3), "ms/token",
                        f"floor {floor:.3f} ms (weights/TP over one GPU's read bandwidth): {floor / ms:.1%}")
                 if tp > 1 and reports(eng):
@@ -156,6 +156,18 @@ def main() -> None:
                 eng.release()
                 del eng
                 torch.cuda.empty_cache()
+            if tp == 1 and args.unfused:  # what a split model decodes through: the plain layers
+                from ferrum.kernels.config import KernelConfig
+
+                eng = engine(folder, tp, kernels=KernelConfig(fused_decode_rows=0))
+                try:  # the noise floor of the comparison: the same model through other kernels, one GPU
+                    outs, logits = greedy_with_logits(eng, prompts, 8)
+                    compare(f"{shape} TP1 unfused vs TP1", (outs, logits), reference)
+                    record(f"{shape} TP1 batch-1 decode, no fused decode chain", round(batch1_ms(eng), 3), "ms/token")
+                finally:
+                    eng.release()
+                    del eng
+                    torch.cuda.empty_cache()
             if args.eager:
                 eng = engine(folder, tp, enforce_eager=True)
                 try:
@@ -165,6 +177,19 @@ def main() -> None:
                     del eng
                     torch.cuda.empty_cache()
     (args.out / "tp.json").write_text(json.dumps(ROWS, indent=1))
+
+
+def compare(label: str, got, reference) -> None:
+    """Logits of the same steps: the largest difference, relative to the logits' spread, and top-1."""
+    (outs, logits), (ref_outs, ref_logits) = got, reference
+    steps = min(len(logits), len(ref_logits))
+    err = max(float((a - b).abs().max()) for a, b in zip(logits[:steps], ref_logits[:steps]))
+    scale = max(float(b.std()) for b in ref_logits[:steps])
+    top1 = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits[:steps], ref_logits[:steps]))
+    rows = sum(b.shape[0] for b in ref_logits[:steps])
+    same = [next((k for k, (x, y) in enumerate(zip(o, r)) if x != y), len(r)) for o, r in zip(outs, ref_outs)]
+    record(f"{label} logits max|diff|", round(err, 4), "", f"logits std {scale:.3f}; top-1 {top1}/{rows}; greedy "
+           f"tokens equal before the first difference: {same} of 8 (steps after a difference see other inputs)")
 
 
 def reports(eng) -> list[float]:

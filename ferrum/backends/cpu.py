@@ -196,6 +196,9 @@ class HostRuntime:
     def empty_cache(self) -> None:
         """torch's CPU allocator keeps no cache to empty."""
 
+    def make_current(self) -> None:
+        pass
+
 
 def matmul_works(dtype: torch.dtype) -> bool:
     """Whether a tiny matmul in `dtype` runs on this CPU and gives the right answer."""

@@ -247,6 +247,9 @@ class TorchCudaRuntime:
         if torch.cuda.is_initialized():
             torch.cuda.synchronize(self._index)
 
+    def make_current(self) -> None:
+        torch.cuda.set_device(self._index)
+
     def empty_cache(self) -> None:
         if not torch.cuda.is_initialized():
             return

@@ -59,6 +59,11 @@ class DeviceRuntime(Protocol):
         """Hand the allocator's unused cached blocks back to the driver."""
         ...
 
+    def make_current(self) -> None:
+        """Make this device the calling thread's current one: where kernels that take no device
+        (Triton's) launch. A no-op where there is one device of its kind."""
+        ...
+
 
 @dataclass(frozen=True)
 class Device:

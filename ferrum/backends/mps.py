@@ -109,6 +109,9 @@ class TorchMpsRuntime:
     def empty_cache(self) -> None:
         torch.mps.empty_cache()
 
+    def make_current(self) -> None:
+        pass
+
 
 class MPSBackend(AcceleratorBackend):
     """The Apple GPU through torch. `facts` as probe_mps_device gives them; `runtime` defaults to the

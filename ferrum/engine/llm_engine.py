@@ -208,6 +208,7 @@ class LLMEngine:
     # -- the step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        self.device.runtime.make_current()  # the stepping thread may not be the one that built the engine
         generated = self._generation_tokens
         record: dict[str, object] = {}
         if self._burst is not None:  # greedy decodes already queued on the device

@@ -53,6 +53,7 @@ class ModelRank:
         agree_blocks: Callable[[int], int] = lambda n: n,
     ) -> None:
         """`config` has its device defaults filled in."""
+        device.runtime.make_current()  # this thread's kernels launch there (Triton's take no device)
         self.tp = tp or TensorParallel.single()
         if self.tp.size > 1 and config.kernels.fused_decode_rows:
             # the fused decode chain adds the residual inside o_proj's and down_proj's kernels, before

@@ -920,6 +920,9 @@ class StubRuntime:
         self.log.append("empty_cache")
         self.cached_bytes = 0
 
+    def make_current(self) -> None:
+        pass
+
 
 def gpu_facts(
     compute_capability: tuple[int, int] = (9, 0),
