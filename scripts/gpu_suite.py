@@ -185,7 +185,14 @@ def phase_env(args) -> float:
     import triton
 
     record("env", "versions", f"torch {torch.__version__}, triton {triton.__version__}")
-    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    bw = copy_bandwidth()
+    record("env", "copy bandwidth (read+write)", round(bw / 1e9), "GB/s")
+    return bw
+
+
+def copy_bandwidth(elements: int = 2**30) -> float:
+    """Bytes read + written per second by a device-to-device copy of `elements` bf16 values."""
+    x = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
@@ -197,11 +204,9 @@ def phase_env(args) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    bw = 2 * x.numel() * 2 / statistics.median(times)
-    record("env", "copy bandwidth (read+write)", round(bw / 1e9), "GB/s")
     del x, y
     torch.cuda.empty_cache()
-    return bw
+    return 2 * elements * 2 / statistics.median(times)
 
 
 def phase_tests(args) -> None:

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_suite import copy_bandwidth, weight_bytes_read_per_token  # noqa: E402 - after the path
 
 ROWS: list[dict] = []
 
@@ -33,39 +35,6 @@ ROWS: list[dict] = []
 def record(name: str, value, unit: str = "", note: str = "") -> None:
     ROWS.append({"name": name, "value": value, "unit": unit, "note": note})
     print(f"{name:60s} {value!s:>14} {unit:8s} {note}", flush=True)
-
-
-def copy_bandwidth() -> float:
-    x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * 2**29 * 2 / statistics.median(times)
-
-
-def weight_bytes(folder: Path) -> int:
-    from safetensors import safe_open
-
-    config = json.loads((folder / "config.json").read_text())
-    total = 0
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            for name in f.keys():
-                if name.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings"):
-                    continue
-                shape = f.get_slice(name).get_shape()
-                total += 2 * int(torch.tensor(shape).prod())
-    return total
 
 
 def engine(folder: Path, tp: int, **overrides):
@@ -124,7 +93,7 @@ def main() -> None:
     sizes = [int(t) for t in args.tp.split(",")]
     record("machine", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", "",
            f"torch {torch.__version__}, {platform.python_version()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(2**29)
     record("copy bandwidth of one GPU (read+write)", round(bw / 1e9), "GB/s")
     rng = random.Random(0)
     for shape in args.shapes.split(","):
@@ -132,7 +101,7 @@ def main() -> None:
         if not (folder / "config.json").exists():
             subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", shape,
                             "--out", str(folder)], check=True)
-        total = weight_bytes(folder)
+        total = weight_bytes_read_per_token(folder)
         reference = None
         prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in (7, 33, 120)]
         for tp in sizes:
