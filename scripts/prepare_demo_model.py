@@ -72,6 +72,12 @@ def convert(gguf: Path, out: Path) -> None:
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        # mkdtemp and save_file create owner-only modes; the folder is shared like any other (a container's
+        # non-root user reads it through a mount): the modes the umask gives
+        umask = os.umask(0)
+        os.umask(umask)
+        for p in [tmp, *tmp.iterdir()]:
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)  # the folder appears whole or not at all

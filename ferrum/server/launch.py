@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +43,15 @@ class StartupError(RuntimeError):
 def check_local_folder(config: ServerConfig) -> None:
     location = parse_model_location(config.model)
     if isinstance(location, File):
+        try:
+            os.stat(location.path / "config.json")
+        except PermissionError:
+            raise StartupError(
+                f"model folder {location.path}: permission denied to this process (uid {os.getuid()}); "
+                f"make the folder readable and searchable by that user"
+            ) from None
+        except OSError:
+            pass
         if not (location.path / "config.json").is_file():
             hint = "" if location.path.exists() else NO_FOLDER_HINT
             raise StartupError(f"model folder {location.path} has no config.json{hint}")
