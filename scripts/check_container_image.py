@@ -11,6 +11,8 @@ No Docker engine and no registry are reachable here, so:
    - the demo model mounted read-only: wait for /ready, run the image's HEALTHCHECK command inside it, a chat
      request through the official `openai` client must answer "Paris", SIGTERM must exit 0;
    - the same model served from a moto S3 endpoint (`s3://` + AWS_* variables), the cache in a volume;
+   - docker/Dockerfile.cuda built on the same Debian base with the CPU torch (its NVIDIA base and CUDA torch
+     cannot be had here), inspected the same way, serving the demo model;
    - `--read-only` cannot be run either: instead the container's root filesystem is listed before and after
      each run, and any file the server created or changed outside the volume and the tmpfs fails the check.
 
@@ -40,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "localhost/ferrum:check"
+CUDA_STRUCTURE_IMAGE = "localhost/ferrum:check-cuda-dockerfile"
 MAX_IMAGE_BYTES = 1_500_000_000
 USER = "10001:10001"
 
@@ -139,16 +142,17 @@ def pip_cert() -> Path | None:
     return Path(named).resolve() if named and Path(named).is_file() else None
 
 
-def build(base: str, wheels: Path) -> float:
+def build(base: str, wheels: Path, dockerfile: str = "Dockerfile", tag: str = IMAGE) -> float:
     t0 = time.perf_counter()
     cert_args: list[str] = []
     if (cert := pip_cert()) is not None:
         cert_args = ["-v", f"{cert}:/build-ca.crt:ro", "--build-arg", "PIP_CERT=/build-ca.crt"]
     podman("build", "--format", "docker", "--network", "host", "-v", f"{wheels}:/wheels:ro", *cert_args,
            "--build-arg", f"BASE_IMAGE={base}",
+           "--build-arg", f"TORCH_SPEC=torch=={_makefile_torch_pin()}",
            "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple",
            "--build-arg", "TORCH_FIND_LINKS=/wheels",
-           "-t", IMAGE, "-f", str(ROOT / "Dockerfile"), str(ROOT))
+           "-t", tag, "-f", str(ROOT / dockerfile), str(ROOT))
     return time.perf_counter() - t0
 
 
@@ -157,8 +161,8 @@ def healthcheck(info: dict) -> dict:
     return info.get("Healthcheck") or info["Config"].get("Healthcheck") or {}
 
 
-def inspect() -> dict:
-    info = json.loads(podman("image", "inspect", IMAGE, capture=True).stdout)[0]
+def inspect(tag: str = IMAGE) -> dict:
+    info = json.loads(podman("image", "inspect", tag, capture=True).stdout)[0]
     cfg = info["Config"]
     problems = []
     health = healthcheck(info)
@@ -218,8 +222,8 @@ def rootfs_writes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int
 
 
 @contextlib.contextmanager
-def working_container() -> Iterator[str]:
-    name = sh("buildah", "from", IMAGE, capture=True).stdout.strip().splitlines()[-1]
+def working_container(tag: str) -> Iterator[str]:
+    name = sh("buildah", "from", tag, capture=True).stdout.strip().splitlines()[-1]
     try:
         yield name
     finally:
@@ -268,14 +272,15 @@ def _server_pid(port: int) -> int | None:
     return None
 
 
-def serve_and_check(info: dict, label: str, env: dict[str, str], volumes: list[str], report: dict) -> None:
+def serve_and_check(info: dict, label: str, env: dict[str, str], volumes: list[str], report: dict,
+                    tag: str = IMAGE) -> None:
     from openai import OpenAI
 
     cfg = info["Config"]
     port = free_port()
     env = {**env, "FERRUM_HOST": "127.0.0.1", "FERRUM_PORT": str(port), "FERRUM_LOGGING__FORMAT": "text"}
     command = list(cfg["Entrypoint"]) + list(cfg.get("Cmd") or [])
-    with working_container() as container:
+    with working_container(tag) as container:
         log(f"{label}: buildah run --user {USER} {' '.join(command)}")
         before = rootfs_listing(container)
         t0 = time.perf_counter()
@@ -339,6 +344,20 @@ def check_runs(info: dict, model: Path, report: dict) -> None:
             report["s3-model"]["cache_volume_bytes"] = cached
 
 
+def check_cuda_dockerfile(base: str, model: Path, report: dict) -> None:
+    """docker/Dockerfile.cuda cannot be built as intended here (no NVIDIA base image, no CUDA torch, no GPU):
+    every instruction of it is exercised on the Debian base with the CPU torch instead, and the result must
+    pass the same inspection and serve the demo model."""
+    seconds = build(base, torch_wheel_dir(), dockerfile="docker/Dockerfile.cuda", tag=CUDA_STRUCTURE_IMAGE)
+    info = inspect(CUDA_STRUCTURE_IMAGE)
+    log(f"docker/Dockerfile.cuda on the Debian base: built in {seconds:.0f} s, {info['Size'] / 1e9:.2f} GB")
+    report["cuda_dockerfile_on_cpu_base"] = {"build_s": round(seconds, 1), "image_bytes": int(info["Size"])}
+    with tempfile.TemporaryDirectory(prefix="ferrum-container-") as tmp_name:
+        serve_and_check(info, "cuda-dockerfile-on-cpu-base", {"FERRUM_MODEL": "/models/demo"},
+                        [f"{model}:/models/demo:ro", f"{_cache_volume(Path(tmp_name), 'cache')}:/var/cache/ferrum"],
+                        report, tag=CUDA_STRUCTURE_IMAGE)
+
+
 @contextlib.contextmanager
 def moto_bucket(model: Path) -> Iterator[tuple[str, str]]:
     import boto3
@@ -365,6 +384,8 @@ def main() -> int:
     p.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     p.add_argument("--keep", action="store_true", help="keep the built image (default: removed at the end)")
     p.add_argument("--report", type=Path, help="write what was measured as JSON here")
+    p.add_argument("--skip-cuda-dockerfile", action="store_true",
+                   help="do not build docker/Dockerfile.cuda on the Debian base with the CPU torch")
     args = p.parse_args()
     for tool in ("podman", "buildah", "debootstrap"):
         if shutil.which(tool) is None:
@@ -387,6 +408,8 @@ def main() -> int:
         if info["Size"] > MAX_IMAGE_BYTES:
             raise CheckFailed(f"image is {info['Size'] / 1e9:.2f} GB, over the {MAX_IMAGE_BYTES / 1e9:.1f} GB target")
         check_runs(info, model, report)
+        if not args.skip_cuda_dockerfile:
+            check_cuda_dockerfile(base, model, report)
     except CheckFailed as exc:
         print(f"check_container_image: FAILED: {exc}", file=sys.stderr)
         return 1
@@ -394,7 +417,7 @@ def main() -> int:
         if args.report:
             args.report.write_text(json.dumps(report, indent=2) + "\n")
         if not args.keep:
-            podman("rmi", "-f", IMAGE, check=False, capture=True)
+            podman("rmi", "-f", IMAGE, CUDA_STRUCTURE_IMAGE, check=False, capture=True)
     log("all checks passed: " + json.dumps(report))
     return 0
 
