@@ -43,8 +43,16 @@ class RequestLimits:
             raise PromptTooLongError(num_prompt_tokens, requested, self.max_model_len)
         return requested
 
-    def check(self, prompt_token_ids: list[int], max_tokens: int) -> None:
-        """Raises PromptTooLongError (lengths) or ValueError (an empty prompt, ids out of range)."""
+    def check_biased_ids(self, token_ids: list[int]) -> None:
+        """ValueError when logit_bias names a token the model does not have."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+
+    def check(self, prompt_token_ids: list[int], max_tokens: int, biased_ids: list[int] | None = None) -> None:
+        """Raises PromptTooLongError (lengths) or ValueError (an empty prompt, ids out of range, logit_bias
+        naming a token the model does not have)."""
+        self.check_biased_ids(biased_ids or [])
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         self.max_tokens(len(prompt_token_ids), max_tokens)

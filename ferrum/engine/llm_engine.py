@@ -34,6 +34,7 @@ from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import BurstLimits, Scheduler, SchedulerOutput
 from ferrum.engine.sequence import Sequence, SequenceStatus
 from ferrum.engine.startup import StartupObserver, StartupProgress
+from ferrum.engine.structured import Guides
 from ferrum.engine.tensor_parallel import TensorParallelError
 from ferrum.models.config import ModelConfig, load_model_config
 from ferrum.models.loader import run_sync
@@ -101,6 +102,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.rank.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.guides = Guides(self.tokenizer, model_config.vocab_size)
         bursts = BurstLimits(min(config.num_scheduler_steps, self.runner.max_burst), self.max_model_len,
                              self.outputs.eos_token_ids)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, bursts)
@@ -167,6 +169,7 @@ class LLMEngine:
         memory back to the driver (and stops the other tensor-parallel ranks); the engine cannot
         step afterwards."""
         self.rank.release()
+        self.guides.close()
         self.model = None  # type: ignore[assignment]
         thaw_heap()  # a serving process froze its start-up objects, the model's among them
         gc.collect()
@@ -184,8 +187,10 @@ class LLMEngine:
         """Queues a request; among waiting requests a lower `priority` is admitted first."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.limits.check(prompt_token_ids, params.max_tokens)
+        self.limits.check(prompt_token_ids, params.max_tokens, [t for t, _ in params.logit_bias])
         seq = Sequence(request_id, list(prompt_token_ids), params, time.monotonic(), priority=priority)
+        if params.structured is not None:
+            seq.guide = self.guides.guide(params.structured)  # StructuredOutputError (a ValueError): refused
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed % 2**64)
         self.sequences[request_id] = seq
@@ -249,10 +254,12 @@ class LLMEngine:
         decodes = sum(1 for s in scheduled if s.is_decode)
         kind: StepKind = "decode" if decodes == len(scheduled) else ("prefill" if not decodes else "mixed")
         record.update(kind=kind, num_tokens=sum(s.num_new_tokens for s in scheduled))
+        # the grammars' masks are computed on the host while the device runs the step
+        masks = self.guides.start_masks([s.seq for s in scheduled if s.completes_pending])
         logits, seqs = self.runner.execute(scheduled)
         self.scheduler.register_computed(s.seq for s in scheduled)
         if seqs:
-            self.outputs.append(seqs, sample(logits, seqs))
+            self.outputs.append(seqs, sample(logits, seqs, masks.for_rows(seqs) if masks is not None else None))
             self._generation_tokens += len(seqs)
         if self._observers:
             record.update(logits=logits, request_ids=tuple(seq.request_id for seq in seqs))

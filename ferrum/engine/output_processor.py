@@ -1,11 +1,15 @@
-"""After sampling: append tokens, detokenize, check stop conditions, build deltas."""
+"""After sampling: append tokens, advance grammars, detokenize, check stop conditions, build deltas."""
 
 from __future__ import annotations
+
+import logging
 
 from ferrum.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from ferrum.engine.sampler import SampleResult
 from ferrum.engine.sequence import Sequence, SequenceStatus
 from ferrum.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -29,11 +33,21 @@ class OutputProcessor:
             seq.decoder = self.tokenizer.incremental_decoder(
                 skip_special_tokens=p.skip_special_tokens, prompt_token_ids=seq.prompt_token_ids
             )
+        if seq.guide is not None and not seq.guide.consume(token):  # drawn under its mask: cannot happen
+            log.error("request %s: token %d refused by its grammar (%s); stopping it", seq.request_id, token,
+                      seq.guide.error)
+            self._add_text(seq, seq.decoder.flush())
+            self._finish(seq, "stop")
+            return
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self._add_text(seq, seq.decoder.flush())  # the stop token's own text is not output
             self._finish(seq, "stop")
             return
         if self._add_text(seq, seq.decoder.step(token)):
+            self._finish(seq, "stop")
+            return
+        if seq.guide is not None and seq.guide.done:  # the grammar is complete: nothing may follow
+            self._add_text(seq, seq.decoder.flush())
             self._finish(seq, "stop")
             return
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -1,7 +1,8 @@
 """Turns a step's logits into one token per sequence, with logprobs when asked.
 
-Logprobs are those of the model's raw distribution (before penalties and
-temperature), as vLLM reports them by default.
+Logprobs are those of the model's raw distribution (before penalties, logit bias, grammar masks and
+temperature), as vLLM reports them by default. A grammar's mask (ferrum.engine.structured) and a
+request's logit bias apply before greedy choice and sampling alike.
 """
 
 from __future__ import annotations
@@ -20,17 +21,22 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-    """logits: [B, V] float32 on any device, one row per sequence in `seqs`. The work stays on the
-    logits' device; the chosen ids come back to the host in one transfer (logprobs add more)."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], mask: torch.Tensor | None = None) -> SampleResult:
+    """logits: [B, V] float32 on any device, one row per sequence in `seqs`; `mask`: the grammars'
+    token bitmask [B, ceil(V/32)] int32 on the host (Guides), or None. The work stays on the logits'
+    device; the chosen ids come back to the host in one transfer (logprobs add more)."""
     params = [s.params for s in seqs]
     want_logprobs = any(p.logprobs is not None for p in params)
-    if not want_logprobs and all(p.greedy and _no_penalties(p) for p in params):
+    if mask is None and not want_logprobs and all(p.greedy and _no_penalties(p) and not p.logit_bias for p in params):
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     device = logits.device
-    logits = _apply_penalties(logits, seqs)
+    logits = _apply_logit_bias(_apply_penalties(logits, seqs), params)
+    if mask is not None:
+        from ferrum.engine.structured import Guides
+
+        logits = Guides.apply(logits, mask)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
     if greedy_rows:
@@ -55,6 +61,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
                 top = list(zip(ids.tolist(), values.tolist()))
             logprob_out[i] = (float(row[chosen[i]]), top)
     return SampleResult(chosen, logprob_out)
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+    rows = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i, bias in rows:
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+        values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+        logits[i].index_add_(0, ids, values)
+    return logits
 
 
 def _no_penalties(p) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrum.engine.structured import StructuredOutput
+
 
 class SamplingParamsError(ValueError):
     """An out-of-range sampling parameter; `param` names the API field."""
@@ -30,6 +32,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; 0: chosen token only; N: also the top N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, -100 to 100)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None  # a grammar every output token must follow
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     MAX_LOGPROBS = 20
@@ -70,5 +75,8 @@ class SamplingParams:
         check(len(self.stop) <= 16, "stop", f"may hold at most 16 strings, got {len(self.stop)}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "strings must be non-empty")
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
+        check(all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias",
+              "values must be between -100 and 100")
+        check(all(t >= 0 for t, _ in self.logit_bias), "logit_bias", "keys must be non-negative token ids")
         if self.seed is not None:
             check(-(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits")

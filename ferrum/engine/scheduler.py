@@ -12,7 +12,8 @@ already cached (shared with whoever holds them); the blocks a step computes are 
 `register_computed` while the device runs that step.
 
 Greedy bursts (runners that can run decode iterations back to back on the device, up to
-`max_burst`): while every scheduled sequence decodes greedily without logprobs or penalties, the
+`max_burst`): while every scheduled sequence decodes greedily without logprobs, penalties, logit bias or
+a grammar, the
 plan may say to run several iterations at once, the block tables already grown for them. Only
 one iteration while a request waits for a free slot (it is admitted next step), and never past a
 sequence's length limits. While a burst runs, the engine may have the next one queued behind it
@@ -39,6 +40,11 @@ class ScheduledSequence:
     @property
     def is_decode(self) -> bool:
         return self.num_new_tokens == 1 and self.seq.num_computed_tokens == self.seq.num_tokens - 1
+
+    @property
+    def completes_pending(self) -> bool:
+        """This step computes the sequence's last pending token: it is sampled after the step."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -224,4 +230,5 @@ class Scheduler:
 def _burstable(seq: Sequence) -> bool:
     p = seq.params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty)
+            and not p.presence_penalty and not p.frequency_penalty
+            and not p.logit_bias and p.structured is None)  # a mask or a bias per token: sampled on the host

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ferrum.engine.outputs import FinishReason, TokenLogprob
 from ferrum.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrum.engine.structured import Guide
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +47,7 @@ class Sequence:
     num_tokens_sent: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     decoder: object | None = None
+    guide: Guide | None = None  # the grammar's state when the request asked for structured output
 
     @property
     def num_prompt_tokens(self) -> int:

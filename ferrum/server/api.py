@@ -182,6 +182,10 @@ class Server:
         jobs: list[Job] = []
         for p, prompt_ids in enumerate(prompts):
             params = req.sampling_params(self.max_tokens_for(engine, req, len(prompt_ids), prompt_param))
+            try:
+                engine.limits.check_biased_ids([t for t, _ in params.logit_bias])
+            except ValueError as exc:
+                raise bad_request(str(exc), param="logit_bias") from None
             for i in range(req.n):
                 index = p * req.n + i
                 seeded = params

@@ -7,12 +7,14 @@ Unknown fields are ignored, and a missing `model` means the served model (as vLL
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.sampling_params import SamplingParams, SamplingParamsError
+from ferrum.engine.structured import StructuredOutput, StructuredOutputError, checked_grammar
 
 FinishReason = Literal["stop", "length", "abort"]
 MAX_N = 128
@@ -25,8 +27,59 @@ def _is_int(value: Any) -> bool:
 # -- requests -----------------------------------------------------------------------------------------
 
 
+def _json_spec(schema: Any, param: str) -> StructuredOutput:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise SamplingParamsError(f"{param}: the JSON schema is not valid JSON ({exc})", param) from None
+    if isinstance(schema, bool) or not isinstance(schema, dict):
+        schema = {} if schema is True else schema
+        if not isinstance(schema, dict):
+            raise SamplingParamsError(f"{param}: a JSON schema must be an object", param)
+    return StructuredOutput("json", json.dumps(schema, sort_keys=True), param)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema (always enforced,
+    `strict` or not)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with a schema")
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json (a JSON schema), regex, choice, grammar (Lark in
+    llguidance's dialect, or GBNF)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(BaseModel):
@@ -55,7 +108,17 @@ class SamplingFields(BaseModel):
     best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100], "
+                                                "added to the logits before sampling")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = Field(
+        None, description="vLLM: output constrained to a JSON schema, a regex, a choice of strings or a grammar")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM (older name): structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM (older name): structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="vLLM (older name): structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM (older name): structured_outputs.grammar")
+    json_schema: dict[str, Any] | None = Field(None, description="llama-server: output constrained to this JSON schema")
+    grammar: str | None = Field(None, description="llama-server: output constrained to this GBNF grammar")
     user: str | None = None
     timeout: float | None = Field(None, gt=0, description="Ferrum: seconds before the request is ended "
                                   "with a request_timeout error (default: the server's limits.request_timeout_s)")
@@ -79,6 +142,57 @@ class SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            out.append((token, float(bias)))
+        return tuple(out)
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one grammar the request asks for (any of the accepted spellings), compiled once to check
+        it; SamplingParamsError when it is malformed or when two are given."""
+        asked: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(StructuredOutput("json", '{"type": "object"}', "response_format"))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            asked.append(_json_spec(rf.json_schema.schema_, "response_format.json_schema.schema"))
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_ is not None:
+                asked.append(_json_spec(so.json_, "structured_outputs.json"))
+            if so.json_object:
+                asked.append(StructuredOutput("json", '{"type": "object"}', "structured_outputs.json_object"))
+            if so.regex is not None:
+                asked.append(StructuredOutput("regex", so.regex, "structured_outputs.regex"))
+            if so.choice is not None:
+                asked.append(StructuredOutput("choice", json.dumps(so.choice), "structured_outputs.choice"))
+            if so.grammar is not None:
+                asked.append(StructuredOutput("grammar", so.grammar, "structured_outputs.grammar"))
+        for name, kind in (("guided_json", "json"), ("json_schema", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar"), ("grammar", "grammar")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if kind == "json":
+                asked.append(_json_spec(value, name))
+            else:
+                asked.append(StructuredOutput(kind, json.dumps(value) if kind == "choice" else value, name))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = ", ".join(a.param for a in asked)
+            raise SamplingParamsError(f"only one structured output may be asked for, got {names}", asked[1].param)
+        try:
+            checked_grammar(asked[0])
+        except StructuredOutputError as exc:
+            raise SamplingParamsError(str(exc), exc.param) from None
+        return asked[0]
+
     def requested_logprobs(self) -> int | None:
         raise NotImplementedError
 
@@ -89,8 +203,6 @@ class SamplingFields(BaseModel):
                 f"best_of must equal n (got best_of={self.best_of}, n={self.n}); best_of > n is unsupported",
                 "best_of",
             )
-        if self.logit_bias:
-            return "logit_bias is not supported", "logit_bias"
         if self.stream_options is not None and not self.stream:
             return "stream_options is only allowed when stream is true", "stream_options"
         return None
@@ -109,6 +221,8 @@ class SamplingFields(BaseModel):
         }
         values = {k: v for k, v in given.items() if v is not None}
         return SamplingParams(
+            logit_bias=self.token_biases(),
+            structured=self.structured_output(),
             max_tokens=max_tokens,
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -229,12 +343,6 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "self"})
 
 
@@ -271,11 +379,6 @@ class ChatCompletionRequest(SamplingFields):
             return (
                 f"top_logprobs must be between 0 and {SamplingParams.MAX_LOGPROBS}, got {self.top_logprobs}",
                 "top_logprobs",
-            )
-        if self.response_format is not None and self.response_format.type != "text":
-            return (
-                f"response_format type {self.response_format.type!r} is not supported; only 'text' is",
-                "response_format",
             )
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice other than 'none' or 'auto' is not supported", "tool_choice"

@@ -9,6 +9,7 @@ ask for a token that tokenizer.json's post-processor does not add already (never
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -79,6 +80,14 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (special tokens added, no padding or truncation): what
+        other libraries (the grammar engine) build their own view of the vocabulary from."""
+        backend = copy.copy(self._backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
 
     def id_to_token_text(self, token_id: int) -> str:
         """The token's text as a user sees it (for logprobs); "\ufffd" for a byte of a split character."""

