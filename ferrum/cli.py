@@ -73,6 +73,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     api.add_argument("--root-path", dest="root_path", help="the path prefix a proxy serves Ferrum under")
     api.add_argument("--ssl-keyfile", dest="ssl_keyfile", help="serve HTTPS with this key (and --ssl-certfile)")
     api.add_argument("--ssl-certfile", dest="ssl_certfile", help="serve HTTPS with this certificate")
+    chat = p.add_argument_group("chat output")
+    chat.add_argument("--tool-call-parser", dest="tool_call_parser",
+                      choices=("auto", "hermes", "llama3_json", "mistral"),
+                      help="the format of the model's tool calls (default auto: told by its chat template)")
     limits = p.add_argument_group("admission and limits")
     limits.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int,
                         help="requests that may wait beyond the running batch (default 4 x max_num_seqs)")

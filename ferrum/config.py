@@ -12,6 +12,7 @@ The YAML file's sections:
     engine: {max_num_seqs: 64, ...}     # EngineConfig's fields, and engine_process: auto | true | false
     weights: {cache_dir: ..., ...}      # how remote models are fetched and cached (WeightLoaderConfig)
     api: {keys: [...], ...}             # ferrum.server.settings.ApiConfig
+    chat: {tool_call_parser: auto}      # ferrum.server.settings.ChatConfig
     limits: {max_waiting_requests: ...} # ferrum.server.settings.LimitsConfig
     logging: {level: info, format: text | json, requests: true, prompts: false}
     shutdown_timeout_s: 30
@@ -39,7 +40,14 @@ import yaml
 
 from ferrum.backends.capabilities import BackendRequirements
 from ferrum.engine.config import EngineConfig
-from ferrum.server.settings import ApiConfig, LifecycleConfig, LimitsConfig, LoggingConfig, ServerSettings
+from ferrum.server.settings import (
+    ApiConfig,
+    ChatConfig,
+    LifecycleConfig,
+    LimitsConfig,
+    LoggingConfig,
+    ServerSettings,
+)
 from ferrum.weights.spec import MiB, WeightLoaderConfig
 from ferrum.weights.uri import ModelLocationError, model_display_name, parse_model_location
 
@@ -94,6 +102,7 @@ _SECTIONS: dict[str, set[str]] = {
     "engine": _ENGINE_KEYS,
     "weights": _WEIGHTS_KEYS,
     "api": {f.name for f in dataclasses.fields(ApiConfig)},
+    "chat": {f.name for f in dataclasses.fields(ChatConfig)},
     "limits": {f.name for f in dataclasses.fields(LimitsConfig)},
     "logging": {f.name for f in dataclasses.fields(LoggingConfig)},
 }
@@ -110,6 +119,7 @@ FLAG_KEYS: dict[str, tuple[str, str]] = {
     "root_path": ("api", "root_path"),
     "ssl_keyfile": ("api", "ssl_keyfile"),
     "ssl_certfile": ("api", "ssl_certfile"),
+    "tool_call_parser": ("chat", "tool_call_parser"),
     **{key: ("limits", key) for key in _SECTIONS["limits"]},
     "log_level": ("logging", "level"),
     "log_format": ("logging", "format"),
@@ -279,6 +289,7 @@ def load_config(
     try:
         server = ServerSettings(
             api=_api(raw.pop("api", {})),
+            chat=ChatConfig(**raw.pop("chat", {})),
             limits=LimitsConfig(**raw.pop("limits", {})),
             logging=LoggingConfig(**{k: str(v) if k == "level" else v for k, v in raw.pop("logging", {}).items()}),
             lifecycle=LifecycleConfig(

@@ -42,6 +42,7 @@ from ferrum.server.admission import Admission, Ticket
 from ferrum.server.auth import ApiKeyMiddleware
 from ferrum.server.body import parse_body
 from ferrum.server.body_limit import BodyLimitMiddleware
+from ferrum.server.chat_output import ChatOutput, plan_chat_output
 from ferrum.server.errors import APIError, ErrorResponse, bad_request, install_error_handlers
 from ferrum.server.jobs import ChoiceResult, Job, collect, engine_error, run_jobs, unless_disconnected
 from ferrum.server.logprobs import chat_logprobs, completion_logprobs
@@ -53,7 +54,6 @@ from ferrum.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatResponseMessage,
     CompletionChoice,
     CompletionChunk,
     CompletionRequest,
@@ -349,7 +349,7 @@ class Server:
             return engine.tokenizer.encode_chat(
                 req.template_messages(),
                 add_generation_prompt=req.add_generation_prompt,
-                tools=req.tools,
+                tools=req.template_tools(),
                 **req.template_kwargs(),
             )
         except ChatTemplateError as exc:
@@ -359,6 +359,7 @@ class Server:
         arrived = time.monotonic()
         req = await parse_body(request, ChatCompletionRequest)
         engine = self.check_request(req, req.unsupported())
+        output = plan_chat_output(req, engine.tokenizer, self.settings.chat)
         prompt_ids = self.tokenize_chat(engine, req)
         if not prompt_ids:
             raise bad_request("The chat template produced an empty prompt.", param="messages")
@@ -366,27 +367,28 @@ class Server:
         jobs = self.make_jobs(engine, req, response_id, [prompt_ids], "messages")
         ticket, release = self.admit(req, response_id, jobs, arrived, "chat", req.template_messages())
         if req.stream:
-            chunks = self._chat_chunks(engine, req, response_id, jobs, ticket)
+            chunks = self._chat_chunks(engine, req, response_id, jobs, ticket, output)
             return SSEResponse(sse_events(chunks, "messages"), on_close=lambda: release(200))
         results = await self.run_to_end(request, engine, jobs, ticket, release, "messages")
         if results is None:
             return Response(status_code=499)
-        choices = [
-            ChatChoice(
+        choices = []
+        for job, r in zip(jobs, results, strict=True):
+            message, finish_reason = output.message(r.text, r.finish_reason)
+            choices.append(ChatChoice(
                 index=job.index,
-                message=ChatResponseMessage(content=r.text),
+                message=message,
                 logprobs=chat_logprobs(r.logprobs) if r.logprobs is not None else None,
-                finish_reason=r.finish_reason,
-            )
-            for job, r in zip(jobs, results, strict=True)
-        ]
+                finish_reason=finish_reason,
+            ))
         body = ChatCompletionResponse(
             id=response_id, model=self.model_name, choices=choices, usage=self._usage(jobs, results)
         )
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _chat_chunks(
-        self, engine: EngineClient, req: ChatCompletionRequest, response_id: str, jobs: list[Job], ticket: Ticket
+        self, engine: EngineClient, req: ChatCompletionRequest, response_id: str, jobs: list[Job], ticket: Ticket,
+        output: ChatOutput,
     ) -> AsyncGenerator[BaseModel, None]:
         created = int(time.time())
 
@@ -399,26 +401,21 @@ class Server:
             yield chunk([ChatChunkChoice(index=job.index, delta=DeltaMessage(role="assistant", content=""))])
         prompt_tokens = [len(job.prompt_ids) for job in jobs]
         output_tokens = [0] * len(jobs)
+        streams = {job.index: output.stream() for job in jobs}
         async with aclosing(run_jobs(engine, jobs, self.metrics, ticket)) as outputs:
             async for job, out in outputs:
                 output_tokens[job.index] = out.num_output_tokens
-                if out.new_text or out.new_logprobs:
+                delta = streams[job.index].feed(out.new_text) if out.new_text else None
+                if delta is not None or out.new_logprobs:
                     lp = chat_logprobs(out.new_logprobs) if out.new_logprobs is not None else None
-                    yield chunk(
-                        [
-                            ChatChunkChoice(
-                                index=job.index, delta=DeltaMessage(content=out.new_text), logprobs=lp
-                            )
-                        ]
-                    )
+                    yield chunk([ChatChunkChoice(index=job.index, delta=delta or DeltaMessage(content=""),
+                                                 logprobs=lp)])
                 if out.finished:
-                    yield chunk(
-                        [
-                            ChatChunkChoice(
-                                index=job.index, delta=DeltaMessage(), finish_reason=out.finish_reason
-                            )
-                        ]
-                    )
+                    last, finish_reason = streams[job.index].finish(out.finish_reason)
+                    if last is not None:
+                        yield chunk([ChatChunkChoice(index=job.index, delta=last)])
+                    yield chunk([ChatChunkChoice(index=job.index, delta=DeltaMessage(),
+                                                 finish_reason=finish_reason)])
         ended = ticket.end_error()
         if ended is not None:
             raise ended

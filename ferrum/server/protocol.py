@@ -11,12 +11,20 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ferrum.engine.sampling_params import SamplingParams, SamplingParamsError
 from ferrum.engine.structured import StructuredOutput, StructuredOutputError, checked_grammar
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 MAX_N = 128
 
 
@@ -51,6 +59,19 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates expect it: the arguments as an object (OpenAI sends
+    them as a JSON string)."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 class ResponseFormat(BaseModel):
@@ -337,7 +358,7 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls is not None:
-            out["tool_calls"] = self.tool_calls
+            out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
@@ -346,17 +367,62 @@ class ChatMessage(BaseModel):
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "self"})
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # the grammar that makes tool_choice "required" or a named function hold (set by the server)
+    _tool_grammar: StructuredOutput | None = PrivateAttr(None)
+
+    def force_tool_calls(self, grammar: str) -> None:
+        self._tool_grammar = StructuredOutput("grammar", grammar, "tool_choice")
+
+    def structured_output(self) -> StructuredOutput | None:
+        asked = super().structured_output()
+        if self._tool_grammar is None:
+            return asked
+        if asked is not None:
+            raise SamplingParamsError(f"tool_choice {self.tool_choice!r} cannot be combined with {asked.param}",
+                                      "tool_choice")
+        try:
+            checked_grammar(self._tool_grammar)
+        except StructuredOutputError as exc:
+            raise SamplingParamsError(f"tool_choice: the tools' parameters do not compile: {exc}", "tool_choice")
+        return self._tool_grammar
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -369,6 +435,18 @@ class ChatCompletionRequest(SamplingFields):
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice forces, else None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are given and may be called (tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def template_kwargs(self) -> dict[str, Any]:
         return dict(self.chat_template_kwargs or {})
 
@@ -380,8 +458,13 @@ class ChatCompletionRequest(SamplingFields):
                 f"top_logprobs must be between 0 and {SamplingParams.MAX_LOGPROBS}, got {self.top_logprobs}",
                 "top_logprobs",
             )
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice other than 'none' or 'auto' is not supported", "tool_choice"
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice needs tools", "tool_choice"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools:
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                return (f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools "
+                        f"({', '.join(names)})", "tool_choice")
         reserved = _RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or {})
         if reserved:
             return f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs"
@@ -446,9 +529,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None  # absent unless the model called tools
 
 
 class ChatChoice(BaseModel):
@@ -467,15 +562,47 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="plain")
+    def _without_nulls(self) -> dict[str, Any]:
+        return {"name": self.name, "arguments": self.arguments} if self.name is not None else {
+            "arguments": self.arguments}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: the first has id, type and the function's name; the ones after it
+    carry fragments of the arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="plain")
+    def _without_nulls(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = self.type or "function"
+        out["function"] = self.function.model_dump()
+        return out
+
+
 class DeltaMessage(BaseModel):
     """A streamed piece of the message; absent fields are left out, not sent as null."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="plain")
     def _without_nulls(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        pairs = (("role", self.role), ("content", self.content),
+                 ("tool_calls", [t.model_dump() for t in self.tool_calls] if self.tool_calls else None))
+        return {k: v for k, v in pairs if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,5 +1,5 @@
 """The HTTP server's own settings: who may call it (`api:`), how much work it takes (`limits:`), how
-it stops, and what it logs. Frozen; built and validated by ferrum.config."""
+chat output is read (`chat:`), how it stops, and what it logs. Frozen; built and validated by ferrum.config."""
 
 from __future__ import annotations
 
@@ -125,9 +125,26 @@ class LifecycleConfig:
             raise ValueError(f"failed_start_linger_s must be >= 0, got {self.failed_start_linger_s!r}")
 
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """How chat output is read. `tool_call_parser`: the format of the model's tool calls (hermes,
+    llama3_json, mistral), or auto (told by the chat template; the default): requests with tools need one."""
+
+    tool_call_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"chat.tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     api: ApiConfig = field(default_factory=ApiConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)

@@ -147,6 +147,13 @@ class Tokenizer:
         prompt = self.apply_chat_template(messages, add_generation_prompt, tools, **extra)
         return self.encode(prompt, add_special_tokens=False)
 
+    def template_for(self, tools: Sequence[Mapping[str, Any]] | None = None) -> str | None:
+        """The chat template's source that a conversation (with these tools) is rendered with; None if none."""
+        try:
+            return self._template_source(tools)
+        except ChatTemplateError:
+            return None
+
     def _template_source(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
         templates = self._settings.chat_templates
         if tools is not None and TOOL_USE_TEMPLATE in templates:

@@ -1,0 +1,260 @@
+"""Tool calling: the output formats of three model families parsed whole and as a stream, and, through the
+official `openai` client against servers whose chat templates (written here, in tests/server/templates) ask
+for each family's format: named and required tool choices always yield calls that parse and match the
+function's schema, streamed calls reassemble to the non-streamed ones, tool results are accepted back."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from ferrum.engine.structured import StructuredOutput
+from ferrum.server.tool_calls import FORMATS, ToolCallStream, parse_tool_calls, tool_format
+from tests.live_server import MODEL_DIR, live_server
+
+TEMPLATES = Path(__file__).parent / "templates"
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20},
+                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone.",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                       "required": ["zone"], "additionalProperties": False},
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+SAMPLES = {
+    "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
+    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                    '{"name": "get_time", "parameters": {"zone": "CET"}}'),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]'),
+}
+
+
+# -- the parsers, without a model ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_parser_reads_its_format_whole_and_in_any_pieces(name: str) -> None:
+    fmt = FORMATS[name]
+    content, calls = parse_tool_calls(fmt, SAMPLES[name])
+    assert content == ("Let me check.\n" if name == "hermes" else "")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+    rng = random.Random(0)
+    for _ in range(50):  # streamed in random pieces: the same content, names and argument strings
+        stream = ToolCallStream(fmt)
+        text, pieces, names = SAMPLES[name], [], {}
+        args: dict[int, str] = {}
+        i = 0
+        while i < len(text):
+            n = rng.randint(1, 7)
+            pieces.append(stream.feed(text[i:i + n]))
+            i += n
+        pieces.append(stream.finish())
+        for _, deltas in pieces:
+            for d in deltas:
+                if d.name is not None:
+                    assert d.index not in names and d.id  # the header comes once, first
+                    names[d.index] = d.name
+                else:
+                    assert d.index in names
+                args[d.index] = args.get(d.index, "") + d.arguments
+        assert "".join(c for c, _ in pieces) == content
+        assert [names[i] for i in sorted(names)] == [c.name for c in calls]
+        assert [args[i] for i in sorted(args)] == [c.arguments for c in calls]
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_parser_limits_calls_and_leaves_plain_text_alone(name: str) -> None:
+    fmt = FORMATS[name]
+    _, calls = parse_tool_calls(fmt, SAMPLES[name], max_calls=1)
+    assert [c.name for c in calls] == ["get_weather"]
+    assert parse_tool_calls(fmt, "The weather in Paris is mild { or so }.") == (
+        "The weather in Paris is mild { or so }.", [])
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_forcing_grammar_compiles_and_accepts_its_own_format(name: str) -> None:
+    import llguidance
+
+    fmt = FORMATS[name]
+    for forced, parallel in ((None, True), ("get_time", False)):
+        grammar = StructuredOutput("grammar", fmt.grammar(TOOLS, forced, parallel)).grammar()
+        assert grammar
+    assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(
+        fmt.grammar(TOOLS, None, True))) == ""
+
+
+def test_format_is_told_by_the_template_or_the_flag() -> None:
+    for name in FORMATS:
+        assert tool_format("auto", (TEMPLATES / f"{name}.jinja").read_text()) is FORMATS[name]
+        assert tool_format(name, "no hints at all") is FORMATS[name]
+    assert tool_format("auto", (MODEL_DIR / "chat_template.jinja").read_text()
+                       if (MODEL_DIR / "chat_template.jinja").exists() else "") is None
+
+
+# -- through the server ---------------------------------------------------------------------------------
+
+
+def _model_with_template(tmp: Path, family: str) -> Path:
+    folder = tmp / f"model-{family}"
+    folder.mkdir()
+    for f in MODEL_DIR.iterdir():
+        if f.name != "chat_template.jinja":
+            (folder / f.name).symlink_to(f)
+    (folder / "chat_template.jinja").write_text((TEMPLATES / f"{family}.jinja").read_text())
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"demo model not prepared at {MODEL_DIR}")
+    family = request.param
+    folder = _model_with_template(tmp_path_factory.mktemp("tools"), family)
+    # mistral's server names its parser; the others are told by their templates
+    flags = ["--tool-call-parser", "mistral"] if family == "mistral" else []
+    with live_server("--model", str(folder), "--backend", "cpu", "--dtype", "float32", "--served-model-name", MODEL,
+                     *flags) as url:
+        yield family, url
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _valid_call(call: Any, names: set[str]) -> dict:
+    assert call.type == "function" and call.id and call.function.name in names
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return arguments
+
+
+@pytest.mark.slow
+def test_named_tool_choice_always_yields_a_valid_call(family_server: tuple[str, str]) -> None:
+    _, url = family_server
+    client = _client(url)
+    for name in ("get_weather", "get_time"):
+        for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+            reply = client.chat.completions.create(
+                model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=80, temperature=temperature, seed=seed,
+                tool_choice={"type": "function", "function": {"name": name}}, parallel_tool_calls=False)
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            assert len(choice.message.tool_calls) == 1 and choice.message.tool_calls[0].function.name == name
+            _valid_call(choice.message.tool_calls[0], {name})
+
+
+@pytest.mark.slow
+def test_streamed_tool_calls_reassemble_to_the_non_streamed_ones(family_server: tuple[str, str]) -> None:
+    _, url = family_server
+    client = _client(url)
+    args = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+    for call in whole.message.tool_calls:
+        _valid_call(call, set(SCHEMAS))
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id:
+                    assert entry["id"] is None and d.type == "function" and d.function.name
+                    entry.update(id=d.id, name=d.function.name)
+                entry["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+@pytest.mark.slow
+def test_tool_results_go_back_to_the_model(family_server: tuple[str, str]) -> None:
+    _, url = family_server
+    client = _client(url)
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=80,
+                                           temperature=0, tool_choice="required", parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*QUESTION,
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=30,
+                                           temperature=0, tool_choice="none")
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    rendered = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert len(rendered) > len(httpx.post(f"{url}/tokenize", json={"messages": QUESTION}).json()["tokens"])
+
+
+@pytest.mark.slow
+def test_auto_tool_choice_returns_content_or_calls(family_server: tuple[str, str]) -> None:
+    _, url = family_server
+    reply = _client(url).chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=60,
+                                                 temperature=0)
+    choice = reply.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            json.loads(call.function.arguments)
+    else:
+        assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_bad_tool_requests_are_400s(family_server: tuple[str, str]) -> None:
+    _, url = family_server
+    base = {"model": MODEL, "messages": QUESTION, "max_tokens": 5}
+    cases = [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ]
+    for extra, param in cases:
+        r = httpx.post(f"{url}/v1/chat/completions", json={**base, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        assert (r.json()["error"]["param"] or "").startswith(param), r.json()
+
+
+@pytest.mark.slow
+def test_tools_with_a_template_that_shows_no_format_need_the_flag() -> None:
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"demo model not prepared at {MODEL_DIR}")
+    with live_server("--model", str(MODEL_DIR), "--backend", "cpu", "--served-model-name", MODEL) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": QUESTION, "tools": TOOLS, "max_tokens": 5})
+        assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": "none",
+                             "max_tokens": 5})
+        assert r.status_code == 200
