@@ -77,6 +77,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--tool-call-parser", dest="tool_call_parser",
                       choices=("auto", "hermes", "llama3_json", "mistral"),
                       help="the format of the model's tool calls (default auto: told by its chat template)")
+    chat.add_argument("--reasoning-parser", dest="reasoning_parser", choices=("qwen3", "deepseek_r1"),
+                      help="return a reasoning model's <think> part as reasoning_content (default: none)")
     limits = p.add_argument_group("admission and limits")
     limits.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int,
                         help="requests that may wait beyond the running batch (default 4 x max_num_seqs)")

@@ -12,7 +12,7 @@ The YAML file's sections:
     engine: {max_num_seqs: 64, ...}     # EngineConfig's fields, and engine_process: auto | true | false
     weights: {cache_dir: ..., ...}      # how remote models are fetched and cached (WeightLoaderConfig)
     api: {keys: [...], ...}             # ferrum.server.settings.ApiConfig
-    chat: {tool_call_parser: auto}      # ferrum.server.settings.ChatConfig
+    chat: {tool_call_parser: auto, reasoning_parser: qwen3}  # ferrum.server.settings.ChatConfig
     limits: {max_waiting_requests: ...} # ferrum.server.settings.LimitsConfig
     logging: {level: info, format: text | json, requests: true, prompts: false}
     shutdown_timeout_s: 30
@@ -120,6 +120,7 @@ FLAG_KEYS: dict[str, tuple[str, str]] = {
     "ssl_keyfile": ("api", "ssl_keyfile"),
     "ssl_certfile": ("api", "ssl_certfile"),
     "tool_call_parser": ("chat", "tool_call_parser"),
+    "reasoning_parser": ("chat", "reasoning_parser"),
     **{key: ("limits", key) for key in _SECTIONS["limits"]},
     "log_level": ("logging", "level"),
     "log_format": ("logging", "format"),

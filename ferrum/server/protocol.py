@@ -543,6 +543,7 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's thinking
     tool_calls: list[ToolCallOut] | None = None  # absent unless the model called tools
 
 
@@ -596,11 +597,12 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="plain")
     def _without_nulls(self) -> dict[str, Any]:
-        pairs = (("role", self.role), ("content", self.content),
+        pairs = (("role", self.role), ("content", self.content), ("reasoning_content", self.reasoning_content),
                  ("tool_calls", [t.model_dump() for t in self.tool_calls] if self.tool_calls else None))
         return {k: v for k, v in pairs if v is not None}
 

@@ -126,16 +126,23 @@ class LifecycleConfig:
 
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 @dataclass(frozen=True)
 class ChatConfig:
     """How chat output is read. `tool_call_parser`: the format of the model's tool calls (hermes,
-    llama3_json, mistral), or auto (told by the chat template; the default): requests with tools need one."""
+    llama3_json, mistral), or auto (told by the chat template; the default): requests with tools need one.
+    `reasoning_parser`: qwen3 or deepseek_r1 to return a reasoning model's thinking as `reasoning_content`
+    (ferrum.server.reasoning); none by default."""
 
     tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"chat.reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"chat.tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
