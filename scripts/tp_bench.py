@@ -7,6 +7,11 @@ TP size: greedy tokens and the sampled rows' logits of three prompts against TP 
 order differs, so a bound rather than equality), then batch-1 decode ms/token (CUDA graphs, greedy
 bursts) timed over whole engine steps, against the floor of one rank's weight bytes over the
 measured copy bandwidth of one GPU. Prints one table and writes DIR/tp.json.
+
+Small sums go through the one-shot kernel over peer-mapped buffers (--one-shot-kb, 512 here; 0:
+NCCL). Only the first split engine of a process can have it (torch keeps a group name's peer-memory
+store for the life of the process): each row says how its ranks summed. To time the one-shot path
+of several shapes, run one shape per process.
 """
 
 from __future__ import annotations
@@ -37,12 +42,26 @@ def record(name: str, value, unit: str = "", note: str = "") -> None:
     print(f"{name:60s} {value!s:>14} {unit:8s} {note}", flush=True)
 
 
+ONE_SHOT_KB = 512  # --one-shot-kb: kernels.one_shot_all_reduce_kb of every engine here
+
+
 def engine(folder: Path, tp: int, **overrides):
     from ferrum.engine.builder import create_engine
+    from ferrum.kernels.config import KernelConfig
 
     settings = dict(dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
-                    gpu_memory_utilization=0.85, tensor_parallel_size=tp)
+                    gpu_memory_utilization=0.85, tensor_parallel_size=tp,
+                    kernels=KernelConfig(one_shot_all_reduce_kb=ONE_SHOT_KB))
     return create_engine(str(folder), backend="cuda", **(settings | overrides))
+
+
+def sums(eng) -> str:
+    """How this engine's ranks sum: torch keeps peer memory set up under a group name for the life
+    of the process, so only the first split engine of a process gets the one-shot kernel."""
+    tp = getattr(getattr(eng, "rank", None), "tp", None)
+    if tp is None:
+        return "unknown"
+    return "one rank" if tp.size == 1 else ("one-shot kernel" if tp.reduce is not None else "NCCL")
 
 
 def greedy_with_logits(eng, prompts: list[list[int]], steps: int):
@@ -88,7 +107,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--eager", action="store_true", help="also time with enforce_eager")
     ap.add_argument("--unfused", action="store_true", help="also time TP 1 without the fused decode chain")
+    ap.add_argument("--one-shot-kb", type=int, default=ONE_SHOT_KB,
+                    help="kernels.one_shot_all_reduce_kb (0: NCCL for every sum)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time TP > 1 without the fused decode chain, with NCCL for every sum, and both")
     args = ap.parse_args()
+    global ONE_SHOT_KB
+    ONE_SHOT_KB = args.one_shot_kb
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(t) for t in args.tp.split(",")]
     record("machine", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", "",
@@ -117,7 +142,8 @@ def main() -> None:
                 ms = batch1_ms(eng)
                 floor = total / tp / bw * 1e3  # as scripts/gpu_suite.py: weight bytes over the copy bandwidth
                 record(f"{shape} TP{tp} batch-1 decode", round(ms, 3), "ms/token",
-                       f"floor {floor:.3f} ms (weights/TP over one GPU's read bandwidth): {floor / ms:.1%}")
+                       f"floor {floor:.3f} ms (weights/TP over one GPU's read bandwidth): {floor / ms:.1%}; "
+                       f"sums: {sums(eng)}")
                 if tp > 1 and reports(eng):
                     record(f"{shape} TP{tp} checkpoint bytes read per rank", reports(eng), "GB",
                            f"of {total / 1e9:.2f} GB")
@@ -125,14 +151,26 @@ def main() -> None:
                 eng.release()
                 del eng
                 torch.cuda.empty_cache()
-            if tp == 1 and args.unfused:  # what a split model decodes through: the plain layers
-                from ferrum.kernels.config import KernelConfig
+            from ferrum.kernels.config import KernelConfig
 
-                eng = engine(folder, tp, kernels=KernelConfig(fused_decode_rows=0))
-                try:  # the noise floor of the comparison: the same model through other kernels, one GPU
+            variants = {}
+            if tp == 1 and args.unfused:  # the noise floor of the comparison: the same model through other kernels
+                variants["no fused decode chain"] = KernelConfig(fused_decode_rows=0)
+            if tp > 1 and args.variants:
+                variants = {"no fused decode chain": KernelConfig(fused_decode_rows=0,
+                                                                  one_shot_all_reduce_kb=args.one_shot_kb),
+                            "NCCL for every sum": KernelConfig(one_shot_all_reduce_kb=0),
+                            "no fused decode chain, NCCL for every sum (before)":
+                                KernelConfig(fused_decode_rows=0, one_shot_all_reduce_kb=0)}
+            for what, kernels in variants.items():
+                eng = engine(folder, tp, kernels=kernels)
+                try:
                     outs, logits = greedy_with_logits(eng, prompts, 8)
-                    compare(f"{shape} TP1 unfused vs TP1", (outs, logits), reference)
-                    record(f"{shape} TP1 batch-1 decode, no fused decode chain", round(batch1_ms(eng), 3), "ms/token")
+                    compare(f"{shape} TP{tp} {what} vs TP1", (outs, logits), reference)
+                    ms = batch1_ms(eng)
+                    floor = total / tp / bw * 1e3
+                    record(f"{shape} TP{tp} batch-1 decode, {what}", round(ms, 3), "ms/token",
+                           f"{floor / ms:.1%} of the floor; sums: {sums(eng)}")
                 finally:
                     eng.release()
                     del eng

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -55,10 +54,6 @@ class ModelRank:
         """`config` has its device defaults filled in."""
         device.runtime.make_current()  # this thread's kernels launch there (Triton's take no device)
         self.tp = tp or TensorParallel.single()
-        if self.tp.size > 1 and config.kernels.fused_decode_rows:
-            # the fused decode chain adds the residual inside o_proj's and down_proj's kernels, before
-            # the sum across ranks could happen: a split model decodes through its plain layers
-            config = replace(config, kernels=replace(config.kernels, fused_decode_rows=0))
         self.config, self.device, self.dtype, self.max_model_len = config, device, dtype, max_model_len
         self.shard = ShardPlan(model_config, self.tp.rank, self.tp.size)
         self.model_config = model_config

@@ -158,9 +158,10 @@ class RankGroup:
         workers.sort(key=lambda w: w.rank)
         return cls(workers, size), dist_url
 
-    def join(self, device_kind: str, dist_url: str, device: torch.device | None = None) -> TensorParallel:
+    def join(self, device_kind: str, dist_url: str, device: torch.device | None = None,
+             one_shot_bytes: int = 0, pdl: bool = False) -> TensorParallel:
         """Rank 0 joins torch.distributed (the workers join at the same time)."""
-        return init_distributed(0, self.size, device_kind, dist_url, device)
+        return init_distributed(0, self.size, device_kind, dist_url, device, one_shot_bytes, pdl)
 
     def agree_blocks(self, num_blocks: int) -> int:
         """The smallest KV cache any rank can hold; every worker is told it."""
@@ -251,9 +252,11 @@ class RankGroup:
 
 
 def init_distributed(rank: int, size: int, device_kind: str, dist_url: str,
-                     device: torch.device | None = None) -> TensorParallel:
+                     device: torch.device | None = None, one_shot_bytes: int = 0, pdl: bool = False) -> TensorParallel:
     """Joins torch.distributed as `rank` of `size`; on CUDA `device` is this rank's GPU (NCCL binds
-    to it)."""
+    to it), and sums of up to `one_shot_bytes` go through the peer-mapped one-shot kernel where
+    every rank can have it (the same choice on every rank: ferrum.engine.peer_all_reduce; launched
+    with programmatic dependent launch when `pdl`)."""
     import datetime
 
     import torch.distributed as dist
@@ -261,7 +264,12 @@ def init_distributed(rank: int, size: int, device_kind: str, dist_url: str,
     backend = "nccl" if device_kind == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=size,
                             timeout=datetime.timedelta(minutes=30), device_id=device)
-    return TensorParallel(rank, size, dist.group.WORLD, backend)
+    reduce = None
+    if backend == "nccl" and device is not None and one_shot_bytes > 0:
+        from ferrum.engine.peer_all_reduce import peer_all_reduce
+
+        reduce = peer_all_reduce(dist.group.WORLD, device, one_shot_bytes, pdl)
+    return TensorParallel(rank, size, dist.group.WORLD, backend, reduce)
 
 
 def leave_distributed() -> None:

@@ -10,6 +10,7 @@ dependent launch, is decided once from the `Device` and the engine's `KernelConf
     paged_attention.py  decode and prefill attention over the paged KV cache
     gemv.py             fused matrix-vector products for decode batches of 1-4 rows
     greedy.py           argmax and the next decode step's inputs, on the device
+    all_reduce.py       one-shot sum across the GPUs of one host over peer-mapped buffers (TP decode)
 
 Importing this package imports nothing; each module imports triton.
 """

@@ -49,12 +49,17 @@ class KernelConfig:
     attention (the splits fill the GPU at small batches).
     fused_decode_rows: decode batches of up to this many rows run the fused matrix-vector chain
     (0 turns it off: cuBLAS projections and separate norm / activation kernels).
-    gemv: the fused projections' slicing."""
+    gemv: the fused projections' slicing.
+    one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
+    of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
+    (ferrum.engine.peer_all_reduce; 512 is the measured choice). 0, the default until a 2-GPU run
+    has checked the set-up's fix for the calling thread's device: NCCL for every sum."""
 
     pdl: bool = True
     max_decode_splits: int = 32
     fused_decode_rows: int = 4
     gemv: GemvTable = field(default_factory=GemvTable)
+    one_shot_all_reduce_kb: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.pdl, bool):
@@ -63,6 +68,8 @@ class KernelConfig:
             raise ValueError(f"kernels.max_decode_splits must be in 1..64, got {self.max_decode_splits!r}")
         if isinstance(self.fused_decode_rows, bool) or not 0 <= self.fused_decode_rows <= 16:
             raise ValueError(f"kernels.fused_decode_rows must be in 0..16, got {self.fused_decode_rows!r}")
+        if isinstance(self.one_shot_all_reduce_kb, bool) or not 0 <= self.one_shot_all_reduce_kb <= 65536:
+            raise ValueError(f"kernels.one_shot_all_reduce_kb must be in 0..65536, got {self.one_shot_all_reduce_kb!r}")
         if not isinstance(self.gemv, GemvTable):
             raise ValueError(f"kernels.gemv must be a GemvTable, got {self.gemv!r}")
 

@@ -95,6 +95,7 @@ class LlamaForCausalLM(nn.Module):
         ops = ops or torch_ops()
         tp = tp or TensorParallel.single()
         self.config = config
+        self.tp = tp
         self.shard = ShardPlan(config, tp.rank, tp.size)
         rank_config = self.shard.rank_config()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)

@@ -3,7 +3,13 @@ matrix-vector kernels (ferrum.kernels.gemv), each projection with its neighbours
 norm before it in its prologue, rope and the KV-cache write (q/k/v), or the residual add or
 silu * mul after it in its epilogue. At these batch sizes a step is a chain of weight reads, and
 these kernels read the weights faster than cuBLAS while launching a third as many kernels.
-Equal to the layered forward up to rounding order."""
+Equal to the layered forward up to rounding order.
+
+Under tensor parallelism (a rank's shard of the model) o_proj's and down_proj's products are
+partial sums: rank 0 alone adds the residual (and down_proj's bias) in their epilogues, and the sum
+across ranks follows each, so every rank holds partial_0 + partial_1 + ... + residual; the first
+layer's rows come from the vocabulary-split embedding (itself a sum), and the LM head's rows of
+the vocabulary are gathered."""
 
 from __future__ import annotations
 
@@ -32,8 +38,12 @@ class FusedDecode:
         from ferrum.kernels.gemv import gemv, qkv_rope_store
 
         model, table, pdl = self.model, self.table, self.pdl
-        # the first layer reads its input rows straight from the embedding table (no gather kernel)
-        h, rows = model.embed_tokens.weight, input_ids
+        tp = model.tp
+        split, lead = tp.size > 1, tp.rank == 0  # the lead rank adds the residual and biases, once
+        if split:  # the embedding's rows are split across ranks: a sum of its own
+            h, rows = model.embed_tokens(input_ids), None
+        else:  # the first layer reads its input rows straight from the embedding table (no gather kernel)
+            h, rows = model.embed_tokens.weight, input_ids
         for layer, cache in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -47,10 +57,20 @@ class FusedDecode:
                 qkv = gemv(h, attn.qkv_proj.weight, table, bias=attn.qkv_proj.bias, norm_weight=norm1.weight,
                            eps=norm1.eps, x_rows=rows, pdl=pdl)
                 out = batch.attend(attn, qkv, cache)
-            h = gemv(out, attn.o_proj.weight, table, residual=h, residual_rows=rows, pdl=pdl)
+            h = gemv(out, attn.o_proj.weight, table, residual=h if lead else None, residual_rows=rows, pdl=pdl)
             rows = None
+            if split:
+                h = tp.all_reduce(h)
             act = gemv(h, mlp.gate_up_proj.weight, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight,
                        eps=norm2.eps, gated=True, pdl=pdl)
-            h = gemv(act, mlp.down_proj.weight, table, bias=mlp.down_proj.bias, residual=h, pdl=pdl)
-        return gemv(h, model.lm_head.weight, table, norm_weight=model.norm.weight, eps=model.norm.eps,
-                    out_dtype=torch.float32, pdl=pdl, out=into)
+            h = gemv(act, mlp.down_proj.weight, table, bias=mlp.down_proj.bias if lead else None,
+                     residual=h if lead else None, pdl=pdl)
+            if split:
+                h = tp.all_reduce(h)
+        if not split:
+            return gemv(h, model.lm_head.weight, table, norm_weight=model.norm.weight, eps=model.norm.eps,
+                        out_dtype=torch.float32, pdl=pdl, out=into)
+        part = gemv(h, model.lm_head.weight, table, norm_weight=model.norm.weight, eps=model.norm.eps,
+                    out_dtype=torch.float32, pdl=pdl)
+        logits = tp.all_gather_last(part)[..., : model.config.vocab_size]
+        return logits if into is None else into.copy_(logits)

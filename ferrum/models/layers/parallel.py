@@ -1,7 +1,9 @@
 """Tensor parallelism: one rank's share of a decoder and the collectives that join the shares.
 
     TensorParallel       a rank's place in the group (rank, size) and its two collectives:
-                         all_reduce (sum) and all_gather along the last dim; single() is one rank
+                         all_reduce (sum) and all_gather along the last dim; single() is one rank.
+                         The sum goes through `reduce` where start-up chose one (on GPUs that reach
+                         each other's memory: ferrum.engine.peer_all_reduce), else torch.distributed
     ShardPlan            what rank r of N holds of a model: its heads, KV heads (split, or
                          replicated where N exceeds them), MLP columns and vocabulary rows; the
                          sharded ModelConfig the rank builds its modules from; and, for each
@@ -18,6 +20,7 @@ the LM head gathers the vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +41,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # the torch.distributed process group of the model's collectives
     backend: str = "gloo"  # its backend: nccl (CUDA) or gloo (CPU)
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sums in place; None: torch.distributed
 
     @classmethod
     def single(cls) -> TensorParallel:
@@ -46,6 +50,8 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks, in place."""
         if self.size > 1:
+            if self.reduce is not None:
+                return self.reduce(x)
             import torch.distributed as dist
 
             dist.all_reduce(x, group=self.group)
