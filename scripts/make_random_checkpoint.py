@@ -91,16 +91,28 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-from", type=Path, metavar="FOLDER",
+                        help="a real model folder whose tokenizer (and chat template) to use instead of the synthetic "
+                             "one; the vocabulary size and BOS/EOS ids follow it (for grammars, which need real text)")
     args = parser.parse_args()
     started = time.perf_counter()
-    config = dict(SHAPES[args.shape], torch_dtype="bfloat16", bos_token_id=SHAPES[args.shape]["vocab_size"] - 2,
-                  eos_token_id=SHAPES[args.shape]["vocab_size"] - 1)
+    shape = dict(SHAPES[args.shape])
+    ids = {"bos_token_id": shape["vocab_size"] - 2, "eos_token_id": shape["vocab_size"] - 1}
+    if args.tokenizer_from is not None:
+        real = json.loads((args.tokenizer_from / "config.json").read_text())
+        shape["vocab_size"] = real["vocab_size"]
+        ids = {k: real[k] for k in ("bos_token_id", "eos_token_id")}
+    config = dict(shape, torch_dtype="bfloat16", **ids)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": config["bos_token_id"],
-                                                            "eos_token_id": config["eos_token_id"]}))
-    write_synthetic_tokenizer(out, config["vocab_size"])
+    (out / "generation_config.json").write_text(json.dumps(ids))
+    if args.tokenizer_from is None:
+        write_synthetic_tokenizer(out, config["vocab_size"])
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (args.tokenizer_from / name).is_file():
+                (out / name).write_bytes((args.tokenizer_from / name).read_bytes())
 
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -165,9 +165,12 @@ class Guides:
         if self._ll_tokenizer is None:
             import llguidance
 
-            self._ll_tokenizer = llguidance.LLTokenizer(
-                self._tokenizer.backend_json(), n_vocab=self.vocab_size, eos_token=sorted(self._tokenizer.eos_token_ids)
-            )
+            eos = sorted(self._tokenizer.eos_token_ids)
+            text = self._tokenizer.backend_json()
+            try:
+                self._ll_tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
+            except TypeError:  # llguidance before 1.9 takes one EOS id: the grammar ends with the first
+                self._ll_tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos[0])
             self._executor = llguidance.LLExecutor()
         return self._ll_tokenizer
 
@@ -179,7 +182,12 @@ class Guides:
         with self._lock:
             template = self._compiled.get(grammar)
             if template is None:
-                template = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+                try:
+                    template = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+                except Exception as exc:  # the request fails, not the engine
+                    log.exception("llguidance could not compile a grammar")
+                    raise StructuredOutputError(f"{structured.param}: the grammar could not be compiled for this "
+                                                f"model ({type(exc).__name__}: {exc})", structured.param) from exc
                 if template.is_error():
                     raise StructuredOutputError(f"{structured.param}: {_first_lines(template.get_error())}",
                                                 structured.param)

@@ -69,8 +69,9 @@ from ferrum.server.protocol import (
     Usage,
 )
 from ferrum.server.request_id import RequestIdMiddleware
+from ferrum.server.responses import ResponseObject, ResponsesRequest, ResponsesShape
 from ferrum.server.settings import ServerSettings
-from ferrum.server.sse import SSEResponse, sse_events
+from ferrum.server.sse import SSEResponse, named_sse_events, sse_events
 from ferrum.server.state import ServerState
 from ferrum.tokenizer import ChatTemplateError
 
@@ -358,16 +359,31 @@ class Server:
     async def chat(self, request: Request) -> Response:
         arrived = time.monotonic()
         req = await parse_body(request, ChatCompletionRequest)
+        return await self._serve_chat(request, req, arrived, f"chatcmpl-{request.state.request_id}")
+
+    async def responses(self, request: Request) -> Response:
+        """/v1/responses: served as a chat request (ferrum.server.responses), its result reshaped."""
+        arrived = time.monotonic()
+        req = await parse_body(request, ResponsesRequest)
+        chat = req.to_chat()
+        shape = ResponsesShape(req, f"resp_{request.state.request_id}", self.model_name)
+        return await self._serve_chat(request, chat, arrived, f"chatcmpl-{request.state.request_id}", shape)
+
+    async def _serve_chat(self, request: Request, req: ChatCompletionRequest, arrived: float, response_id: str,
+                          shape: ResponsesShape | None = None) -> Response:
         engine = self.check_request(req, req.unsupported())
         output = plan_chat_output(req, engine.tokenizer, self.settings.chat)
         prompt_ids = self.tokenize_chat(engine, req)
         if not prompt_ids:
             raise bad_request("The chat template produced an empty prompt.", param="messages")
-        response_id = f"chatcmpl-{request.state.request_id}"
         jobs = self.make_jobs(engine, req, response_id, [prompt_ids], "messages")
-        ticket, release = self.admit(req, response_id, jobs, arrived, "chat", req.template_messages())
+        route = "chat" if shape is None else "responses"
+        ticket, release = self.admit(req, response_id, jobs, arrived, route, req.template_messages())
         if req.stream:
             chunks = self._chat_chunks(engine, req, response_id, jobs, ticket, output)
+            if shape is not None:
+                events = named_sse_events(shape.events(chunks), "input")
+                return SSEResponse(events, on_close=lambda: release(200))
             return SSEResponse(sse_events(chunks, "messages"), on_close=lambda: release(200))
         results = await self.run_to_end(request, engine, jobs, ticket, release, "messages")
         if results is None:
@@ -384,6 +400,8 @@ class Server:
         body = ChatCompletionResponse(
             id=response_id, model=self.model_name, choices=choices, usage=self._usage(jobs, results)
         )
+        if shape is not None:
+            return JSONResponse(shape.response(body))
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _chat_chunks(
@@ -471,8 +489,8 @@ class Server:
 
 # -- OpenAPI -----------------------------------------------------------------------------------------
 
-_REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                                                 DetokenizeRequest)
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, ResponsesRequest,
+                                                 TokenizeRequest, DetokenizeRequest)
 
 
 def _json_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -613,6 +631,13 @@ def create_app(
               responses={**_streaming(ChatCompletionResponse), **model_errors})
     async def chat_completions(request: Request) -> Response:
         return await server.chat(request)
+
+    @app.post("/v1/responses", response_model=None, tags=["inference"], openapi_extra=_json_body(ResponsesRequest),
+              responses={**_streaming(ResponseObject), **model_errors})
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless (no previous_response_id): text in and out, function tools,
+        streaming events."""
+        return await server.responses(request)
 
     @app.post("/tokenize", tags=["tokenizer"], openapi_extra=_json_body(TokenizeRequest),
               responses=_errors(400, 401, 404, 413, 503))

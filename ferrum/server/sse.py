@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from typing import Any
 
 import anyio
 from fastapi.responses import StreamingResponse
@@ -38,6 +39,7 @@ class SSEResponse(StreamingResponse):
 
 
 async def sse_events(chunks: AsyncGenerator[BaseModel, None], error_param: str) -> AsyncGenerator[str, None]:
+    """Chat and completion chunks: `data:` lines, an error as an error object, then `data: [DONE]`."""
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
@@ -46,3 +48,15 @@ async def sse_events(chunks: AsyncGenerator[BaseModel, None], error_param: str) 
         error = exc if isinstance(exc, APIError) else engine_error(exc, error_param)
         yield f"data: {json.dumps(error.body())}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def named_sse_events(events: AsyncGenerator[dict[str, Any], None], error_param: str) -> AsyncGenerator[str, None]:
+    """Events that carry their name in `type` (the Responses API): an `event:` line each; an error ends the
+    stream with an `error` event; no [DONE]."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+    except Exception as exc:
+        error = exc if isinstance(exc, APIError) else engine_error(exc, error_param)
+        yield f"event: error\ndata: {json.dumps({'type': 'error', **error.body()['error']})}\n\n"

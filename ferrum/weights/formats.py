@@ -494,9 +494,26 @@ def _pytorch_reader(loaded: Any, *, name: str, stem: str) -> DictReader:
 # ---------------------------------------------------------------- NumPy
 
 
+# NumPy parses each .npy header with ast.literal_eval, and CPython 3.11's AST constructor keeps one recursion
+# counter per interpreter: two threads building ASTs at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (python/cpython#106905). NumPy reads are serialised here, and one that still meets
+# that error (another thread parsing something else) is tried again.
+_NUMPY_PARSE = threading.Lock()
+
+
+def _ast_safe(call: Any) -> Any:
+    with _NUMPY_PARSE:
+        try:
+            return call()
+        except SystemError as exc:
+            if "AST constructor recursion depth" not in str(exc):
+                raise
+            return call()
+
+
 def _numpy_call(name: str, call: Any) -> Any:
     try:
-        return call()
+        return _ast_safe(call)
     except ValueError as exc:
         text = str(exc)
         if "pickle" in text.lower() or "python objects" in text.lower():
@@ -526,7 +543,7 @@ def _numpy_to_torch(array: Any, *, name: str, tensor: str) -> torch.Tensor:
 
 def _npy_reader(path: Path, *, name: str, stem: str) -> DictReader:
     try:
-        array = np.load(path, mmap_mode="c", allow_pickle=False)
+        array = _ast_safe(lambda: np.load(path, mmap_mode="c", allow_pickle=False))
     except ValueError:
         array = _numpy_call(
             name, lambda: np.load(path, allow_pickle=False)

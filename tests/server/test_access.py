@@ -39,6 +39,7 @@ CALLS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "/v1/backends": ("GET", None),
     "/v1/completions": ("POST", {"prompt": "Hi", "max_tokens": 2}),
     "/v1/chat/completions": ("POST", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    "/v1/responses": ("POST", {"input": "Hi", "max_output_tokens": 2}),
     "/tokenize": ("POST", {"prompt": "Hello world"}),
     "/detokenize": ("POST", {"tokens": [1, 2, 3]}),
 }
