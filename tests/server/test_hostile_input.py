@@ -92,6 +92,21 @@ CASES: list[tuple[str, str, bytes, int]] = [
     ("5,000 stop strings", C, json.dumps({"prompt": "hi", "stop": ["ab"] * 5000}).encode(), 400),
     ("empty stop string", C, b'{"prompt": "hi", "stop": [""]}', 400),
     ("unknown model", C, b'{"prompt": "hi", "model": "gpt-5"}', 404),
+    ("JSON schema of a nonsense type", CHAT, json.dumps({"messages": [HI], "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}).encode(), 400),
+    ("regex that does not compile", C, b'{"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "(("}}',
+     400),
+    ("GBNF that does not compile", CHAT, json.dumps({"messages": [HI], "max_tokens": 2, "grammar": "root ::= ("}).encode(),
+     400),
+    ("20-deep JSON schema", CHAT, json.dumps({"messages": [HI], "max_tokens": 4, "guided_json": json.loads(
+        '{"type": "array", "items": ' * 20 + '{"type": "string"}' + "}" * 20)}).encode(), 200),
+    ("200-deep JSON schema", CHAT, json.dumps({"messages": [HI], "max_tokens": 4, "guided_json": json.loads(
+        '{"type": "array", "items": ' * 200 + '{"type": "string"}' + "}" * 200)}).encode(), 400),
+    ("choice of nothing", C, b'{"prompt": "hi", "max_tokens": 2, "guided_choice": []}', 400),
+    ("logit_bias on a token that does not exist", C,
+     b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"999999999": 5}}', 400),
+    ("responses with a previous id", "/v1/responses", b'{"input": "hi", "previous_response_id": "resp_x"}', 400),
+    ("responses input of a wrong item", "/v1/responses", b'{"input": [{"type": "banana"}]}', 400),
     ("unknown fields only", C, b'{"prompt": "hi", "max_tokens": 1, "frobnicate": {"x": [1, 2]}}', 200),
     ("extreme but legal sampling", C,
      b'{"prompt": "hi", "max_tokens": 2, "temperature": 2, "top_p": 1e-300, "top_k": 1, "min_p": 1}', 200),
