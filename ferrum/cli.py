@@ -1,9 +1,10 @@
-"""`ferrum` command line: serve, pull, bench."""
+"""`ferrum` command line: serve, pull, chat, run, bench."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from ferrum.backends.selection import BackendSelectionError
@@ -71,6 +72,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     api.add_argument("--cors-origin", dest="cors_origins", action="append", metavar="ORIGIN",
                      help="allow cross-site requests from ORIGIN (repeat; * for any; default: CORS off)")
     api.add_argument("--root-path", dest="root_path", help="the path prefix a proxy serves Ferrum under")
+    api.add_argument("--no-ui", dest="ui", action="store_const", const=False, help="no chat page at /")
     api.add_argument("--ssl-keyfile", dest="ssl_keyfile", help="serve HTTPS with this key (and --ssl-certfile)")
     api.add_argument("--ssl-certfile", dest="ssl_certfile", help="serve HTTPS with this certificate")
     chat = p.add_argument_group("chat output")
@@ -108,11 +110,34 @@ def _pull_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
 
 
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="chat in the terminal with a running OpenAI-compatible server")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--model", help="model id (default: the server's first)")
+    p.add_argument("--api-key", help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-tokens", type=int)
+
+
+def _run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="serve a model in the background of this process and chat with it")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--backend", help="auto | cpu | cuda | cuda:N | mps")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", dest="max_model_len", type=int)
+    p.add_argument("--port", type=int, help="port of the background server (default: a free one)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--log-level", dest="log_level", help="the server's log level (default warning)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrum", description="Ferrum LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _pull_parser(sub)
+    _chat_parser(sub)
+    _run_parser(sub)
     add_bench_parser(sub)
     return parser
 
@@ -128,6 +153,23 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
+    if args.command == "chat":
+        from ferrum.chat_client import ChatClient, repl
+
+        client = ChatClient(args.url, args.api_key or os.environ.get("OPENAI_API_KEY"), args.model,
+                            args.temperature, args.max_tokens)
+        sys.exit(repl(client))
+    if args.command == "run":
+        from ferrum.chat_client import run_config, run_model
+
+        try:
+            config = run_config(args.model, args.config, {k: getattr(args, k) for k in (
+                "backend", "dtype", "max_model_len", "port", "log_level")})
+            setup_logging(config.server.logging)
+            sys.exit(run_model(config, args.temperature))
+        except USER_ERRORS as exc:
+            print(f"ferrum: error: {exc}", file=sys.stderr)
+            sys.exit(2)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)

@@ -119,6 +119,7 @@ FLAG_KEYS: dict[str, tuple[str, str]] = {
     "root_path": ("api", "root_path"),
     "ssl_keyfile": ("api", "ssl_keyfile"),
     "ssl_certfile": ("api", "ssl_certfile"),
+    "ui": ("api", "ui"),
     "tool_call_parser": ("chat", "tool_call_parser"),
     "reasoning_parser": ("chat", "reasoning_parser"),
     **{key: ("limits", key) for key in _SECTIONS["limits"]},

@@ -73,6 +73,7 @@ from ferrum.server.responses import ResponseObject, ResponsesRequest, ResponsesS
 from ferrum.server.settings import ServerSettings
 from ferrum.server.sse import SSEResponse, named_sse_events, sse_events
 from ferrum.server.state import ServerState
+from ferrum.server.ui import install_chat_page
 from ferrum.tokenizer import ChatTemplateError
 
 BackendCards = Callable[[], list[dict[str, Any]]]
@@ -577,11 +578,15 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
     keys = settings.api.all_keys()
     if keys:
-        app.add_middleware(ApiKeyMiddleware, keys=keys, metrics_open=not settings.api.metrics_require_key)
+        app.add_middleware(ApiKeyMiddleware, keys=keys, metrics_open=not settings.api.metrics_require_key,
+                           ui_open=settings.api.ui)
     app.add_middleware(RequestIdMiddleware)
     if settings.api.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.api.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])
+
+    if settings.api.ui:
+        install_chat_page(app)
 
     @app.get("/health", tags=["operations"])
     async def health() -> JSONResponse:

@@ -28,13 +28,17 @@ def route_path(scope: Scope) -> str:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...], metrics_open: bool = True) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], metrics_open: bool = True, ui_open: bool = False) -> None:
         self.app = app
         self._keys = tuple(k.encode() for k in keys)
-        self._open = OPEN_PATHS | ({"/metrics"} if metrics_open else set())
+        self._open = OPEN_PATHS | ({"/metrics"} if metrics_open else set()) | ({"/"} if ui_open else set())
+        self._open_prefixes = ("/ui/",) if ui_open else ()
+
+    def _is_open(self, path: str) -> bool:
+        return path in self._open or path.startswith(self._open_prefixes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or route_path(scope) in self._open or self._authorized(scope):
+        if scope["type"] != "http" or self._is_open(route_path(scope)) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization")

@@ -83,8 +83,9 @@ def _check_tls(config: ServerConfig) -> None:
         raise StartupError(f"cannot use TLS files {api.ssl_certfile} and {api.ssl_keyfile}: {exc}") from None
 
 
-async def serve(config: ServerConfig) -> None:
-    """Serves until a signal and a drain; raises what stopped a failed start (after the linger)."""
+async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
+    """Serves until a signal (or `stop` is set: `ferrum run` serves from a thread, where signals do not
+    arrive) and a drain; raises what stopped a failed start (after the linger)."""
     settings = config.server
     check_local_folder(config)  # a local folder that is no model fails before anything starts
     _check_tls(config)
@@ -99,7 +100,7 @@ async def serve(config: ServerConfig) -> None:
 
     app = create_app(None, config.model_name, settings, state, backends)
     server: Server = app.state.server
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     api = settings.api
     http = _Http(
         uvicorn.Config(

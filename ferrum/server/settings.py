@@ -16,7 +16,8 @@ class ApiConfig:
     key per line (blank lines and `#` comments skipped). `/health`, `/ready`, `/version` and the API
     docs stay open; `/metrics` too unless `metrics_require_key`. `cors_origins`: origins allowed
     cross-site (`*` for any; none: CORS off). `root_path`: the path prefix a proxy serves this under.
-    `ssl_keyfile` / `ssl_certfile`: serve HTTPS (both or neither)."""
+    `ssl_keyfile` / `ssl_certfile`: serve HTTPS (both or neither). `ui`: the chat page at `/` (its files need
+    no key; the page asks for one when the API answers 401)."""
 
     keys: tuple[str, ...] = ()
     key_file: Path | None = None
@@ -25,6 +26,7 @@ class ApiConfig:
     root_path: str = ""
     ssl_keyfile: Path | None = None
     ssl_certfile: Path | None = None
+    ui: bool = True  # the chat page at / (and its files under /ui/), served without a key
 
     def __post_init__(self) -> None:
         if any(not isinstance(k, str) or not k.strip() or k != k.strip() for k in self.keys):
