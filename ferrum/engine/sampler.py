@@ -138,7 +138,9 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     if unseeded:
         idx = torch.tensor(unseeded, device=probs.device)
         out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
-    for i, g in enumerate(generators):
-        if g is not None:  # seeded requests draw on the host with their own generator: reproducible anywhere
-            out[i] = torch.multinomial(probs[i].cpu(), 1, generator=g).item()
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if seeded:  # seeded requests draw on the host with their own generator: reproducible anywhere
+        host = probs[torch.tensor(seeded, device=probs.device)].cpu()  # one transfer for all of them
+        drawn = [int(torch.multinomial(host[k], 1, generator=generators[i]).item()) for k, i in enumerate(seeded)]
+        out[torch.tensor(seeded, device=probs.device)] = torch.tensor(drawn, dtype=out.dtype).to(probs.device)
     return out
