@@ -100,6 +100,7 @@ def batch1_ms(eng, prompt_len: int = 128, new_tokens: int = 256) -> float:
 
 
 def main() -> None:
+    global ONE_SHOT_KB
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3.2-1b")
     ap.add_argument("--tp", default="1,2")
@@ -112,7 +113,6 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="also time TP > 1 without the fused decode chain, with NCCL for every sum, and both")
     args = ap.parse_args()
-    global ONE_SHOT_KB
     ONE_SHOT_KB = args.one_shot_kb
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(t) for t in args.tp.split(",")]
