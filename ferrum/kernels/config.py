@@ -52,14 +52,14 @@ class KernelConfig:
     gemv: the fused projections' slicing.
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
-    (ferrum.engine.peer_all_reduce; 512 is the measured choice). 0, the default until a 2-GPU run
-    has checked the set-up's fix for the calling thread's device: NCCL for every sum."""
+    (ferrum.engine.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md). 0: NCCL for
+    every sum. Where the fast path cannot be set up (no peer access, a second group in one process), NCCL."""
 
     pdl: bool = True
     max_decode_splits: int = 32
     fused_decode_rows: int = 4
     gemv: GemvTable = field(default_factory=GemvTable)
-    one_shot_all_reduce_kb: int = 0
+    one_shot_all_reduce_kb: int = 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.pdl, bool):

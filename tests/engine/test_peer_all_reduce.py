@@ -35,7 +35,7 @@ def test_all_reduce_goes_through_the_chosen_sum() -> None:
 
 
 def test_one_shot_setting_is_checked() -> None:
-    assert KernelConfig().one_shot_all_reduce_kb == 0
+    assert KernelConfig().one_shot_all_reduce_kb == 512
     assert KernelConfig.from_mapping({"one_shot_all_reduce_kb": 512}).one_shot_all_reduce_kb == 512
     for bad in (-1, True, 1 << 20):
         with pytest.raises(ValueError, match="one_shot_all_reduce_kb"):
