@@ -38,25 +38,28 @@ class SSEResponse(StreamingResponse):
                 self._on_close()
 
 
-async def sse_events(chunks: AsyncGenerator[BaseModel, None], error_param: str) -> AsyncGenerator[str, None]:
-    """Chat and completion chunks: `data:` lines, an error as an error object, then `data: [DONE]`."""
+async def _events(items: AsyncGenerator[Any, None], error_param: str, encode: Callable[[Any], str],
+                  encode_error: Callable[[APIError], str], tail: str) -> AsyncGenerator[str, None]:
     try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json()}\n\n"
+        async with aclosing(items):
+            async for item in items:
+                yield encode(item)
     except Exception as exc:
         error = exc if isinstance(exc, APIError) else engine_error(exc, error_param)
-        yield f"data: {json.dumps(error.body())}\n\n"
-    yield "data: [DONE]\n\n"
+        yield encode_error(error)
+    if tail:
+        yield tail
 
 
-async def named_sse_events(events: AsyncGenerator[dict[str, Any], None], error_param: str) -> AsyncGenerator[str, None]:
+def sse_events(chunks: AsyncGenerator[BaseModel, None], error_param: str) -> AsyncGenerator[str, None]:
+    """Chat and completion chunks: `data:` lines, an error as an error object, then `data: [DONE]`."""
+    return _events(chunks, error_param, lambda chunk: f"data: {chunk.model_dump_json()}\n\n",
+                   lambda error: f"data: {json.dumps(error.body())}\n\n", "data: [DONE]\n\n")
+
+
+def named_sse_events(events: AsyncGenerator[dict[str, Any], None], error_param: str) -> AsyncGenerator[str, None]:
     """Events that carry their name in `type` (the Responses API): an `event:` line each; an error ends the
     stream with an `error` event; no [DONE]."""
-    try:
-        async with aclosing(events):
-            async for event in events:
-                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-    except Exception as exc:
-        error = exc if isinstance(exc, APIError) else engine_error(exc, error_param)
-        yield f"event: error\ndata: {json.dumps({'type': 'error', **error.body()['error']})}\n\n"
+    return _events(events, error_param, lambda event: f"event: {event['type']}\ndata: {json.dumps(event)}\n\n",
+                   lambda error: f"event: error\ndata: {json.dumps({'type': 'error', **error.body()['error']})}\n\n",
+                   "")
