@@ -175,9 +175,13 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(args.config, overrides)
         setup_logging(config.server.logging)
         if args.command == "serve":
-            from ferrum.server.serve import serve
+            from ferrum.server.serve import EngineStopped, serve
 
-            asyncio.run(serve(config))
+            try:
+                asyncio.run(serve(config))
+            except EngineStopped as exc:
+                print(f"ferrum: error: {exc}", file=sys.stderr)
+                sys.exit(1)
         elif args.command == "pull":
             print(asyncio.run(pull_model(config)), flush=True)
     except USER_ERRORS as exc:

@@ -128,7 +128,8 @@ def bench(variant: Variant, *argv: str) -> dict:
 
 @contextmanager
 def server(variant: Variant, folder: Path, port: int, log_path: Path, *extra: str) -> Iterator[float]:
-    """`ferrum serve` of the variant, up; yields the seconds from spawn to /health answering 200."""
+    """`ferrum serve` of the variant, up; yields the seconds from spawn to /ready answering 200 (the
+    model loaded and warmed up; /health answers as soon as HTTP is up)."""
     cmd = variant.cli("serve", "--model", str(folder), "--port", str(port), "--backend", BACKEND, *extra)
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=variant.root, env=variant.env(), stdout=open(log_path, "w"),
@@ -138,7 +139,7 @@ def server(variant: Variant, folder: Path, port: int, log_path: Path, *extra: st
             if proc.poll() is not None:
                 raise RuntimeError(f"ferrum serve exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
                     if r.status == 200:
                         break
             except OSError:

@@ -42,6 +42,14 @@ SHAPES: dict[str, dict] = {
                           original_max_position_embeddings=8192),
         hidden_act="silu", attention_bias=False, mlp_bias=False,
     ),
+    "llama-3.1-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        hidden_act="silu", attention_bias=False, mlp_bias=False,
+    ),
     "qwen3-0.6b": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -85,12 +93,86 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, devic
     return t.to(torch.bfloat16)
 
 
+def _nbytes(shape: tuple[int, ...]) -> int:
+    n = 2  # bf16
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan_files(shapes: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
+    """File name -> its tensors, in order, each file up to SHARD_BYTES (HF's naming)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        if size and size + _nbytes(shape) > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += _nbytes(shape)
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    return {f"model-{n:05d}-of-{len(groups):05d}.safetensors": g for n, g in enumerate(groups, 1)}
+
+
+def device_for(device: str, n: int) -> str:
+    """The device file n's tensors are drawn on: "cuda" spreads the files over every GPU."""
+    if device == "cuda" and torch.cuda.device_count() > 1:
+        return f"cuda:{n % torch.cuda.device_count()}"
+    return device
+
+
+def write_file(path: Path, shapes: dict[str, tuple[int, ...]], seed: int, device: str) -> None:
+    """One safetensors file of random tensors (its own generator, so files can be written in any order)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {name: random_tensor(name, shape, gen, device).cpu() for name, shape in shapes.items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+TILE_BYTES = 64 * 2**20
+
+
+def write_file_tiled(path: Path, shapes: dict[str, tuple[int, ...]], seed: int, device: str) -> None:
+    """As write_file, but every matrix repeats one 64 MiB block of random numbers (norms are drawn
+    whole): no number drawn past the first block, so a 141 GB checkpoint takes the time of writing
+    it. The file is safetensors as its format note has it: a little-endian u64 header length, the
+    JSON header (dtype, shape, data offsets), the raw bytes."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tile = random_tensor("tile", (TILE_BYTES // 2,), gen, "cpu") - 1.0  # 1-D draws are norm-like: around 0 now
+    tile = (tile * 0.4).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()  # std 0.02, as random_tensor's
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + _nbytes(shape)]}
+        offset += _nbytes(shape)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name, shape in shapes.items():
+            if len(shape) == 1:
+                f.write(random_tensor(name, shape, gen, "cpu").view(torch.uint8).numpy().tobytes())
+                continue
+            left = _nbytes(shape)
+            while left:
+                chunk = min(left, len(tile))
+                f.write(tile[:chunk])
+                left -= chunk
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiled", action="store_true",
+                        help="every matrix repeats one 64 MiB random block: a 70B checkpoint in the time of "
+                             "writing it (the numbers only need to be random-looking for timings)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="files written in parallel, one process each (on GPUs: spread over every GPU); "
+                             "each holds one file of up to 5 GiB twice")
     parser.add_argument("--tokenizer-from", type=Path, metavar="FOLDER",
                         help="a real model folder whose tokenizer (and chat template) to use instead of the synthetic "
                              "one; the vocabulary size and BOS/EOS ids follow it (for grammars, which need real text)")
@@ -114,28 +196,25 @@ def main() -> None:
             if (args.tokenizer_from / name).is_file():
                 (out / name).write_bytes((args.tokenizer_from / name).read_bytes())
 
-    gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    total = 0
-    for name, shape in tensor_shapes(config).items():
-        tensor = random_tensor(name, shape, gen, args.device).cpu()
-        nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-        total += nbytes
-    weight_map = {}
-    for n, shard in enumerate(shards, 1):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        weight_map |= {name: file for name in shard}
-    if len(shards) > 1:
+    shapes = tensor_shapes(config)
+    files = plan_files(shapes)
+    writer = write_file_tiled if args.tiled else write_file
+    jobs = [(out / name, {t: shapes[t] for t in names}, args.seed * 100003 + n, device_for(args.device, n))
+            for n, (name, names) in enumerate(files.items())]
+    if args.workers > 1 and len(jobs) > 1:  # a file a process: a 70B checkpoint in minutes, not an hour
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+            pool.starmap(writer, jobs)
+    else:
+        for job in jobs:
+            writer(*job)
+    total = sum(_nbytes(shape) for shape in shapes.values())
+    if len(files) > 1:
+        weight_map = {t: name for name, names in files.items() for t in names}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    print(f"{args.shape}: {total / 1e9:.2f} GB of bf16 weights in {len(shards)} file(s) at {out} "
+    print(f"{args.shape}: {total / 1e9:.2f} GB of bf16 weights in {len(files)} file(s) at {out} "
           f"({time.perf_counter() - started:.1f}s)")
 
 

@@ -17,7 +17,7 @@ from ferrum.bench.workload import LengthRange, WorkloadSpec, load_prompts
 log = logging.getLogger("ferrum.bench")
 
 ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb",
-                "gpu_memory_utilization")
+                "gpu_memory_utilization", "tensor_parallel_size")
 
 
 def _length_range(text: str) -> LengthRange:
@@ -98,6 +98,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--kv-cache-memory-gb", type=float, metavar="G", help="KV cache size")
     off.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                      help="on GPUs: share of device memory for weights and KV cache")
+    off.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                     help="split the model across N devices, one process each (default 1)")
     off.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     off.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     _workload_flags(off)

@@ -92,23 +92,26 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
     if options.engine.get("max_model_len") is not None:  # before loading anything
         _check_fits(spec, int(options.engine["max_model_len"]))
     engine = create_engine(options.model, backend=options.backend, **options.engine)
-    _check_fits(spec, engine.max_model_len)
-    pool = prompt_token_pool(engine.tokenizer, engine.model_config.vocab_size)
-    requests = make_workload(spec, pool)
-    _run(engine, [warmup_request(spec, pool)], spec.ignore_eos, "warmup", None)
-    with RequestProgress(len(requests), "bench offline") as progress:
-        started = time.perf_counter()
-        counts = _run(engine, requests, spec.ignore_eos, "run", progress)
-        engine.device.runtime.synchronize()
-        elapsed = time.perf_counter() - started
-    device = engine.device
+    try:
+        _check_fits(spec, engine.max_model_len)
+        pool = prompt_token_pool(engine.tokenizer, engine.model_config.vocab_size)
+        requests = make_workload(spec, pool)
+        _run(engine, [warmup_request(spec, pool)], spec.ignore_eos, "warmup", None)
+        with RequestProgress(len(requests), "bench offline") as progress:
+            started = time.perf_counter()
+            counts = _run(engine, requests, spec.ignore_eos, "run", progress)
+            engine.device.runtime.synchronize()
+            elapsed = time.perf_counter() - started
+        device, dtype, settings = engine.device, engine.dtype, _settings(engine.config)
+    finally:  # tensor-parallel ranks stopped and torch.distributed left before the interpreter exits
+        engine.release()
     return OfflineResult(
         model=str(options.model),
-        backend=engine.device.name,
+        backend=device.name,
         device=device.name,
         device_name=device.description,
-        dtype=dtype_name(engine.dtype),
-        engine=_settings(engine.config),
+        dtype=dtype_name(dtype),
+        engine=settings,
         workload=spec,
         elapsed_s=elapsed,
         num_requests=len(requests),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -203,7 +204,17 @@ def _prompts(options: ServeOptions, model: str) -> tuple[_Prompts, Path | None]:
     folder = _tokenizer_folder(options, model)
     tokenizer = Tokenizer.from_folder(folder)
     decoder = tokenizer if options.endpoint == "chat" else None
-    return _Prompts(spec, prompt_token_pool(tokenizer), decoder), folder
+    return _Prompts(spec, prompt_token_pool(tokenizer, _model_vocab(folder)), decoder), folder
+
+
+def _model_vocab(folder: Path) -> int | None:
+    """The model's vocabulary size where the tokenizer's folder is the model's (its embedding may
+    have fewer rows than the tokenizer has tokens), else None."""
+    try:
+        size = json.loads((folder / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
 
 
 async def _warm_up(session: aiohttp.ClientSession, target: Target, prompts: _Prompts) -> RequestRecord:

@@ -58,6 +58,10 @@ class EngineClient(Protocol):
 
     def is_ready(self) -> bool: ...
 
+    async def wait_dead(self) -> BaseException:
+        """Returns why, once the engine stopped by itself; never after shutdown()."""
+        ...
+
     def stats(self) -> EngineStats:
         """The engine's stats after its latest step."""
 
@@ -89,7 +93,7 @@ class AsyncEngine(RequestStreams):
             self._inbox.put(StopLoop())
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._fail_all(EngineDeadError("the engine was shut down"), by_shutdown=True)
 
     def is_ready(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None

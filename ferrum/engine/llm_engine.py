@@ -153,8 +153,9 @@ class LLMEngine:
             raise
         self.rank_reports = [rank.weight_load, *reports]
         for i, report in enumerate(self.rank_reports):
-            log.info("tensor parallel rank %d/%d: %.3f GB of weights on its device, %.3f GB read from the checkpoint",
-                     i, size, report.nbytes / 1e9, report.bytes_read / 1e9)
+            log.info("tensor parallel rank %d/%d: %.3f GB of weights on its device, %.3f GB read from the checkpoint "
+                     "in %.2fs (%.2f GB/s)", i, size, report.nbytes / 1e9, report.bytes_read / 1e9, report.seconds,
+                     report.nbytes / 1e9 / max(report.seconds, 1e-9))
         rank.runner = MirroredRunner(rank.runner, group)
         return rank
 

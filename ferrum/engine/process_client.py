@@ -133,7 +133,7 @@ class ProcessEngineClient(RequestStreams):
             if self._reader is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self._reader.join)
             self._results.close()
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._fail_all(EngineDeadError("the engine was shut down"), by_shutdown=True)
 
     def is_ready(self) -> bool:
         return self._reader is not None and self._error is None and self._process.is_alive()

@@ -43,6 +43,7 @@ class RequestStreams(ABC):
         self._engine_ids: dict[str, str] = {}  # caller's request id -> engine id of its live request
         self._counter = itertools.count()
         self._error: BaseException | None = None
+        self._died = asyncio.Event()  # the engine stopped by itself (not by shutdown)
 
     @abstractmethod
     def _send(self, command: AddRequest | AbortRequest) -> None:
@@ -106,7 +107,16 @@ class RequestStreams(ABC):
             if target is not None:
                 target.put_nowait(out)
 
-    def _fail_all(self, error: BaseException) -> None:
+    async def wait_dead(self) -> BaseException:
+        """Returns why, once the engine stopped by itself (a failed step, its process or a
+        tensor-parallel rank gone); never after a shutdown()."""
+        await self._died.wait()
+        assert self._error is not None
+        return self._error
+
+    def _fail_all(self, error: BaseException, by_shutdown: bool = False) -> None:
+        if self._error is None and not by_shutdown:
+            self._died.set()
         self._error = self._error or error
         for target in self._queues.values():  # wake every caller still reading
             target.put_nowait(error)

@@ -251,7 +251,7 @@ class Server:
         tok = engine.tokenizer
         ids: list[list[int]] = []
         texts: list[str] = []
-        vocab = tok.vocab_size
+        vocab = min(tok.vocab_size, engine.limits.vocab_size)  # ids the tokenizer and the model both have
         for prompt in req.prompts():
             if isinstance(prompt, str):
                 ids.append(tok.encode(prompt, add_special_tokens=req.add_special_tokens))

@@ -36,6 +36,11 @@ from ferrum.server.state import ServerState
 log = logging.getLogger("ferrum")
 
 
+class EngineStopped(RuntimeError):
+    """The engine stopped by itself while serving (its process or a tensor-parallel rank died, a
+    step failed): `ferrum serve` exits with status 1 rather than answer 503 for ever."""
+
+
 class _Http(uvicorn.Server):
     """uvicorn, whose SIGINT/SIGTERM start Ferrum's drain instead of its own shutdown (and are not
     raised again at exit, so that a drained server exits 0)."""
@@ -137,7 +142,13 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         freeze_startup_heap()
         log.info("model %s ready in %.2fs; serving on %s://%s:%d%s", config.model_name,
                  time.perf_counter() - started, scheme, config.host, config.port, api.root_path)
-        await asyncio.wait({stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
+        dead = asyncio.create_task(engine.wait_dead(), name="engine-dead")
+        await asyncio.wait({stopping, http_task, dead}, return_when=asyncio.FIRST_COMPLETED)
+        if dead.done():  # every request has failed with it; a supervisor restarts the server
+            state.fail(str(dead.result()))
+            log.critical("the engine stopped: %s; the server exits", dead.result())
+            raise EngineStopped(f"the engine stopped: {dead.result()}")
+        dead.cancel()
         await _drain(state, server, settings.lifecycle.shutdown_timeout_s)
     finally:
         stopping.cancel()

@@ -5,9 +5,11 @@ dies takes the server down instead of leaving it hanging."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,20 +104,54 @@ def test_more_ranks_than_devices_names_the_backends(folders: dict[str, Path]) ->
         result.stderr[-2000:]
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            pid = _parent(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
 @pytest.mark.slow
-def test_a_rank_that_dies_takes_the_server_down(folders: dict[str, Path]) -> None:
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_a_rank_that_dies_takes_the_server_down(folders: dict[str, Path], engine_process: str) -> None:
+    """With the engine on a thread of the server (the CPU's default) the workers are the server's
+    children; with the engine in a process of its own (the GPU's default) they are that process's,
+    and the server must notice its engine process ending."""
     with server_process("--model", str(folders["llama2-mha"]), "--backend", "cpu", "--dtype", "float32",
-                        "--tensor-parallel-size", "2", "--kv-cache-memory-gb", "0.01") as server:
+                        "--tensor-parallel-size", "2", "--kv-cache-memory-gb", "0.01",
+                        "--engine-process", engine_process) as server:
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
                        timeout=60)
         assert r.status_code == 200
         workers = subprocess.run(["pgrep", "-f", "ferrum.engine.tp_worker"], capture_output=True, text=True)
-        children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True)
-        mine = set(workers.stdout.split()) & set(children.stdout.split())
-        assert len(mine) == 1, (workers.stdout, children.stdout)
-        os.kill(int(mine.pop()), signal.SIGKILL)
+        mine = [int(pid) for pid in workers.stdout.split() if _descends_from(int(pid), server.proc.pid)]
+        assert len(mine) == 1, workers.stdout
+        os.kill(mine[0], signal.SIGKILL)
         deadline = time.monotonic() + 60
         while server.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert server.proc.returncode not in (None, 0), server.log()[-3000:]
-        assert "tensor-parallel rank 1" in server.log() and "exited with status -9" in server.log()
+        assert server.proc.returncode == 1, server.log()[-3000:]
+        assert "tensor-parallel rank 1" in server.log() and "exited with status -9" in server.log(), server.log()[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_offline_at_tensor_parallel_size_2(folders: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "ferrum.cli", "bench", "offline", "--model", str(folders["llama2-mha"]),
+         "--backend", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2", "--kv-cache-memory-gb", "0.01",
+         "--num-prompts", "4", "--input-len", "4:16", "--output-len", "2:6", "--output-json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["engine"]["tensor_parallel_size"] == 2
+    assert report["num_requests"] == 4
+    assert report["output_tokens_as_requested"] is True

@@ -166,3 +166,19 @@ def test_the_server_serves_on_after_all_of_it(server: ServerProcess) -> None:
                    timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert "Traceback" not in server.log() and "unhandled error" not in server.log()
+
+
+def test_ids_past_a_smaller_model_vocabulary_are_a_400_streamed_or_not(tmp_path: Path) -> None:
+    """A model whose embedding has fewer rows (512) than its tokenizer has tokens: ids between the
+    two are refused before a stream starts (they were a 200 whose stream then broke)."""
+    from tests.tiny_model import save_hf_model, tiny_config
+
+    save_hf_model(tmp_path / "m", tiny_config("llama2-mha"), demo_tokenizer=True)
+    with server_process("--model", str(tmp_path / "m"), "--backend", "cpu", "--dtype", "float32",
+                        "--kv-cache-memory-gb", "0.01", "--max-model-len", "64") as s:
+        for stream in (False, True):
+            r = httpx.post(f"{s.url}{C}", json={"prompt": [5, 600, 7], "max_tokens": 2, "stream": stream}, timeout=30)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "prompt" and "[0, 512)" in r.json()["error"]["message"]
+        r = httpx.post(f"{s.url}{C}", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
