@@ -163,7 +163,8 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
         say(rank, "ferrum peer all-reduce FAILED:\n" + traceback.format_exc())
         print(f"rank {rank}:", traceback.format_exc(), flush=True)
 
-    header = f"{'KB':>5} {'nccl eager':>11} {'nccl graph':>11} {'torch 1shot':>12} {'torch 2shot':>12} {'ferrum':>9}  (us per call)"
+    header = (f"{'KB':>5} {'nccl eager':>11} {'nccl graph':>11} {'torch 1shot':>12} {'torch 2shot':>12} "
+              f"{'ferrum push':>12} {'ferrum pull':>12}  (us per call)")
     say(rank, header)
     for kb in SIZES_KB:
         n = kb * 1024 // 2
@@ -193,15 +194,18 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
                 row[name + "_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         if fast is not None:
             y = x.clone()
-            row["ferrum"] = graph_us(lambda: fast(y), rank)
-            row["ferrum_eager"] = eager_us(lambda: fast(y))
+            for push, name in ((True, "ferrum"), (False, "ferrum_pull")):
+                fast.push = push
+                row[name] = graph_us(lambda: fast(y), rank)
+                row[name + "_eager"] = eager_us(lambda: fast(y))
+            fast.push = True
         result["rows"].append(row)
 
         def fmt(v):
             return f"{v:.1f}" if isinstance(v, float) else "-"
 
         say(rank, f"{kb:>5} {fmt(row['nccl_eager']):>11} {fmt(row['nccl_graph']):>11} {fmt(row.get('torch_one_shot')):>12} "
-                  f"{fmt(row.get('torch_two_shot')):>12} {fmt(row.get('ferrum')):>9}"
+                  f"{fmt(row.get('torch_two_shot')):>12} {fmt(row.get('ferrum')):>12} {fmt(row.get('ferrum_pull')):>12}"
                   + "".join(f"  {k}={v}" for k, v in row.items() if k.endswith("_error") or k.endswith("_diff")))
     if rank == 0:
         Path(out).mkdir(parents=True, exist_ok=True)

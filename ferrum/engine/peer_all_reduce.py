@@ -30,22 +30,24 @@ log = logging.getLogger(__name__)
 class PeerAllReduce:
     """Sums a tensor over the group's ranks: the one-shot kernel up to `max_bytes`, NCCL past it."""
 
-    def __init__(self, group: Any, device: torch.device, max_bytes: int, pdl: bool = False) -> None:
+    def __init__(self, group: Any, device: torch.device, max_bytes: int, pdl: bool = False, push: bool = True) -> None:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         from ferrum.kernels import all_reduce as kernel
 
         self.group, self.device, self.max_bytes, self.pdl = group, device, max_bytes, pdl
+        self.push = push  # write to the peers' buffers (one NVLink trip) rather than read theirs (two)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         max_programs = kernel.programs(max_bytes // 2)  # the most programs: 2-byte elements
         flag_bytes = max_programs * self.world * 4
-        self._memory = symm_mem.empty(2 * max_bytes + flag_bytes, dtype=torch.uint8, device=device)
-        self._memory[2 * max_bytes:].zero_()
+        data_bytes = kernel.buffer_bytes(max_bytes, self.world)
+        self._memory = symm_mem.empty(data_bytes + flag_bytes, dtype=torch.uint8, device=device)
+        self._memory[data_bytes:].zero_()
         handle = _rendezvous(self._memory, group)
         pointers = [int(p) for p in handle.buffer_ptrs]
         self._buffers = torch.tensor(pointers, dtype=torch.int64, device=device)
-        self._flags = torch.tensor([p + 2 * max_bytes for p in pointers], dtype=torch.int64, device=device)
+        self._flags = torch.tensor([p + data_bytes for p in pointers], dtype=torch.int64, device=device)
         self._epochs = torch.zeros(max_programs, dtype=torch.int32, device=device)
         self._handle = handle
         self._kernel = kernel
@@ -64,7 +66,7 @@ class PeerAllReduce:
             dist.all_reduce(x, group=self.group)
             return x
         return self._kernel.one_shot_sum_(x, self._buffers, self._flags, self._epochs, self.max_bytes,
-                                          self.rank, self.world, self.pdl)
+                                          self.rank, self.world, self.pdl, self.push)
 
 
 _MAPPED_GROUPS: set[str] = set()  # group names this process set up peer memory under
@@ -78,7 +80,8 @@ def _rendezvous(memory: torch.Tensor, group: Any) -> Any:
     return symm_mem.rendezvous(memory, group.group_name)
 
 
-def peer_all_reduce(group: Any, device: torch.device, max_bytes: int, pdl: bool = False) -> PeerAllReduce | None:
+def peer_all_reduce(group: Any, device: torch.device, max_bytes: int, pdl: bool = False,
+                    push: bool = True) -> PeerAllReduce | None:
     """The fast path for this rank of `group` (NCCL, one GPU a process), or None on every rank."""
     if max_bytes <= 0:
         return None
@@ -86,10 +89,10 @@ def peer_all_reduce(group: Any, device: torch.device, max_bytes: int, pdl: bool 
     # the set-up's allocations, mappings and the self-test's Triton launches go to the current
     # device (Triton takes no device): make it this rank's, whatever the calling thread had current
     with torch.cuda.device(device):
-        return _set_up(group, device, max_bytes, pdl)
+        return _set_up(group, device, max_bytes, pdl, push)
 
 
-def _set_up(group: Any, device: torch.device, max_bytes: int, pdl: bool) -> PeerAllReduce | None:
+def _set_up(group: Any, device: torch.device, max_bytes: int, pdl: bool, push: bool) -> PeerAllReduce | None:
     import torch.distributed as dist
 
     reason = _unavailable(group, device)
@@ -98,7 +101,7 @@ def _set_up(group: Any, device: torch.device, max_bytes: int, pdl: bool) -> Peer
         return None
     fast: PeerAllReduce | None = None
     try:
-        fast = PeerAllReduce(group, device, max_bytes, pdl)
+        fast = PeerAllReduce(group, device, max_bytes, pdl, push)
         reason = _self_test(fast, dist.get_rank(group), dist.get_world_size(group))
     except Exception as exc:  # noqa: BLE001 - any failure means the slow path, on every rank
         reason = f"{type(exc).__name__}: {exc}"
@@ -106,8 +109,8 @@ def _set_up(group: Any, device: torch.device, max_bytes: int, pdl: bool) -> Peer
         log.warning("tensor parallel all-reduce: NCCL for every message (peer-mapped set-up failed: %s)",
                     reason or "on another rank")
         return None
-    log.info("tensor parallel all-reduce: one-shot over peer-mapped buffers up to %d KB, NCCL above",
-             max_bytes // 1024)
+    log.info("tensor parallel all-reduce: one-shot (%s) over peer-mapped buffers up to %d KB, NCCL above",
+             "push" if push else "pull", max_bytes // 1024)
     return fast
 
 

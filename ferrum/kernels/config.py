@@ -53,13 +53,17 @@ class KernelConfig:
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
     (ferrum.engine.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md). 0: NCCL for
-    every sum. Where the fast path cannot be set up (no peer access, a second group in one process), NCCL."""
+    every sum. Where the fast path cannot be set up (no peer access, a second group in one process), NCCL.
+    one_shot_push: the one-shot kernel writes each rank's tensor into every rank's buffer (one NVLink
+    trip: the data travels with the flag) rather than having each rank read the others' (false: pull,
+    two trips one after the other; ferrum.kernels.all_reduce)."""
 
     pdl: bool = True
     max_decode_splits: int = 32
     fused_decode_rows: int = 4
     gemv: GemvTable = field(default_factory=GemvTable)
     one_shot_all_reduce_kb: int = 512
+    one_shot_push: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.pdl, bool):
@@ -70,6 +74,8 @@ class KernelConfig:
             raise ValueError(f"kernels.fused_decode_rows must be in 0..16, got {self.fused_decode_rows!r}")
         if isinstance(self.one_shot_all_reduce_kb, bool) or not 0 <= self.one_shot_all_reduce_kb <= 65536:
             raise ValueError(f"kernels.one_shot_all_reduce_kb must be in 0..65536, got {self.one_shot_all_reduce_kb!r}")
+        if not isinstance(self.one_shot_push, bool):
+            raise ValueError(f"kernels.one_shot_push must be true or false, got {self.one_shot_push!r}")
         if not isinstance(self.gemv, GemvTable):
             raise ValueError(f"kernels.gemv must be a GemvTable, got {self.gemv!r}")
 

@@ -2,8 +2,8 @@
 
 On any machine: TensorParallel.all_reduce goes through the sum start-up chose (`reduce`), and the
 one-shot setting is checked like the other kernel settings. With two GPUs (skipped otherwise): two
-processes set up ferrum.engine.peer_all_reduce, whose sums equal NCCL's, eagerly and replayed in a
-CUDA graph with fresh inputs; a second group of the same name in the same processes falls back to
+processes set up ferrum.engine.peer_all_reduce, whose sums (pushed and pulled) equal NCCL's, eagerly
+and replayed in a CUDA graph with fresh inputs; a second group of the same name in the same processes falls back to
 NCCL on both ranks instead of meeting the first one's store."""
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def test_all_reduce_goes_through_the_chosen_sum() -> None:
 
 def test_one_shot_setting_is_checked() -> None:
     assert KernelConfig().one_shot_all_reduce_kb == 512
+    assert KernelConfig().one_shot_push is True and KernelConfig.from_mapping({"one_shot_push": False}).one_shot_push is False
+    with pytest.raises(ValueError, match="one_shot_push"):
+        KernelConfig(one_shot_push="yes")  # type: ignore[arg-type]
     assert KernelConfig.from_mapping({"one_shot_all_reduce_kb": 512}).one_shot_all_reduce_kb == 512
     for bad in (-1, True, 1 << 20):
         with pytest.raises(ValueError, match="one_shot_all_reduce_kb"):
@@ -82,8 +85,10 @@ def _check(fast, rank: int, device: torch.device) -> None:
     spec = importlib.util.spec_from_file_location("allreduce_bench", ROOT / "scripts" / "allreduce_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.check_fast(fast, rank, 2, device)
-    assert result == {"max_abs_diff_vs_nccl": 0.0, "ranks_disagreeing": 0}, result
+    for push in (True, False, True):  # both ways, one after the other through the same buffers and counts
+        fast.push = push
+        result = bench.check_fast(fast, rank, 2, device)
+        assert result == {"max_abs_diff_vs_nccl": 0.0, "ranks_disagreeing": 0}, (push, result)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
