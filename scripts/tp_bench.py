@@ -43,7 +43,7 @@ def record(name: str, value, unit: str = "", note: str = "") -> None:
 
 
 ONE_SHOT_KB = 512  # --one-shot-kb: kernels.one_shot_all_reduce_kb of every engine here
-ONE_SHOT_MODE = "push"  # --one-shot-mode: kernels.one_shot_mode
+ONE_SHOT_PUSH = True  # --one-shot-pull: kernels.one_shot_push false
 
 
 def engine(folder: Path, tp: int, **overrides):
@@ -52,7 +52,7 @@ def engine(folder: Path, tp: int, **overrides):
 
     settings = dict(dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
                     gpu_memory_utilization=0.85, tensor_parallel_size=tp,
-                    kernels=KernelConfig(one_shot_all_reduce_kb=ONE_SHOT_KB, one_shot_mode=ONE_SHOT_MODE))
+                    kernels=KernelConfig(one_shot_all_reduce_kb=ONE_SHOT_KB, one_shot_push=ONE_SHOT_PUSH))
     return create_engine(str(folder), backend="cuda", **(settings | overrides))
 
 
@@ -66,8 +66,7 @@ def sums(eng) -> str:
         return "one rank"
     if tp.reduce is None:
         return "NCCL"
-    fused = getattr(tp.reduce, "fused", False)
-    return f"one-shot kernel ({'fused' if fused else 'push' if getattr(tp.reduce, 'push', False) else 'pull'})"
+    return f"one-shot kernel ({'push' if getattr(tp.reduce, 'push', False) else 'pull'})"
 
 
 def greedy_with_logits(eng, prompts: list[list[int]], steps: int):
@@ -106,7 +105,7 @@ def batch1_ms(eng, prompt_len: int = 128, new_tokens: int = 256) -> float:
 
 
 def main() -> None:
-    global ONE_SHOT_KB, ONE_SHOT_MODE
+    global ONE_SHOT_KB, ONE_SHOT_PUSH
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama-3.2-1b")
     ap.add_argument("--tp", default="1,2")
@@ -118,11 +117,11 @@ def main() -> None:
                     help="kernels.one_shot_all_reduce_kb (0: NCCL for every sum)")
     ap.add_argument("--variants", action="store_true",
                     help="also time TP > 1 without the fused decode chain, with NCCL for every sum, and both")
-    ap.add_argument("--one-shot-mode", default=ONE_SHOT_MODE, choices=("push", "pull", "fused"),
-                    help="kernels.one_shot_mode")
+    ap.add_argument("--one-shot-pull", action="store_true",
+                    help="the one-shot kernel pulls the peers' data (kernels.one_shot_push false)")
     args = ap.parse_args()
     ONE_SHOT_KB = args.one_shot_kb
-    ONE_SHOT_MODE = args.one_shot_mode
+    ONE_SHOT_PUSH = not args.one_shot_pull
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(t) for t in args.tp.split(",")]
     record("machine", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", "",

@@ -143,7 +143,7 @@ class LLMEngine:
         try:
             tp = group.join(self.device.kind, url, self.device.torch_device if self.device.kind == "cuda" else None,
                             self.config.kernels.one_shot_all_reduce_kb * 1024, self.config.kernels.pdl and self.device.pdl,
-                            self.config.kernels.one_shot_mode)
+                            self.config.kernels.one_shot_push)
             rank = ModelRank(self.config, self.device, self.model_config, files, weights, self.dtype,
                              self.max_model_len, tp, report=self._report, agree_blocks=group.agree_blocks)
             reports = group.wait_ready()

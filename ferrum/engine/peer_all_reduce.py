@@ -30,15 +30,14 @@ log = logging.getLogger(__name__)
 class PeerAllReduce:
     """Sums a tensor over the group's ranks: the one-shot kernel up to `max_bytes`, NCCL past it."""
 
-    def __init__(self, group: Any, device: torch.device, max_bytes: int, pdl: bool = False, mode: str = "push") -> None:
+    def __init__(self, group: Any, device: torch.device, max_bytes: int, pdl: bool = False, push: bool = True) -> None:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         from ferrum.kernels import all_reduce as kernel
 
         self.group, self.device, self.max_bytes, self.pdl = group, device, max_bytes, pdl
-        self.push = mode != "pull"  # write to the peers' buffers (one NVLink trip) rather than read theirs (two)
-        self.fused = mode == "fused"  # the decode chain's products write into the buffers (push_target)
+        self.push = push  # write to the peers' buffers (one NVLink trip) rather than read theirs (two)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         max_programs = kernel.programs(max_bytes // 2)  # the most programs: 2-byte elements
         flag_bytes = max_programs * self.world * 4
@@ -58,19 +57,6 @@ class PeerAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         return x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes and x.dtype in (
             torch.bfloat16, torch.float16, torch.float32)
-
-    def push_target(self, numel: int, dtype: torch.dtype) -> Any:
-        """Where a product of `numel` elements writes its part of the next sum (a PushTarget), or
-        None where that sum cannot take it (not "fused", or too large for the one-shot kernel)."""
-        if not self.fused or numel * dtype.itemsize > self.max_bytes or dtype not in (
-                torch.bfloat16, torch.float16, torch.float32):
-            return None
-        return self._kernel.PushTarget(self._buffers, self._epochs, self.max_bytes, self.rank, self.world)
-
-    def sum_pushed(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of what every rank pushed through push_target, into `x` (its shape and dtype)."""
-        return self._kernel.sum_pushed_(x, self._buffers, self._flags, self._epochs, self.max_bytes,
-                                        self.rank, self.world, self.pdl)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks, in place."""
@@ -95,7 +81,7 @@ def _rendezvous(memory: torch.Tensor, group: Any) -> Any:
 
 
 def peer_all_reduce(group: Any, device: torch.device, max_bytes: int, pdl: bool = False,
-                    mode: str = "push") -> PeerAllReduce | None:
+                    push: bool = True) -> PeerAllReduce | None:
     """The fast path for this rank of `group` (NCCL, one GPU a process), or None on every rank."""
     if max_bytes <= 0:
         return None
@@ -103,10 +89,10 @@ def peer_all_reduce(group: Any, device: torch.device, max_bytes: int, pdl: bool 
     # the set-up's allocations, mappings and the self-test's Triton launches go to the current
     # device (Triton takes no device): make it this rank's, whatever the calling thread had current
     with torch.cuda.device(device):
-        return _set_up(group, device, max_bytes, pdl, mode)
+        return _set_up(group, device, max_bytes, pdl, push)
 
 
-def _set_up(group: Any, device: torch.device, max_bytes: int, pdl: bool, mode: str) -> PeerAllReduce | None:
+def _set_up(group: Any, device: torch.device, max_bytes: int, pdl: bool, push: bool) -> PeerAllReduce | None:
     import torch.distributed as dist
 
     reason = _unavailable(group, device)
@@ -115,7 +101,7 @@ def _set_up(group: Any, device: torch.device, max_bytes: int, pdl: bool, mode: s
         return None
     fast: PeerAllReduce | None = None
     try:
-        fast = PeerAllReduce(group, device, max_bytes, pdl, mode)
+        fast = PeerAllReduce(group, device, max_bytes, pdl, push)
         reason = _self_test(fast, dist.get_rank(group), dist.get_world_size(group))
     except Exception as exc:  # noqa: BLE001 - any failure means the slow path, on every rank
         reason = f"{type(exc).__name__}: {exc}"
@@ -124,7 +110,7 @@ def _set_up(group: Any, device: torch.device, max_bytes: int, pdl: bool, mode: s
                     reason or "on another rank")
         return None
     log.info("tensor parallel all-reduce: one-shot (%s) over peer-mapped buffers up to %d KB, NCCL above",
-             mode, max_bytes // 1024)
+             "push" if push else "pull", max_bytes // 1024)
     return fast
 
 
@@ -168,15 +154,4 @@ def _self_test(fast: PeerAllReduce, rank: int, world: int) -> str | None:
         got = fast(x)
         if not torch.equal(got, want):
             return f"self-test of {numel} elements gave a wrong sum"
-    if fast.fused:  # a product writing its part straight into the buffers, then the sum of the parts
-        from ferrum.kernels.config import GemvTable
-        from ferrum.kernels.gemv import gemv
-
-        for rows, features in ((1, 4096), (3, 100)):
-            x = torch.ones(rows, 64, dtype=torch.bfloat16, device=fast.device)
-            w = torch.full((features, 64), float(rank + 1), dtype=torch.bfloat16, device=fast.device)
-            out = gemv(x, w, GemvTable(), push=fast.push_target(rows * features, torch.bfloat16))
-            got = fast.sum_pushed(out)
-            if not torch.equal(got, torch.full_like(got, 64.0 * world * (world + 1) / 2)):
-                return f"self-test of a {rows} x {features} product pushed into the sum gave a wrong sum"
     return None

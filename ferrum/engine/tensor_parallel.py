@@ -159,9 +159,9 @@ class RankGroup:
         return cls(workers, size), dist_url
 
     def join(self, device_kind: str, dist_url: str, device: torch.device | None = None,
-             one_shot_bytes: int = 0, pdl: bool = False, mode: str = "push") -> TensorParallel:
+             one_shot_bytes: int = 0, pdl: bool = False, push: bool = True) -> TensorParallel:
         """Rank 0 joins torch.distributed (the workers join at the same time)."""
-        return init_distributed(0, self.size, device_kind, dist_url, device, one_shot_bytes, pdl, mode)
+        return init_distributed(0, self.size, device_kind, dist_url, device, one_shot_bytes, pdl, push)
 
     def agree_blocks(self, num_blocks: int) -> int:
         """The smallest KV cache any rank can hold; every worker is told it."""
@@ -253,11 +253,11 @@ class RankGroup:
 
 def init_distributed(rank: int, size: int, device_kind: str, dist_url: str,
                      device: torch.device | None = None, one_shot_bytes: int = 0, pdl: bool = False,
-                     mode: str = "push") -> TensorParallel:
+                     push: bool = True) -> TensorParallel:
     """Joins torch.distributed as `rank` of `size`; on CUDA `device` is this rank's GPU (NCCL binds
     to it), and sums of up to `one_shot_bytes` go through the peer-mapped one-shot kernel where
     every rank can have it (the same choice on every rank: ferrum.engine.peer_all_reduce; launched
-    with programmatic dependent launch when `pdl`; `mode`: KernelConfig.one_shot_mode)."""
+    with programmatic dependent launch when `pdl`; pushing to the peers when `push`, else pulling)."""
     import datetime
 
     import torch.distributed as dist
@@ -269,7 +269,7 @@ def init_distributed(rank: int, size: int, device_kind: str, dist_url: str,
     if backend == "nccl" and device is not None and one_shot_bytes > 0:
         from ferrum.engine.peer_all_reduce import peer_all_reduce
 
-        reduce = peer_all_reduce(dist.group.WORLD, device, one_shot_bytes, pdl, mode)
+        reduce = peer_all_reduce(dist.group.WORLD, device, one_shot_bytes, pdl, push)
     return TensorParallel(rank, size, dist.group.WORLD, backend, reduce)
 
 

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         tp = init_distributed(spec.rank, spec.size, device.kind, spec.dist_url,
                               device.torch_device if device.kind == "cuda" else None,
                               config.kernels.one_shot_all_reduce_kb * 1024, config.kernels.pdl and device.pdl,
-                              config.kernels.one_shot_mode)
+                              config.kernels.one_shot_push)
 
         def agree_blocks(num_blocks: int) -> int:
             conn.send(("blocks", num_blocks))

@@ -37,8 +37,6 @@ any number of times, in the same order on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -52,28 +50,25 @@ COUNT_MASK = (1 << 30) - 1
 @triton.jit
 def _one_shot_sum_kernel(x_ptr, n, buffers, flags, epochs, HALF: tl.constexpr, RANK: tl.constexpr,
                          WORLD: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr,
-                         PUSH: tl.constexpr, PUSHED: tl.constexpr):
+                         PUSH: tl.constexpr):
     pdl_wait(PDL)  # the next kernel may launch now (and load its weights); x and the counts after the one before
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
     count = tl.load(epochs + pid)
     half = (count & 1) * WORLD * HALF
     mine = tl.multiple_of(tl.load(buffers + RANK).to(tl.pointer_type(dtype)), 16)
-    if PUSHED:  # the kernel before (a product's epilogue: PushTarget) wrote my slot of every buffer
-        x = tl.load(mine + half + RANK * HALF + offs, mask=inside, other=0.0)
-    else:
-        x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-        if PUSH:  # my slot of every rank's buffer
-            for p in tl.static_range(WORLD):
-                if p == RANK:
-                    tl.store(mine + half + RANK * HALF + offs, x, mask=inside)
-                else:
-                    peer = tl.multiple_of(tl.load(buffers + p).to(tl.pointer_type(dtype)), 16)
-                    tl.store(peer + half + RANK * HALF + offs, x, mask=inside)
-        else:  # my slot of my own buffer
-            tl.store(mine + half + RANK * HALF + offs, x, mask=inside)
+    if PUSH:  # my slot of every rank's buffer
+        for p in tl.static_range(WORLD):
+            if p == RANK:
+                tl.store(mine + half + RANK * HALF + offs, x, mask=inside)
+            else:
+                peer = tl.multiple_of(tl.load(buffers + p).to(tl.pointer_type(dtype)), 16)
+                tl.store(peer + half + RANK * HALF + offs, x, mask=inside)
+    else:  # my slot of my own buffer
+        tl.store(mine + half + RANK * HALF + offs, x, mask=inside)
     arrived = (count + 1) & MASK
     ahead = (arrived + 1) & MASK
     tl.debug_barrier()  # every thread's store before the flag that announces them
@@ -105,22 +100,6 @@ def programs(numel: int) -> int:
     return triton.cdiv(numel, BLOCK)
 
 
-@dataclass(frozen=True)
-class PushTarget:
-    """Where a kernel producing a rank's part of a sum writes it directly (ferrum.kernels.gemv's
-    `push`): element e of the [M, N] output into slot RANK of every rank's buffer, in the half the
-    sum's program for e (e // BLOCK) uses next ((epochs[e // BLOCK] & 1)); then sum_pushed_ adds the
-    slots up. The kernel before the sum has finished when the sum starts (stream order, or PDL's wait),
-    so its writes are there before the sum raises its flags."""
-
-    buffers: torch.Tensor
-    epochs: torch.Tensor
-    slot_bytes: int
-    rank: int
-    world: int
-    block: int = BLOCK
-
-
 def buffer_bytes(max_bytes: int, world: int) -> int:
     """Bytes of each rank's buffer for sums of up to max_bytes: two halves of WORLD slots."""
     return 2 * world * max_bytes
@@ -136,16 +115,5 @@ def one_shot_sum_(x: torch.Tensor, buffers: torch.Tensor, flags: torch.Tensor, e
     n = x.numel()
     _one_shot_sum_kernel[(programs(n),)](x, n, buffers, flags, epochs, HALF=slot_bytes // x.element_size(),
                                          RANK=rank, WORLD=world, BLOCK=BLOCK, MASK=COUNT_MASK, PDL=pdl_mode(pdl),
-                                         PUSH=push, PUSHED=False, num_warps=4, **pdl_launch(pdl))
-    return x
-
-
-def sum_pushed_(x: torch.Tensor, buffers: torch.Tensor, flags: torch.Tensor, epochs: torch.Tensor,
-                slot_bytes: int, rank: int, world: int, pdl: bool = False) -> torch.Tensor:
-    """The sum of what every rank's kernel before pushed (PushTarget), into contiguous `x` (the
-    shape and dtype that kernel produced; its contents are not read)."""
-    n = x.numel()
-    _one_shot_sum_kernel[(programs(n),)](x, n, buffers, flags, epochs, HALF=slot_bytes // x.element_size(),
-                                         RANK=rank, WORLD=world, BLOCK=BLOCK, MASK=COUNT_MASK, PDL=pdl_mode(pdl),
-                                         PUSH=True, PUSHED=True, num_warps=4, **pdl_launch(pdl))
+                                         PUSH=push, num_warps=4, **pdl_launch(pdl))
     return x

@@ -40,9 +40,6 @@ class GemvTable:
                 raise ValueError(f"kernels.gemv.{item.name} must be a power of two, got {value}")
 
 
-ONE_SHOT_MODES = ("push", "pull", "fused")
-
-
 @dataclass(frozen=True)
 class KernelConfig:
     """pdl: programmatic dependent launch through the decode chain, on devices that have it
@@ -57,18 +54,16 @@ class KernelConfig:
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
     (ferrum.engine.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md). 0: NCCL for
     every sum. Where the fast path cannot be set up (no peer access, a second group in one process), NCCL.
-    one_shot_mode: how the one-shot sum moves the data (ferrum.kernels.all_reduce): "push" (each rank
-    writes its tensor into every rank's buffer: one NVLink trip, the data travelling with the flag),
-    "pull" (each rank reads the others' buffers: two trips one after the other), or "fused" (push, with
-    the decode chain's o_proj and down_proj writing their outputs into the buffers themselves, so the
-    sum kernel only raises and waits for the flags and adds up)."""
+    one_shot_push: the one-shot kernel writes each rank's tensor into every rank's buffer (one NVLink
+    trip: the data travels with the flag) rather than having each rank read the others' (false: pull,
+    two trips one after the other; ferrum.kernels.all_reduce)."""
 
     pdl: bool = True
     max_decode_splits: int = 32
     fused_decode_rows: int = 4
     gemv: GemvTable = field(default_factory=GemvTable)
     one_shot_all_reduce_kb: int = 512
-    one_shot_mode: str = "push"
+    one_shot_push: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.pdl, bool):
@@ -79,8 +74,8 @@ class KernelConfig:
             raise ValueError(f"kernels.fused_decode_rows must be in 0..16, got {self.fused_decode_rows!r}")
         if isinstance(self.one_shot_all_reduce_kb, bool) or not 0 <= self.one_shot_all_reduce_kb <= 65536:
             raise ValueError(f"kernels.one_shot_all_reduce_kb must be in 0..65536, got {self.one_shot_all_reduce_kb!r}")
-        if self.one_shot_mode not in ONE_SHOT_MODES:
-            raise ValueError(f"kernels.one_shot_mode must be one of {', '.join(ONE_SHOT_MODES)}, got {self.one_shot_mode!r}")
+        if not isinstance(self.one_shot_push, bool):
+            raise ValueError(f"kernels.one_shot_push must be true or false, got {self.one_shot_push!r}")
         if not isinstance(self.gemv, GemvTable):
             raise ValueError(f"kernels.gemv must be a GemvTable, got {self.gemv!r}")
 

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.all_reduce import PushTarget
 from ferrum.kernels.config import GemvTable
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 
@@ -116,13 +115,9 @@ def _gemv_kernel(X, W, B, R, NW, OUT, IDX, M, N, K, stride_xm, stride_wn, stride
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                  WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0,
-                 X_GATHER: tl.constexpr = False, R_GATHER: tl.constexpr = False,
-                 PB=None, PE=None, PUSH: tl.constexpr = False, P_HALF: tl.constexpr = 0, P_RANK: tl.constexpr = 0,
-                 P_WORLD: tl.constexpr = 1, P_BLOCK: tl.constexpr = 1):
+                 X_GATHER: tl.constexpr = False, R_GATHER: tl.constexpr = False):
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
-    (the embedding table, for the first layer: no separate gather kernel; see STEP_START).
-    PUSH: the output goes into every rank's one-shot sum buffer instead of OUT (PushTarget: PB the
-    buffers' addresses, PE the sum's counts per program; element e = row * N + feature)."""
+    (the embedding table, for the first layer: no separate gather kernel; see STEP_START)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
@@ -166,16 +161,8 @@ def _gemv_kernel(X, W, B, R, NW, OUT, IDX, M, N, K, stride_xm, stride_wn, stride
         y = y.to(act_ty).to(tl.float32) + tl.load(R + rrows[:, None] * stride_rm + n[None, :],
                                                   mask=rmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
     y = y.to(act_ty)
-    if PUSH:  # slot P_RANK of every rank's buffer, in the half the sum's program for e uses next
-        e = rows[:, None] * N + n[None, :]
-        emask = rmask[:, None] & nmask[None, :]
-        half = (tl.load(PE + e // P_BLOCK, mask=emask, other=0) & 1) * (P_WORLD * P_HALF)
-        for p in tl.static_range(P_WORLD):
-            dest = tl.load(PB + p).to(tl.pointer_type(act_ty))
-            tl.store(dest + half + P_RANK * P_HALF + e, y, mask=emask)
-    else:
-        tl.store(OUT + rows[:, None] * stride_om + n[None, :], y.to(OUT.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
+    tl.store(OUT + rows[:, None] * stride_om + n[None, :], y.to(OUT.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
 
 
 def slicing(k: int, rows: int, table: GemvTable, norm: bool = False) -> GemvSlicing:
@@ -201,15 +188,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, table: GemvTable, *, bias: torch
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
          residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          x_rows: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
-         pdl: bool = False, out: torch.Tensor | None = None, push: PushTarget | None = None) -> torch.Tensor:
+         pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] with M <= 16; weight: [N, K] (or [2N, K] gate then up when gated).
     Returns [M, N]: x (RMS-normed first when norm_weight is given) times weight.T, plus bias,
     then silu(gate) * up when gated, then + residual. x_rows / residual_rows (int64 [M], the same
     tensor when both are given): x / residual are tables and these rows of them are the M rows.
     pdl: launched with programmatic dependent launch (never for a launch reading rows of a table:
-    that is the step's first kernel, see STEP_START). out: [M, N] to write the result into.
-    push: write the result into every rank's one-shot sum buffers instead (ferrum.kernels.all_reduce:
-    PushTarget; then sum_pushed_ into the returned tensor, which this kernel leaves unwritten)."""
+    that is the step's first kernel, see STEP_START). out: [M, N] to write the result into."""
     index = x_rows if x_rows is not None else residual_rows
     assert x_rows is None or residual_rows is None or x_rows is residual_rows
     m = index.shape[0] if index is not None else x.shape[0]
@@ -232,10 +217,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, table: GemvTable, *, bias: torch
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         WHOLE_K=whole_k, PDL=pdl_mode(pdl), X_GATHER=x_rows is not None, R_GATHER=residual_rows is not None,
-        PB=push.buffers if push is not None else x, PE=push.epochs if push is not None else x,
-        PUSH=push is not None, P_HALF=push.slot_bytes // out.element_size() if push is not None else 0,
-        P_RANK=push.rank if push is not None else 0, P_WORLD=push.world if push is not None else 1,
-        P_BLOCK=push.block if push is not None else 1,
         num_warps=cfg.num_warps, num_stages=2, **pdl_launch(pdl),
     )
     return out

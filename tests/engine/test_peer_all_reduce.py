@@ -36,10 +36,9 @@ def test_all_reduce_goes_through_the_chosen_sum() -> None:
 
 def test_one_shot_setting_is_checked() -> None:
     assert KernelConfig().one_shot_all_reduce_kb == 512
-    assert KernelConfig().one_shot_mode == "push"
-    assert KernelConfig.from_mapping({"one_shot_mode": "fused"}).one_shot_mode == "fused"
-    with pytest.raises(ValueError, match="one_shot_mode must be one of push, pull, fused"):
-        KernelConfig(one_shot_mode="yes")
+    assert KernelConfig().one_shot_push is True and KernelConfig.from_mapping({"one_shot_push": False}).one_shot_push is False
+    with pytest.raises(ValueError, match="one_shot_push"):
+        KernelConfig(one_shot_push="yes")  # type: ignore[arg-type]
     assert KernelConfig.from_mapping({"one_shot_all_reduce_kb": 512}).one_shot_all_reduce_kb == 512
     for bad in (-1, True, 1 << 20):
         with pytest.raises(ValueError, match="one_shot_all_reduce_kb"):

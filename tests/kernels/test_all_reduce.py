@@ -88,36 +88,3 @@ def test_a_peer_one_call_ahead_counts_as_arrived(push: bool) -> None:
     ranks.flag_slots(0)[1 * WORLD + 1] = 2
     got = ranks.call(0, torch.ones(n, dtype=DTYPE, device=DEVICE))
     assert torch.equal(got, torch.full_like(got, 3.0))
-
-
-def test_a_product_pushed_into_the_buffers_then_summed() -> None:
-    """The fused way: each rank's o_proj/down_proj-like product writes its output straight into
-    slot RANK of every rank's buffer (gemv's `push`), then sum_pushed_ only exchanges the flags and
-    adds the slots up; twice, so that the second call uses the other half."""
-    from ferrum.kernels.config import GemvTable
-    from ferrum.kernels.gemv import gemv
-
-    ranks = Ranks(push=True)
-    gen = torch.Generator().manual_seed(1)
-    for call, (rows, features) in enumerate(((1, 3000), (3, 700))):
-        xs = [torch.randn(rows, 64, generator=gen).to(DTYPE).to(DEVICE) for _ in range(WORLD)]
-        ws = [(0.1 * torch.randn(features, 64, generator=gen)).to(DTYPE).to(DEVICE) for _ in range(WORLD)]
-        parts = [gemv(x, w, GemvTable()) for x, w in zip(xs, ws)]  # each rank's product, as a plain gemv gives it
-        want = (parts[0].float() + parts[1].float()).to(DTYPE)
-        n = rows * features
-        outs = []
-        for r in range(WORLD):
-            target = ar.PushTarget(ranks.buffers, ranks.epochs[r], HALF, r, WORLD)
-            outs.append(gemv(xs[r], ws[r], GemvTable(), push=target))
-        programs = ar.programs(n)
-        counts = [int(c) for c in ranks.epochs[0][:programs]]
-        for p in range(programs):
-            rows_ = slice(p * ar.BLOCK, min((p + 1) * ar.BLOCK, n))
-            for r in range(WORLD):  # both parts in both buffers, in this call's half
-                for s in range(WORLD):
-                    assert torch.equal(ranks.slot(r, counts[p] & 1, s, n)[rows_], parts[s].reshape(-1)[rows_]), (call, p)
-            ranks.flag_slots(0)[p * WORLD + 1] = counts[p] + 1  # rank 1 announced its part
-        got0 = ar.sum_pushed_(outs[0], ranks.buffers, ranks.flags, ranks.epochs[0], HALF, 0, WORLD)
-        got1 = ar.sum_pushed_(outs[1], ranks.buffers, ranks.flags, ranks.epochs[1], HALF, 1, WORLD)
-        assert torch.equal(got0, want) and torch.equal(got1, want), call
-        assert ranks.epochs[0][:programs].tolist() == [c + 1 for c in counts]

@@ -9,9 +9,7 @@ Under tensor parallelism (a rank's shard of the model) o_proj's and down_proj's 
 partial sums: rank 0 alone adds the residual (and down_proj's bias) in their epilogues, and the sum
 across ranks follows each, so every rank holds partial_0 + partial_1 + ... + residual; the first
 layer's rows come from the vocabulary-split embedding (itself a sum), and the LM head's rows of
-the vocabulary are gathered. With the fused one-shot sum (KernelConfig.one_shot_mode "fused") the
-two products write their partial sums straight into every rank's sum buffers, and the sum kernel
-only exchanges the flags and adds up."""
+the vocabulary are gathered."""
 
 from __future__ import annotations
 
@@ -42,10 +40,8 @@ class FusedDecode:
         model, table, pdl = self.model, self.table, self.pdl
         tp = model.tp
         split, lead = tp.size > 1, tp.rank == 0  # the lead rank adds the residual and biases, once
-        push = None  # o_proj's and down_proj's outputs straight into the sum's buffers (fused one-shot sum)
         if split:  # the embedding's rows are split across ranks: a sum of its own
             h, rows = model.embed_tokens(input_ids), None
-            push = tp.push_target(h.numel(), h.dtype)
         else:  # the first layer reads its input rows straight from the embedding table (no gather kernel)
             h, rows = model.embed_tokens.weight, input_ids
         for layer, cache in zip(model.layers, kv_caches):
@@ -61,17 +57,16 @@ class FusedDecode:
                 qkv = gemv(h, attn.qkv_proj.weight, table, bias=attn.qkv_proj.bias, norm_weight=norm1.weight,
                            eps=norm1.eps, x_rows=rows, pdl=pdl)
                 out = batch.attend(attn, qkv, cache)
-            h = gemv(out, attn.o_proj.weight, table, residual=h if lead else None, residual_rows=rows, pdl=pdl,
-                     push=push)
+            h = gemv(out, attn.o_proj.weight, table, residual=h if lead else None, residual_rows=rows, pdl=pdl)
             rows = None
             if split:
-                h = tp.sum_pushed(h) if push is not None else tp.all_reduce(h)
+                h = tp.all_reduce(h)
             act = gemv(h, mlp.gate_up_proj.weight, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight,
                        eps=norm2.eps, gated=True, pdl=pdl)
             h = gemv(act, mlp.down_proj.weight, table, bias=mlp.down_proj.bias if lead else None,
-                     residual=h if lead else None, pdl=pdl, push=push)
+                     residual=h if lead else None, pdl=pdl)
             if split:
-                h = tp.sum_pushed(h) if push is not None else tp.all_reduce(h)
+                h = tp.all_reduce(h)
         if not split:
             return gemv(h, model.lm_head.weight, table, norm_weight=model.norm.weight, eps=model.norm.eps,
                         out_dtype=torch.float32, pdl=pdl, out=into)

@@ -57,16 +57,6 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def push_target(self, numel: int, dtype: torch.dtype) -> Any:
-        """Where a product of `numel` elements may write its part of the next sum itself (the fused
-        one-shot sum: ferrum.kernels.all_reduce.PushTarget), or None: then all_reduce its output."""
-        target = getattr(self.reduce, "push_target", None) if self.size > 1 else None
-        return target(numel, dtype) if target is not None else None
-
-    def sum_pushed(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of the parts every rank wrote through push_target, into `x`."""
-        return self.reduce.sum_pushed(x)  # type: ignore[union-attr]
-
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` side by side along the last dim, rank order."""
         if self.size == 1:
