@@ -42,11 +42,11 @@ from ferrum.server.admission import Admission, Ticket
 from ferrum.server.auth import ApiKeyMiddleware
 from ferrum.server.body import parse_body
 from ferrum.server.body_limit import BodyLimitMiddleware
-from ferrum.server.chat_output import ChatOutput, plan_chat_output
+from ferrum.server.chat_output import ChatOutput, ChatPlan, plan_chat
 from ferrum.server.errors import APIError, ErrorResponse, bad_request, install_error_handlers
 from ferrum.server.jobs import ChoiceResult, Job, collect, engine_error, run_jobs, unless_disconnected
 from ferrum.server.logprobs import chat_logprobs, completion_logprobs
-from ferrum.server.logs import log_request
+from ferrum.server.logs import RequestLogMiddleware, log_request, mark_logged
 from ferrum.server.metrics import ServerMetrics
 from ferrum.server.protocol import (
     ChatChoice,
@@ -197,7 +197,7 @@ class Server:
                 jobs.append(Job(index, p, request_id, prompt_ids, seeded))
         return jobs
 
-    def admit(self, req: SamplingFields, response_id: str, jobs: Sequence[Job], arrived: float,
+    def admit(self, request: Request, req: SamplingFields, response_id: str, jobs: Sequence[Job], arrived: float,
               route: str, prompt: object) -> tuple[Ticket, Callable[[int], None]]:
         """Claims the response id and admits the jobs; returns the ticket and its release, which
         takes the HTTP status and writes the request's log line (call it exactly once)."""
@@ -206,6 +206,7 @@ class Server:
         ticket = self.admission.admit([j.request_id for j in jobs], [len(j.prompt_ids) for j in jobs],
                                       arrived=arrived, timeout_s=req.timeout, priority=req.priority)
         self._running_ids.add(response_id)
+        mark_logged(request.state)
         prompt_tokens = sum({j.prompt_index: len(j.prompt_ids) for j in jobs}.values())
 
         def release(status: int) -> None:
@@ -276,7 +277,7 @@ class Server:
         prompt_ids, prompt_texts = self.tokenize_prompts(engine, req)
         response_id = f"cmpl-{request.state.request_id}"
         jobs = self.make_jobs(engine, req, response_id, prompt_ids, "prompt")
-        ticket, release = self.admit(req, response_id, jobs, arrived, "completions", req.prompt)
+        ticket, release = self.admit(request, req, response_id, jobs, arrived, "completions", req.prompt)
         if req.stream:
             chunks = self._completion_chunks(engine, req, response_id, jobs, prompt_texts, ticket)
             return SSEResponse(sse_events(chunks, "prompt"), on_close=lambda: release(200))
@@ -342,20 +343,21 @@ class Server:
             yield chunk([], self._usage_from_counts(jobs, prompt_tokens, output_tokens))
 
     # -- chat --------------------------------------------------------------------------------------
-    def tokenize_chat(self, engine: EngineClient, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    def chat_prompt(self, engine: EngineClient, req: ChatCompletionRequest) -> tuple[ChatPlan, list[int]]:
+        """The request's plan (ferrum.server.chat_output) and its prompt: the conversation rendered with the
+        model's chat template and encoded. A template that fails is a 400 with its message (saying so when
+        the conversation holds tool turns, which some templates cannot take)."""
+        plan = plan_chat(req, engine.tokenizer, self.settings.chat)
         try:
-            if isinstance(req, TokenizeRequest):
-                return engine.tokenizer.encode_chat(
-                    [m.for_template() for m in req.messages or []], add_generation_prompt=req.add_generation_prompt
-                )
-            return engine.tokenizer.encode_chat(
-                req.template_messages(),
-                add_generation_prompt=req.add_generation_prompt,
-                tools=req.template_tools(),
-                **req.template_kwargs(),
-            )
+            ids = engine.tokenizer.encode_chat(plan.messages, add_generation_prompt=req.add_generation_prompt,
+                                               tools=req.template_tools(), **req.template_kwargs())
         except ChatTemplateError as exc:
+            if any(m.is_tool_turn for m in req.messages):
+                raise bad_request(
+                    "This model's chat template cannot render this conversation's tool calls or tool results "
+                    f"(assistant tool_calls, role 'tool' or 'function' messages): {exc}", param="messages") from None
             raise bad_request(str(exc), param="messages") from None
+        return plan, ids
 
     async def chat(self, request: Request) -> Response:
         arrived = time.monotonic()
@@ -373,13 +375,13 @@ class Server:
     async def _serve_chat(self, request: Request, req: ChatCompletionRequest, arrived: float, response_id: str,
                           shape: ResponsesShape | None = None) -> Response:
         engine = self.check_request(req, req.unsupported())
-        output = plan_chat_output(req, engine.tokenizer, self.settings.chat)
-        prompt_ids = self.tokenize_chat(engine, req)
+        plan, prompt_ids = self.chat_prompt(engine, req)
+        output = plan.output
         if not prompt_ids:
             raise bad_request("The chat template produced an empty prompt.", param="messages")
         jobs = self.make_jobs(engine, req, response_id, [prompt_ids], "messages")
         route = "chat" if shape is None else "responses"
-        ticket, release = self.admit(req, response_id, jobs, arrived, route, req.template_messages())
+        ticket, release = self.admit(request, req, response_id, jobs, arrived, route, plan.messages)
         if req.stream:
             chunks = self._chat_chunks(engine, req, response_id, jobs, ticket, output)
             if shape is not None:
@@ -449,7 +451,11 @@ class Server:
         if req.prompt is not None:
             tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            tokens = self.tokenize_chat(engine, req)
+            chat = req.chat_request()
+            unsupported = chat.unsupported()
+            if unsupported is not None:
+                raise bad_request(*unsupported)
+            _, tokens = self.chat_prompt(engine, chat)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
 
     async def detokenize(self, request: Request) -> DetokenizeResponse:
@@ -573,13 +579,14 @@ def create_app(
                   root_path=settings.api.root_path)
     app.state.server = server
     app.openapi = _openapi(app)  # type: ignore[method-assign]
-    # middleware, innermost first: errors -> body limit -> API keys -> request id -> CORS
+    # middleware, innermost first: errors -> body limit -> API keys -> request log -> request id -> CORS
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
     keys = settings.api.all_keys()
     if keys:
         app.add_middleware(ApiKeyMiddleware, keys=keys, metrics_open=not settings.api.metrics_require_key,
                            ui_open=settings.api.ui)
+    app.add_middleware(RequestLogMiddleware, config=settings.logging)
     app.add_middleware(RequestIdMiddleware)
     if settings.api.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.api.cors_origins), allow_methods=["*"],

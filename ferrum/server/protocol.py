@@ -61,19 +61,6 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's tool call as chat templates expect it: the arguments as an object (OpenAI sends
-    them as a JSON string)."""
-    function = call.get("function")
-    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        try:
-            arguments = json.loads(function["arguments"])
-        except json.JSONDecodeError:
-            return call
-        return {**call, "function": {**function, "arguments": arguments}}
-    return call
-
-
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text, any JSON object, or JSON following a schema (always enforced,
     `strict` or not)."""
@@ -316,13 +303,44 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class FunctionCallIn(BaseModel):
+    """A function call in an assistant message sent back: arguments as OpenAI sends them (JSON text), or as
+    an object."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+    def arguments_object(self) -> Any:
+        """The arguments as an object, as chat templates expect them (text that is not JSON stays text)."""
+        if not isinstance(self.arguments, str):
+            return self.arguments
+        try:
+            return json.loads(self.arguments) if self.arguments.strip() else {}
+        except json.JSONDecodeError:
+            return self.arguments
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation. Besides OpenAI's current shapes, the older ones: role "function" (a
+    function's result, named by `name`) and an assistant's `function_call`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    function_call: FunctionCallIn | None = None
     tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
@@ -344,24 +362,62 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
             raise ValueError(f"a {self.role} message needs content")
+        if (self.tool_calls or self.function_call) and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool calls, not {self.role} messages")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs the function's name")
         return self
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content as one string."""
-        out: dict[str, Any] = {"role": self.role}
+    @property
+    def is_tool_turn(self) -> bool:
+        """A call to a tool, or a tool's result."""
+        return self.role in ("tool", "function") or bool(self.tool_calls or self.function_call)
+
+    def calls(self) -> list[ToolCallIn]:
+        """The tool calls of an assistant message (an older `function_call` as one)."""
+        if self.function_call is not None:
+            return [*(self.tool_calls or []), ToolCallIn(function=self.function_call)]
+        return list(self.tool_calls or [])
+
+    def text(self) -> str:
         if isinstance(self.content, list):
-            out["content"] = "\n".join(part.text for part in self.content)
-        else:
-            out["content"] = self.content
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_calls is not None:
-            out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as chat templates take it (the shapes of HF transformers' chat-template documents):
+    content always one string ("" for an assistant turn that only calls tools); each call as
+    {"id", "type": "function", "function": {"name", "arguments": <object>}}; each result as role "tool" with
+    its `tool_call_id` and the `name` of the function it answers (the older role "function" and
+    `function_call` become these)."""
+    out: list[dict[str, Any]] = []
+    name_of: dict[str, str] = {}  # call id -> function name
+    last_id_of: dict[str, str] = {}  # function name -> the id of its latest call
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": "tool" if m.role == "function" else m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        calls = m.calls()
+        if calls:
+            message["tool_calls"] = []
+            for j, call in enumerate(calls):
+                call_id = call.id or f"call_{i}_{j}"
+                name_of[call_id] = call.function.name
+                last_id_of[call.function.name] = call_id
+                message["tool_calls"].append({"id": call_id, "type": "function", "function": {
+                    "name": call.function.name, "arguments": call.function.arguments_object()}})
+        if m.role in ("tool", "function"):
+            call_id = m.tool_call_id or (last_id_of.get(m.name, "") if m.name else "")
+            if call_id:
+                message["tool_call_id"] = call_id
+            name = m.name or name_of.get(call_id)
+            if name:
+                message["name"] = name
+        out.append(message)
+    return out
 
 
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "self"})
@@ -405,23 +461,24 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # the grammar that makes tool_choice "required" or a named function hold (set by the server)
+    # the grammar of tool calls (set by the server: ferrum.server.chat_output), in place of any answer format
     _tool_grammar: StructuredOutput | None = PrivateAttr(None)
 
-    def force_tool_calls(self, grammar: str) -> None:
+    def use_tool_grammar(self, grammar: str) -> None:
         self._tool_grammar = StructuredOutput("grammar", grammar, "tool_choice")
 
+    def answer_format(self) -> StructuredOutput | None:
+        """The structured output asked for the answer (response_format and the other spellings)."""
+        return super().structured_output()
+
     def structured_output(self) -> StructuredOutput | None:
-        asked = super().structured_output()
         if self._tool_grammar is None:
-            return asked
-        if asked is not None:
-            raise SamplingParamsError(f"tool_choice {self.tool_choice!r} cannot be combined with {asked.param}",
-                                      "tool_choice")
+            return self.answer_format()
         try:
             checked_grammar(self._tool_grammar)
         except StructuredOutputError as exc:
-            raise SamplingParamsError(f"tool_choice: the tools' parameters do not compile: {exc}", "tool_choice")
+            raise SamplingParamsError(f"tool_choice: the tools' parameters do not compile: {exc}",
+                                      "tools") from None
         return self._tool_grammar
 
     def requested_max_tokens(self) -> int | None:
@@ -431,9 +488,6 @@ class ChatCompletionRequest(SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
@@ -657,15 +711,23 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         return self
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The messages as a chat request, so that they are rendered exactly as a chat completion's."""
+        return ChatCompletionRequest(messages=self.messages or [], tools=self.tools,
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     chat_template_kwargs=self.chat_template_kwargs)
 
 
 class TokenizeResponse(BaseModel):

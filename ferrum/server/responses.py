@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
+from ferrum.engine.sampling_params import SamplingParamsError
 from ferrum.server.errors import bad_request
 from ferrum.server.protocol import (
     ChatCompletionChunk,
@@ -30,24 +31,35 @@ from ferrum.server.protocol import (
 
 
 class InputText(BaseModel):
+    """A text part of a message's content (a refusal from an earlier response counts as its text)."""
+
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["input_text", "output_text", "text"]
-    text: str
+    type: Literal["input_text", "output_text", "text", "refusal"]
+    text: str = ""
+    refusal: str | None = None
+
+    def value(self) -> str:
+        return self.refusal or "" if self.type == "refusal" else self.text
+
+
+def _text(content: str | list[InputText]) -> str:
+    return content if isinstance(content, str) else "".join(p.value() for p in content)
 
 
 class InputMessage(BaseModel):
+    """A message: the easy form ({"role", "content"}), or an input or output message item."""
+
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
 
 class FunctionCallItem(BaseModel):
+    """A function call from an earlier response, sent back."""
+
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function_call"]
@@ -58,14 +70,38 @@ class FunctionCallItem(BaseModel):
 
 
 class FunctionCallOutputItem(BaseModel):
+    """A function's result, for the call with `call_id`: text, or a list of text parts."""
+
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[InputText]
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+class ReasoningItem(BaseModel):
+    """An earlier response's reasoning, sent back: not shown to the model again (as chat templates drop the
+    thinking of earlier turns)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["reasoning"]
+
+
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+def _item_type(item: Any) -> str | None:
+    if isinstance(item, dict):
+        return str(item.get("type", "message"))
+    return getattr(item, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_type),
+]
 
 
 class FunctionTool(BaseModel):
@@ -98,6 +134,14 @@ class NamedFunctionChoice(BaseModel):
     name: str
 
 
+class AllowedTools(BaseModel):
+    """tool_choice {"type": "allowed_tools", "mode", "tools"}: only these functions, called as `mode` says."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunctionChoice]
+
+
 class ResponsesRequest(BaseModel):
     """What /v1/responses accepts (text in and out, function tools; no stored state)."""
 
@@ -111,7 +155,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     stream: bool = False
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | AllowedTools | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     previous_response_id: str | None = None
@@ -119,6 +163,19 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     seed: int | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _item_types(cls, value: Any) -> Any:
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            kind = _item_type(item)
+            if kind == "item_reference":
+                raise ValueError(f"item {i}: item_reference needs stored responses, which Ferrum does not keep "
+                                 "(stateless); send the items themselves")
+            if isinstance(item, dict) and kind not in _ITEM_TYPES:
+                raise ValueError(f"item {i} has type {kind!r}, which is not supported; Ferrum takes "
+                                 f"{', '.join(_ITEM_TYPES)} items (function tools only)")
+        return value
 
     def to_chat(self) -> ChatCompletionRequest:
         if self.previous_response_id is not None:
@@ -130,7 +187,8 @@ class ResponsesRequest(BaseModel):
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, InputMessage):
-                messages.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
+                role = "system" if item.role == "developer" else item.role
+                messages.append({"role": role, "content": _text(item.content)})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
@@ -138,8 +196,8 @@ class ResponsesRequest(BaseModel):
                     messages[-1]["tool_calls"].append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            else:
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
         if not messages:
             raise bad_request("input must hold at least one message", param="input")
         body: dict[str, Any] = {
@@ -147,12 +205,22 @@ class ResponsesRequest(BaseModel):
             "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "seed": self.seed,
             "parallel_tool_calls": self.parallel_tool_calls,
         }
-        if self.tools:
+        tools = self.tools or []
+        choice = self.tool_choice
+        if isinstance(choice, AllowedTools):
+            allowed = {t.name for t in choice.tools}
+            missing = allowed - {t.name for t in tools}
+            if missing:
+                raise bad_request(f"tool_choice.tools names {sorted(missing)}, not among the tools",
+                                  param="tool_choice.tools")
+            tools = [t for t in tools if t.name in allowed]
+            choice = choice.mode
+        if tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                             for t in self.tools]
-        if self.tool_choice is not None:
-            body["tool_choice"] = (self.tool_choice if isinstance(self.tool_choice, str) else
-                                   {"type": "function", "function": {"name": self.tool_choice.name}})
+                             for t in tools]
+        if choice is not None:
+            body["tool_choice"] = (choice if isinstance(choice, str) else
+                                   {"type": "function", "function": {"name": choice.name}})
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type != "text":
             if fmt.type == "json_object":
@@ -165,12 +233,18 @@ class ResponsesRequest(BaseModel):
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         try:
-            return ChatCompletionRequest.model_validate(body)
+            chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:  # what the chat request refuses, named in this request's terms
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise bad_request(f"{where}: {first['msg']}", param="input" if where.startswith("messages") else where) \
                 from None
+        try:
+            chat.answer_format()
+        except SamplingParamsError as exc:  # a bad text.format, named as such
+            message = str(exc).replace("response_format.json_schema.schema", "text.format.schema")
+            raise bad_request(message, param="text.format.schema") from None
+        return chat
 
 
 # -- the response -------------------------------------------------------------------------------------------

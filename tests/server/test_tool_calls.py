@@ -217,6 +217,42 @@ def test_tool_results_go_back_to_the_model(family_server: tuple[str, str]) -> No
 
 
 @pytest.mark.slow
+def test_tool_choices_mean_what_openai_says(family_server: tuple[str, str]) -> None:
+    """A named function: exactly one call, even with parallel_tool_calls left at its default; a forced choice
+    with an answer format: the call; "auto" with an answer format: calls, or an answer in that format."""
+    _, url = family_server
+    client = _client(url)
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+              "required": ["name"], "additionalProperties": False}
+    answer_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+    for temperature, seed in ((0.0, None), (1.0, 3)):
+        named = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=temperature, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
+        assert named.finish_reason == "tool_calls" and [c.function.name for c in named.message.tool_calls] == [
+            "get_time"]
+        for parallel in (False, None):  # None: left out (true), so the model may go on calling to max_tokens
+            forced = client.chat.completions.create(
+                model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=temperature, seed=seed,
+                tool_choice="required", response_format=answer_format,
+                **({} if parallel is None else {"parallel_tool_calls": parallel})).choices[0]
+            calls = forced.message.tool_calls
+            assert calls and forced.finish_reason in ("tool_calls", "length" if parallel is None else "tool_calls")
+            assert len(calls) == 1 or parallel is None
+            for call in calls if forced.finish_reason == "tool_calls" else calls[:-1]:  # the last may be cut off
+                _valid_call(call, set(SCHEMAS))
+        auto = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=temperature, seed=seed,
+            response_format=answer_format).choices[0]
+        if auto.message.tool_calls:
+            assert auto.finish_reason in ("tool_calls", "length")
+            for call in auto.message.tool_calls[:None if auto.finish_reason == "tool_calls" else -1]:
+                _valid_call(call, set(SCHEMAS))
+        elif auto.finish_reason == "stop":
+            jsonschema.validate(json.loads(auto.message.content), person)
+
+
+@pytest.mark.slow
 def test_auto_tool_choice_returns_content_or_calls(family_server: tuple[str, str]) -> None:
     _, url = family_server
     reply = _client(url).chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=60,
@@ -237,7 +273,9 @@ def test_bad_tool_requests_are_400s(family_server: tuple[str, str]) -> None:
     cases = [
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        # a forced choice wins over the answer format, but a malformed format is still refused
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ]
     for extra, param in cases:
