@@ -53,7 +53,8 @@ class ToolFormat:
         chosen = [t for t in tools if forced is None or t["function"]["name"] == forced]
         if not chosen:
             raise ToolParserError(f"tool_choice names {forced!r}, which is not among the tools")
-        schema = {"anyOf": [_call_schema(t["function"], self.arguments_keys[0]) for t in chosen]}
+        schema = {"anyOf": [_call_schema(t["function"], self.arguments_keys[0]) for t in chosen],
+                  "x-guidance": _COMPACT}
         call = _around(self.call_open, "%json " + json.dumps(schema), self.call_close)
         calls = f"call ({json.dumps(self.joiner)} call)*" if parallel else "call"
         start = _around(self.open, calls, self.close)
@@ -77,11 +78,40 @@ def _around(before: str, expression: str, after: str) -> str:
     return " ".join([*([json.dumps(before)] if before else []), expression, *([json.dumps(after)] if after else [])])
 
 
+# calls written as json.dumps writes them: no room for the runs of white space small models drift into
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _call_schema(function: dict[str, Any], arguments_key: str) -> dict[str, Any]:
     # a function without parameters takes none (as OpenAI reads it): an empty object
-    params = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+    params = _closed(function.get("parameters") or {"type": "object", "properties": {}})
     return {"type": "object", "properties": {"name": {"const": function["name"]}, arguments_key: params},
             "required": ["name", arguments_key], "additionalProperties": False}
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with objects that list their properties taking no others unless it says they may (as vLLM's
+    default grammar backend reads a schema): a small model otherwise writes on, key after made-up key."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            out[key] = [_closed(sub) for sub in schema[key]]
+    for key in _SCHEMA_ONE:
+        if key in schema:
+            out[key] = _closed(schema[key])
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 FORMATS: dict[str, ToolFormat] = {

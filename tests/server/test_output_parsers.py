@@ -5,6 +5,7 @@ text did, and a stream always reassembles to the whole-text result."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import time
@@ -57,7 +58,7 @@ def time_bound(seconds: float = CALL_BOUND_S) -> Iterator[None]:
 
 def pieces(text: str, cuts: list[int]) -> list[str]:
     points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
-    return [text[a:b] for a, b in zip(points, points[1:], strict=False)]
+    return [text[a:b] for a, b in itertools.pairwise(points)]
 
 
 def stream_tools(name: str, parts: list[str], max_calls: int | None = None) -> tuple[str, list[ToolCall], dict]:

@@ -122,6 +122,58 @@ def test_format_is_told_by_the_template_or_the_flag() -> None:
                        if (MODEL_DIR / "chat_template.jinja").exists() else "") is None
 
 
+def test_tool_turns_are_given_to_templates_in_the_shapes_they_know() -> None:
+    from ferrum.server.protocol import ChatMessage, template_messages
+
+    call = {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [ChatMessage.model_validate(m) for m in [
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "sunny"},
+        {"role": "assistant", "function_call": {"name": "get_time", "arguments": "{}"}},
+        {"role": "function", "name": "get_time", "content": "noon"},
+    ]]
+    assert template_messages(messages) == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_9", "name": "get_weather"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_3_0", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+        {"role": "tool", "content": "noon", "name": "get_time", "tool_call_id": "call_3_0"},
+    ]
+    for bad in ({"role": "user", "content": None}, {"role": "tool", "content": "x", "tool_calls": [call]},
+                {"role": "function", "content": "x"}):
+        with pytest.raises(ValueError):
+            ChatMessage.model_validate(bad)
+
+
+def test_responses_input_items_become_a_conversation() -> None:
+    from pydantic import ValidationError
+
+    from ferrum.server.responses import ResponsesRequest
+
+    function = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "sunny"}]},
+        {"type": "message", "role": "assistant", "id": "m1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Sunny.", "annotations": []}]},
+    ], "tools": [function, {**function, "name": "get_time"}],
+        "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}})
+    chat = req.to_chat()
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert chat.messages[3].content == "sunny" and chat.messages[3].tool_call_id == "c1"
+    assert [t.function.name for t in chat.tools or []] == ["get_weather"] and chat.tool_choice == "required"
+    for item, says in (({"type": "web_search_call", "id": "w"}, "not supported"),
+                       ({"type": "item_reference", "id": "x"}, "stateless")):
+        with pytest.raises(ValidationError, match=says):
+            ResponsesRequest.model_validate({"input": [item]})
+
+
 # -- through the server ---------------------------------------------------------------------------------
 
 
