@@ -116,12 +116,12 @@ class ChatPlan:
 def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, settings: ChatConfig) -> ChatPlan:
     """The request's plan (see the module docstring); sets the tool grammar on `req` where one is needed."""
     reasoning = REASONING_FORMATS[settings.reasoning_parser] if settings.reasoning_parser else None
-    tools = req.template_tools()
-    template = tokenizer.template_for(tools)
     messages = template_messages(req.messages)
     history = any(m.is_tool_turn for m in req.messages)
     if not req.calls_tools and not history:
         return ChatPlan(messages, ChatOutput(reasoning=reasoning))
+    tools = req.template_tools()
+    template = tokenizer.template_for(tools)
     try:
         fmt = tool_format(settings.tool_call_parser, template)
     except ToolParserError as exc:

@@ -279,13 +279,13 @@ def test_tool_choices_mean_what_openai_says(family_server: tuple[str, str]) -> N
     answer_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
     for temperature, seed in ((0.0, None), (1.0, 3)):
         named = client.chat.completions.create(
-            model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=temperature, seed=seed,
+            model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=60, temperature=temperature, seed=seed,
             tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
         assert named.finish_reason == "tool_calls" and [c.function.name for c in named.message.tool_calls] == [
             "get_time"]
         for parallel in (False, None):  # None: left out (true), so the model may go on calling to max_tokens
             forced = client.chat.completions.create(
-                model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=temperature, seed=seed,
+                model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=60, temperature=temperature, seed=seed,
                 tool_choice="required", response_format=answer_format,
                 **({} if parallel is None else {"parallel_tool_calls": parallel})).choices[0]
             calls = forced.message.tool_calls
@@ -294,7 +294,7 @@ def test_tool_choices_mean_what_openai_says(family_server: tuple[str, str]) -> N
             for call in calls if forced.finish_reason == "tool_calls" else calls[:-1]:  # the last may be cut off
                 _valid_call(call, set(SCHEMAS))
         auto = client.chat.completions.create(
-            model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=120, temperature=temperature, seed=seed,
+            model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=60, temperature=temperature, seed=seed,
             response_format=answer_format).choices[0]
         if auto.message.tool_calls:
             assert auto.finish_reason in ("tool_calls", "length")
