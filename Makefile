@@ -6,12 +6,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL_DIR := models/SmolLM2-135M-Instruct
 
-.PHONY: serve test bench model clean
+.PHONY: serve check test bench model clean
 
 serve: $(VENV)/.runtime $(MODEL_DIR)/config.json
 	$(BIN)/ferrum serve --config config/default.yaml
 
-test: $(VENV)/.dev $(VENV)/.deploy-tools $(MODEL_DIR)/config.json
+# The checks, before any test runs: types (mypy's settings in pyproject.toml), lint (ruff), the import
+# layers (import-linter). The first to fail stops make with its findings.
+check: $(VENV)/.dev
+	$(BIN)/mypy
+	$(BIN)/ruff check
+	$(BIN)/lint-imports
+
+test: check $(VENV)/.deploy-tools $(MODEL_DIR)/config.json
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.dev $(MODEL_DIR)/config.json

@@ -217,7 +217,7 @@ def run_model(config: Any, temperature: float | None, stdin: TextIO = sys.stdin,
 
 def run_config(model: str, config_path: str | None, overrides: dict[str, Any]) -> Any:
     """The ServerConfig for `ferrum run`: loopback, a free port, quiet logs unless asked for."""
-    from ferrum.config import load_config
+    from ferrum.config.loader import load_config
 
     values = {**{k: v for k, v in overrides.items() if v is not None}, "model": model, "host": "127.0.0.1",
               "port": overrides.get("port") or _free_port()}

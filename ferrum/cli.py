@@ -9,13 +9,13 @@ import sys
 
 from ferrum.backends.selection import BackendSelectionError
 from ferrum.bench.cli import add_bench_parser, run_bench
-from ferrum.config import ConfigError, load_config
-from ferrum.models.config import ModelConfigError
+from ferrum.config.loader import ConfigError, load_config
+from ferrum.models.errors import ModelConfigError
 from ferrum.models.loader import WeightsError
 from ferrum.server.launch import StartupError, pull_model
 from ferrum.server.logs import setup_logging
 from ferrum.weights.errors import WeightError
-from ferrum.weights.uri import ModelLocationError
+from ferrum.weights.locations.uri import ModelLocationError
 
 USER_ERRORS = (
     ConfigError,
@@ -50,7 +50,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True,
                    help="GPU: no CUDA graphs for decode")
     p.add_argument("--num-scheduler-steps", dest="num_scheduler_steps", type=int,
-                   help="GPU: greedy decode iterations per host round trip while no request waits for a slot (default 16)")
+                   help="GPU: greedy decode iterations per host round trip while no request waits for a slot "
+                        "(default 16)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
                    help="do not reuse the KV of prompt prefixes shared with earlier requests")
     p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,

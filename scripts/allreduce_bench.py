@@ -1,5 +1,5 @@
 """Small-message all-reduce on one host's GPUs: NCCL against torch's symmetric-memory ops and
-Ferrum's one-shot kernel (ferrum.engine.peer_all_reduce), eager and inside CUDA graphs.
+Ferrum's one-shot kernel (ferrum.engine.parallel.peer_all_reduce), eager and inside CUDA graphs.
 
     NCCL_NVLS_ENABLE=0 python scripts/allreduce_bench.py [--world 2] [--out DIR]
 
@@ -11,6 +11,7 @@ all-reduces per size and method (median of replays, per call). Prints a table; D
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -80,6 +81,14 @@ def eager_us(fn, iters: int = 200) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def gpu(rank: int):
+    """GPU `rank`'s `Device`, its backend initialised in this process as an engine's rank opens it."""
+    from ferrum.backends.registry import open_backend
+    from ferrum.models.loader import run_sync
+
+    return run_sync(open_backend(f"cuda:{rank}", f"cuda:{rank}"))[1]
+
+
 def check_fast(fast, rank: int, world: int, device: torch.device) -> dict:
     """Many calls of mixed sizes in one graph, replayed with fresh inputs: equal to NCCL's sums,
     and the same bits on every rank; eager calls between replays."""
@@ -91,7 +100,7 @@ def check_fast(fast, rank: int, world: int, device: torch.device) -> dict:
     work = [torch.empty_like(t) for t in inputs]
 
     def body():
-        for src, dst in zip(inputs, work):
+        for src, dst in zip(inputs, work, strict=True):
             dst.copy_(src)
             fast(dst)
 
@@ -117,10 +126,10 @@ def check_fast(fast, rank: int, world: int, device: torch.device) -> dict:
             extra = [t.clone() for t in inputs[:7]]
             for e in extra:
                 fast(e)
-            for e, r in zip(extra, refs):
+            for e, r in zip(extra, refs[:7], strict=True):
                 worst = max(worst, float((e.float() - r.float()).abs().max()))
         torch.cuda.synchronize()
-        for w, r in zip(work, refs):
+        for w, r in zip(work, refs, strict=True):
             diff = float((w.float() - r.float()).abs().max())
             worst = max(worst, diff)
         sums = torch.stack([w.float().sum() for w in work])
@@ -141,6 +150,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=device)
     group = dist.group.WORLD
+    assert group is not None
     result: dict = {"torch": torch.__version__, "world": world, "rows": []}
     names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("symm_mem::"))
     say(rank, "torch", torch.__version__, "symm_mem ops:", " ".join(n.split("::")[1] for n in names))
@@ -152,9 +162,9 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
 
     fast = None
     try:
-        from ferrum.engine.peer_all_reduce import peer_all_reduce
+        from ferrum.engine.parallel.peer_all_reduce import peer_all_reduce
 
-        fast = peer_all_reduce(group, device, 512 * 1024)
+        fast = peer_all_reduce(group, gpu(rank), 512 * 1024)
         say(rank, "ferrum peer all-reduce:", "available" if fast else "NOT available")
         if fast is not None:
             result["check"] = check_fast(fast, rank, world, device)
@@ -168,26 +178,27 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     say(rank, header)
     for kb in SIZES_KB:
         n = kb * 1024 // 2
-        row = {"kb": kb}
+        row: dict[str, object] = {"kb": kb}
         x = torch.randn(n, dtype=torch.bfloat16, device=device)
-        row["nccl_eager"] = eager_us(lambda: dist.all_reduce(x))
-        row["nccl_graph"] = graph_us(lambda: dist.all_reduce(x), rank)
+        row["nccl_eager"] = eager_us(functools.partial(dist.all_reduce, x))
+        row["nccl_graph"] = graph_us(functools.partial(dist.all_reduce, x), rank)
         for name, op in (("torch_one_shot", "one_shot"), ("torch_two_shot", "two_shot")):
             try:
                 buf = symm_mem.empty(n, dtype=torch.bfloat16, device=device)
                 symm_mem.rendezvous(buf, group.group_name)
                 buf.copy_(x)
+                ops = torch.ops.symm_mem
                 if op == "one_shot":
-                    if hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
-                        fn = lambda: torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x, "sum", group.group_name)  # noqa: E731
+                    if hasattr(ops, "one_shot_all_reduce_copy"):
+                        fn = functools.partial(ops.one_shot_all_reduce_copy, buf, x, "sum", group.group_name)
                     else:
-                        fn = lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)  # noqa: E731
+                        fn = functools.partial(ops.one_shot_all_reduce, buf, "sum", group.group_name)
                     got = fn()
                     ref = x.clone()
                     dist.all_reduce(ref)
                     row[name + "_diff"] = float((got.float() - ref.float()).abs().max())
                 else:
-                    fn = lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group.group_name)  # noqa: E731
+                    fn = functools.partial(ops.two_shot_all_reduce_, buf, "sum", group.group_name)
                 row[name] = graph_us(fn, rank)
             except Exception as exc:  # noqa: BLE001
                 row[name] = None
@@ -196,16 +207,17 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
             y = x.clone()
             for push, name in ((True, "ferrum"), (False, "ferrum_pull")):
                 fast.push = push
-                row[name] = graph_us(lambda: fast(y), rank)
-                row[name + "_eager"] = eager_us(lambda: fast(y))
+                row[name] = graph_us(functools.partial(fast, y), rank)
+                row[name + "_eager"] = eager_us(functools.partial(fast, y))
             fast.push = True
         result["rows"].append(row)
 
         def fmt(v):
             return f"{v:.1f}" if isinstance(v, float) else "-"
 
-        say(rank, f"{kb:>5} {fmt(row['nccl_eager']):>11} {fmt(row['nccl_graph']):>11} {fmt(row.get('torch_one_shot')):>12} "
-                  f"{fmt(row.get('torch_two_shot')):>12} {fmt(row.get('ferrum')):>12} {fmt(row.get('ferrum_pull')):>12}"
+        say(rank, f"{kb:>5} {fmt(row['nccl_eager']):>11} {fmt(row['nccl_graph']):>11} "
+                  f"{fmt(row.get('torch_one_shot')):>12} {fmt(row.get('torch_two_shot')):>12} "
+                  f"{fmt(row.get('ferrum')):>12} {fmt(row.get('ferrum_pull')):>12}"
                   + "".join(f"  {k}={v}" for k, v in row.items() if k.endswith("_error") or k.endswith("_diff")))
     if rank == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -219,7 +231,7 @@ def reinit_main(rank: int, world: int, ports: list[int], out: str) -> None:
     process): the fast path set up and checked in each, the first one's objects still alive."""
     import torch.distributed as dist
 
-    from ferrum.engine.peer_all_reduce import peer_all_reduce
+    from ferrum.engine.parallel.peer_all_reduce import peer_all_reduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -227,7 +239,7 @@ def reinit_main(rank: int, world: int, ports: list[int], out: str) -> None:
     for port in ports:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 device_id=device)
-        fast = peer_all_reduce(dist.group.WORLD, device, 512 * 1024)
+        fast = peer_all_reduce(dist.group.WORLD, gpu(rank), 512 * 1024)
         say(rank, f"group on port {port}: fast path", "available" if fast else "NOT available",
             check_fast(fast, rank, world, device) if fast else "")
         kept.append(fast)

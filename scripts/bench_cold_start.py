@@ -647,7 +647,7 @@ def summary_rows(results: Results, sources: list[str], variants: list[Variant]) 
             mine = [s for s in results.starts if s.source == source and s.variant == variant.name]
             cold = [s.ready_s for s in mine if s.kind == "cold"]
             restart = [s.ready_s for s in mine if s.kind == "restart"]
-            extra = [c - r for c, r in zip(cold, restart)]  # per repeat: what the empty cache cost
+            extra = [c - r for c, r in zip(cold, restart, strict=True)]  # per repeat: what the empty cache cost
             rows.append({
                 "source": source, "variant": variant.name, "plain_client": plain[0].client if plain else None,
                 "cold_ready_s": cold, "restart_ready_s": restart, "cold_minus_restart_s": extra,
@@ -681,7 +681,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     ] for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for n, line in enumerate(table):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
         if n == 0:
             print("  ".join("-" * w for w in widths))
 

@@ -69,11 +69,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # this checkout's ferrum, not an installed one
     sys.path.insert(0, str(ROOT))
 
-from ferrum.bench.errors import BenchError
-from ferrum.bench.metrics import RequestRecord
-from ferrum.bench.report import level_json
-from ferrum.bench.serve import LevelRun, ServeOptions, run_serve
-from ferrum.bench.workload import LengthRange, WorkloadSpec
+from ferrum.bench.errors import BenchError  # noqa: E402
+from ferrum.bench.metrics import RequestRecord  # noqa: E402
+from ferrum.bench.report import level_json  # noqa: E402
+from ferrum.bench.serve import LevelRun, ServeOptions, run_serve  # noqa: E402
+from ferrum.bench.workload import LengthRange, WorkloadSpec  # noqa: E402
 
 PROMPTS = (
     "What is the capital of France?",

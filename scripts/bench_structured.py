@@ -68,7 +68,9 @@ def one(url: str, model: str, max_tokens: int, constrained: bool) -> int:
     return int(reply["usage"]["completion_tokens"])
 
 
-def round_(url: str, model: str, fraction: float, requests: int, concurrency: int, max_tokens: int) -> tuple[int, float]:
+def round_(
+    url: str, model: str, fraction: float, requests: int, concurrency: int, max_tokens: int
+) -> tuple[int, float]:
     constrained = round(requests * fraction)
     flags = [i < constrained for i in range(requests)]
     flags = flags[::2] + flags[1::2]  # constrained and free requests interleaved in the batch
@@ -121,9 +123,10 @@ def main() -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = tempfile.NamedTemporaryFile(prefix="bench-structured-", suffix=".log", delete=False)
-        proc = subprocess.Popen([sys.executable, "-m", "ferrum.cli", "serve", "--model", args.model, "--port", str(port),
-                                 "--backend", args.backend, "--max-num-seqs", str(max(args.concurrency, 1)),
-                                 "--no-log-requests", *args.serve_flags],
+        proc = subprocess.Popen([sys.executable, "-m", "ferrum.cli", "serve", "--model", args.model,
+                                 "--port", str(port), "--backend", args.backend,
+                                 "--max-num-seqs", str(max(args.concurrency, 1)), "--no-log-requests",
+                                 *args.serve_flags],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         print(f"server log: {log.name}")
     try:
@@ -151,11 +154,11 @@ def main() -> int:
         results = []
         print(f"{'constrained':>12} {'output tokens':>14} {'seconds':>9} {'tokens/s':>9} {'vs first':>9}")
         for f in fractions:
-            tokens, seconds = totals[f]
-            rate = tokens / seconds
-            results.append({"fraction": f, "output_tokens": tokens, "seconds": seconds, "tokens_per_s": rate,
-                            "ratio": rate / base})
-            print(f"{f:>12.0%} {tokens:>14} {seconds:>9.1f} {rate:>9.1f} {rate / base:>8.2f}x")
+            total_tokens, total_seconds = totals[f]
+            rate = total_tokens / total_seconds
+            results.append({"fraction": f, "output_tokens": total_tokens, "seconds": total_seconds,
+                            "tokens_per_s": rate, "ratio": rate / base})
+            print(f"{f:>12.0%} {total_tokens:>14} {total_seconds:>9.1f} {rate:>9.1f} {rate / base:>8.2f}x")
         if args.json:
             args.json.write_text(json.dumps({"machine": machine(), "backend": backend, "results": results}, indent=1))
     finally:

@@ -48,10 +48,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # this checkout's ferrum, not an installed one
 
-from ferrum.weights import File, TensorSpec, WeightLoader, WeightLoaderConfig
-from ferrum.weights.spec import default_cache_dir
+from ferrum.weights import File, TensorSpec, WeightLoader, WeightLoaderConfig  # noqa: E402
+from ferrum.weights.spec.loader_config import DEFAULT_CACHE_DIR  # noqa: E402
 
 GB = 1e9
 
@@ -370,8 +370,8 @@ def http_suite(args: argparse.Namespace, path: Path) -> list[Comparison]:
     import aiohttp
 
     from ferrum.weights import Url
-    from ferrum.weights.download import Downloader
-    from ferrum.weights.http import HttpObject
+    from ferrum.weights.download.downloader import Downloader
+    from ferrum.weights.download.http import HttpObject
 
     size = path.stat().st_size
     work = path.parent / "remote-http"
@@ -425,8 +425,8 @@ def s3_suite(args: argparse.Namespace, path: Path) -> list[Comparison]:
     import boto3
 
     from ferrum.weights import S3
-    from ferrum.weights.download import Downloader
-    from ferrum.weights.s3 import S3Object
+    from ferrum.weights.download.downloader import Downloader
+    from ferrum.weights.download.s3 import S3Object
 
     size = path.stat().st_size
     work = path.parent / "remote-s3"
@@ -479,7 +479,7 @@ def hf_suite(args: argparse.Namespace, path: Path) -> list[Comparison]:
     import huggingface_hub
 
     from ferrum.weights import HuggingFace
-    from ferrum.weights.hub import hub_fetch
+    from ferrum.weights.hub.fetch import hub_fetch
     from tests.hub_mirror import HubMirror, olah_server
 
     size = path.stat().st_size
@@ -548,7 +548,8 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
 
 def print_table(comparisons: list[Comparison]) -> None:
     print(
-        f"\n{'suite':<7} {'workload':<18} {'ferrum s':>9} {'GB/s':>8}   {'reference':<14} {'s':>9} {'GB/s':>8} {'ratio':>7}"
+        f"\n{'suite':<7} {'workload':<18} {'ferrum s':>9} {'GB/s':>8}   "
+        f"{'reference':<14} {'s':>9} {'GB/s':>8} {'ratio':>7}"
     )
     for c in comparisons:
         print(
@@ -573,7 +574,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = Layout(args.size_gb, args.tensor_mb, args.small_per_big, args.dtype)
-    path = ensure_file(args.dir or default_cache_dir() / "bench", layout)
+    cache = Path(os.environ.get("FERRUM_CACHE") or DEFAULT_CACHE_DIR).expanduser()  # as `ferrum serve` takes it
+    path = ensure_file(args.dir or cache / "bench", layout)
     results = []
     loads = {}
     for name in args.suites:

@@ -39,6 +39,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "localhost/ferrum:check"
@@ -46,8 +47,18 @@ CUDA_STRUCTURE_IMAGE = "localhost/ferrum:check-cuda-dockerfile"
 MAX_IMAGE_BYTES = 1_500_000_000
 USER = "10001:10001"
 
+
+class BaseRecipe(TypedDict):
+    suite: str
+    variant: str
+    include: list[str]
+    mirror: str
+    cleanup: list[str]
+    recipe_version: int
+
+
 # Everything that decides what the base image holds; its hash names the cached file.
-BASE_RECIPE = {
+BASE_RECIPE: BaseRecipe = {
     "suite": "bookworm",
     "variant": "minbase",
     "include": ["python3", "python3-venv", "ca-certificates"],

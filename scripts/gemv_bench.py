@@ -112,8 +112,9 @@ def main() -> None:
         weights[name] = ws
         nbytes = n * k * 2
         xk = x[:, :k]
-        t = graph_time(lambda: [F.linear(xk, w) for w in ws]) / copies
-        rows.append((f"{name} [{n}x{k}] cuBLAS", f"{t * 1e6:.2f} us", f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%} of read BW"))
+        t = graph_time(lambda xk=xk, ws=ws: [F.linear(xk, w) for w in ws]) / copies
+        rows.append((f"{name} [{n}x{k}] cuBLAS", f"{t * 1e6:.2f} us",
+                     f"{nbytes / t / 1e9:.0f} GB/s = {nbytes / t / bw:.0%} of read BW"))
         results = []
         for cfg in CONFIGS[:4] if args.quick else CONFIGS:
             if k > cfg.k_slice and k % cfg.k_slice:
@@ -128,7 +129,8 @@ def main() -> None:
                 if not err < 2e-2:
                     rows.append((f"{name} {cfg}", "WRONG", f"rel err {err:.3g}"))
                     continue
-                t = graph_time(lambda: [gemv(xk, w, cfg, gated=gated) for w in ws]) / copies
+                t = graph_time(lambda xk=xk, ws=ws, cfg=cfg, gated=gated: [gemv(xk, w, cfg, gated=gated) for w in ws])
+                t /= copies
             except Exception as e:  # a configuration that does not compile (registers, shared memory)
                 rows.append((f"{name} {cfg}", "FAILED", repr(e)[:80]))
                 continue
@@ -144,7 +146,8 @@ def main() -> None:
             for cfg in NORM_CONFIGS:
                 if k > cfg.k_slice and k % cfg.k_slice:
                     continue
-                t = graph_time(lambda: [gemv(xk, w, cfg, gated=gated, norm_weight=nw[:k]) for w in ws]) / copies
+                t = graph_time(lambda xk=xk, ws=ws, cfg=cfg, gated=gated, k=k:
+                               [gemv(xk, w, cfg, gated=gated, norm_weight=nw[:k]) for w in ws]) / copies
                 normed.append((t, cfg))
             normed.sort(key=lambda r: r[0])
             for t, cfg in normed[:4]:
@@ -185,7 +188,7 @@ def main() -> None:
 
     defaults = {name: GemvTable() for name in SHAPES}  # the product's table: its slicing per shape is gemv.slicing
     defaults_norm = defaults
-    for name, (n, k, _) in SHAPES.items():
+    for name, (_, k, _) in SHAPES.items():
         cut, cut_norm = slicing(k, 1, GemvTable()), slicing(k, 1, GemvTable(), norm=True)
         rows.append((f"{name} default slicing", f"K slice {cut.block_k}", f"with the norm {cut_norm.block_k}"))
     total_bytes = LAYERS * sum(SHAPES[s][0] * SHAPES[s][1] * 2 for s in ("qkv", "o", "gate_up", "down")) \
@@ -218,10 +221,12 @@ def main() -> None:
         ref = tk_attention.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, 1)
         for splits, block_n, warps in [(16, 32, 4), (16, 32, 2), (8, 32, 2), (16, 16, 2), (32, 16, 2), (8, 64, 4),
                                        (32, 32, 2)]:
-            got = tk_attention.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, block_n=block_n, num_warps=warps)
+            got = tk_attention.paged_decode(q, *caches[0], table, lens, page, dim**-0.5, splits, block_n=block_n,
+                                            num_warps=warps)
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            t = graph_time(lambda: [tk_attention.paged_decode(q, kc, vc, table, lens, page, dim**-0.5, splits,
-                                                    block_n=block_n, num_warps=warps) for kc, vc in caches]) / LAYERS
+            t = graph_time(lambda table=table, lens=lens, splits=splits, block_n=block_n, warps=warps:
+                           [tk_attention.paged_decode(q, kc, vc, table, lens, page, dim**-0.5, splits,
+                                                      block_n=block_n, num_warps=warps) for kc, vc in caches]) / LAYERS
             rows.append((f"attention ctx {ctx} splits {splits} block_n {block_n} warps {warps}", f"{t * 1e6:.2f} us",
                          f"rel diff {err:.1e}"))
     # launch gaps: 112 tiny dependent kernels in one graph

@@ -41,9 +41,10 @@ import sys
 import time
 import traceback
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -222,7 +223,8 @@ def phase_tests(args) -> None:
 def gpu_engine(folder: Path, **overrides):
     from ferrum.engine.builder import create_engine
 
-    settings = dict(dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+    settings: dict[str, Any] = dict(dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192,
+                                    max_model_len=4096)
     if BACKEND == "cpu":
         settings |= dict(dtype="float32", kv_cache_memory_gb=0.2, max_num_seqs=8, max_num_batched_tokens=512)
     return create_engine(str(folder), backend=BACKEND, **(settings | overrides))
@@ -238,14 +240,14 @@ def ferrum_decode_logits(engine, prompts: list[list[int]], steps: int) -> tuple[
 
     def observe(record_) -> None:
         if record_.logits is not None:
-            for rid, row in zip(record_.request_ids, record_.logits):
+            for rid, row in zip(record_.request_ids, record_.logits, strict=True):
                 rows.setdefault(rid, []).append(row.float().cpu())
 
     remove = engine.add_observer(observe)
     ids = [f"check-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     out: dict[str, list[int]] = {i: [] for i in ids}
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprobs=0)
-    for rid, prompt in zip(ids, prompts):
+    for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
     while engine.has_work:
         for delta in engine.step():
@@ -272,13 +274,14 @@ def phase_correct(args) -> None:
         del engine
         torch.cuda.empty_cache()
         # the references, teacher-forced on Ferrum's own continuations
-        errors = {"ferrum bf16, batch 1": [], "ferrum bf16, batch 3": [], "HF bf16": []}
+        errors: dict[str, list[float]] = {"ferrum bf16, batch 1": [], "ferrum bf16, batch 3": [], "HF bf16": []}
         top1 = {"ferrum": 0, "HF bf16": 0}
         total = 0
         hf_greedy = []
         with torch.no_grad():
-            hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
-            hf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+            # transformers' cuda() is a functools.wraps of Module.cuda, which mypy can't bind
+            hf32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()  # type: ignore[call-arg]
+            hf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()  # type: ignore[call-arg]
             for i, p in enumerate(prompts):
                 tokens, ours = alone[i][0][0], alone[i][1][0]
                 ids = torch.tensor([p + tokens[:-1]], device="cuda")
@@ -295,8 +298,9 @@ def phase_correct(args) -> None:
                                   eos_token_id=None, pad_token_id=0)
                 hf_greedy.append(g[0, len(p):].tolist())
             margins = []
-            for p, ours_out, theirs in zip(prompts, greedy, hf_greedy):
-                n = next((k for k, (a, b) in enumerate(zip(ours_out, theirs)) if a != b), len(theirs))
+            for p, ours_out, theirs in zip(prompts, greedy, hf_greedy, strict=True):
+                # the first position where they part (over the shorter, should one stop early)
+                n = next((k for k, (a, b) in enumerate(zip(ours_out, theirs, strict=False)) if a != b), len(theirs))
                 if n < len(theirs):
                     logits = hf32(torch.tensor([p + theirs[:n]], device="cuda")).logits[0, -1].float()
                     margins.append(round(abs(float(logits[ours_out[n]] - logits[theirs[n]])), 4))
@@ -307,10 +311,12 @@ def phase_correct(args) -> None:
             if errors[label]:
                 err = max(errors[label])
                 record("correct", f"{shape} {label}: logits max|ferrum - HF fp32|", round(err, 4), "",
-                       f"HF bf16 vs HF fp32: {err_hf:.4f}; bound 2x HF's: {'PASS' if err <= 2 * err_hf + 1e-3 else 'FAIL'}")
+                       f"HF bf16 vs HF fp32: {err_hf:.4f}; bound 2x HF's: "
+                       f"{'PASS' if err <= 2 * err_hf + 1e-3 else 'FAIL'}")
         record("correct", f"{shape} top-1 agreement with HF fp32", f"ferrum {top1['ferrum']}/{total}, "
                f"HF bf16 {top1['HF bf16']}/{total}")
-        matched = [next((k for k, (a, b) in enumerate(zip(o, t)) if a != b), len(t)) for o, t in zip(greedy, hf_greedy)]
+        matched = [next((k for k, (a, b) in enumerate(zip(o, t, strict=False)) if a != b), len(t))
+                   for o, t in zip(greedy, hf_greedy, strict=True)]
         near_ties = all(m <= 2 * err_hf for m in margins)
         record("correct", f"{shape} greedy 32 tokens (bursts, batch 3) == HF bf16 generate",
                f"{matched} tokens match of 32", "", f"fp32 logit gap where they part: {margins} "
@@ -345,7 +351,8 @@ def time_batch1_decode(folder: Path, prompt_len: int = 128, new_tokens: int = 25
 def hf_batch1_tokens_per_s(folder: Path, new_tokens: int = 64) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    # transformers' cuda() is a functools.wraps of Module.cuda, which mypy can't bind
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()  # type: ignore[call-arg]
     ids = torch.randint(0, 1000, (1, 128), device="cuda")
     with torch.no_grad():
         model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -414,7 +421,7 @@ def phase_serve(args) -> None:
     common = ["--num-prompts", str(args.num_prompts), "--seed", "0"]
     flags = ["--max-num-seqs", "64", "--max-model-len", "2048"]
     for variant in variants(args):
-        def offline(tag: str) -> float:
+        def offline(tag: str, variant: Variant = variant) -> float:
             res = bench(variant, "offline", "--model", str(folder), *flags, *common,
                         "--output-json", str(args.out / f"offline-c64-{variant.name}-{tag}.json"))
             return res["output_tokens_per_s"]
@@ -426,7 +433,8 @@ def phase_serve(args) -> None:
         reference = (before + offline("after")) / 2 if args.serve_refs > 1 else before
         lvl = res["levels"][0]
         record("serve", f"HTTP c=64 ({variant.name})", round(lvl["output_throughput"]), "output tok/s",
-               f"offline c64 {before:.0f} / mean {reference:.0f}: {lvl['output_throughput'] / reference:.0%} of offline; "
+               f"offline c64 {before:.0f} / mean {reference:.0f}: "
+               f"{lvl['output_throughput'] / reference:.0%} of offline; "
                f"TTFT p50/p99 {lvl['ttft_ms']['median']:.0f}/{lvl['ttft_ms']['p99']:.0f} ms, TPOT p50 "
                f"{lvl['tpot_ms']['median']:.2f} ms, failed {lvl['failed']}")
 
@@ -489,7 +497,8 @@ def phase_memory(args) -> None:
             mine = {p: m // 2**20 for p, m in procs.items() if p != os.getpid()}
             record("memory", f"8B server ready ({variant.name}): in use on the device", round(used / 2**20), "MiB",
                    f"{used / total:.1%} of {total / 2**20:.0f} MiB; budget {budget / 2**20:.0f} MiB "
-                   f"({'held' if used <= budget else 'EXCEEDED'}); server processes (pid: MiB) {mine}; KV blocks {blocks}")
+                   f"({'held' if used <= budget else 'EXCEEDED'}); server processes (pid: MiB) {mine}; "
+                   f"KV blocks {blocks}")
             bench(variant, "serve", "--url", "http://127.0.0.1:8013", "--tokenizer", str(folder), "--concurrency", "64",
                   "--num-prompts", "64", "--input-len", "100:2048", "--output-len", "16:128",
                   "--output-json", str(args.out / f"memory-load-{variant.name}.json"))
@@ -527,11 +536,12 @@ def phase_prefix(args) -> None:
 
 def phase_timeline(args) -> None:
     """The engine's steps on the offline workload, from its step observer: time by kind of step."""
+    from ferrum.engine.observer import StepRecord
     from ferrum.engine.sampling_params import SamplingParams
 
     folder = checkpoint("llama-3.2-1b", args.ckpt)
     engine = gpu_engine(folder, max_model_len=2048)
-    steps = []
+    steps: list[StepRecord] = []
     engine.add_observer(steps.append)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -578,7 +588,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = None
-    phases = {
+    phases: dict[str, Callable[..., object]] = {
         "env": lambda: None, "tests": phase_tests, "correct": phase_correct, "offline": phase_offline,
         "serve": phase_serve, "cold": phase_cold, "memory": phase_memory, "prefix": phase_prefix,
         "timeline": phase_timeline,

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.tiny_model import write_synthetic_tokenizer  # noqa: E402  (the tests' model builder owns it)
+from ferrum.tokenizer.synthetic import write_synthetic_tokenizer  # noqa: E402  (this checkout's ferrum)
 
 SHAPES: dict[str, dict] = {
     "llama-3.2-1b": dict(
@@ -138,8 +138,8 @@ def write_file_tiled(path: Path, shapes: dict[str, tuple[int, ...]], seed: int, 
     it. The file is safetensors as its format note has it: a little-endian u64 header length, the
     JSON header (dtype, shape, data offsets), the raw bytes."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    tile = random_tensor("tile", (TILE_BYTES // 2,), gen, "cpu") - 1.0  # 1-D draws are norm-like: around 0 now
-    tile = (tile * 0.4).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()  # std 0.02, as random_tensor's
+    draws = random_tensor("tile", (TILE_BYTES // 2,), gen, "cpu") - 1.0  # 1-D draws are norm-like: around 0 now
+    tile = (draws * 0.4).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()  # std 0.02, as random_tensor's
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():

@@ -85,7 +85,8 @@ def main() -> None:
             releases.append((b_after - a_end) / 1e3)
         starts.sort()
         releases.sort()
-        rows.append(dict(test="pair", pdl=mode, b_start_minus_a_end_us=starts[10], b_after_wait_minus_a_end_us=releases[10]))
+        rows.append(dict(test="pair", pdl=mode, b_start_minus_a_end_us=starts[10],
+                         b_after_wait_minus_a_end_us=releases[10]))
     buf = torch.zeros(1, dtype=torch.int32, device="cuda")
     for mode in (0, 1):
         def chain(mode=mode):

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,9 +51,10 @@ def engine(folder: Path, tp: int, **overrides):
     from ferrum.engine.builder import create_engine
     from ferrum.kernels.config import KernelConfig
 
-    settings = dict(dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
-                    gpu_memory_utilization=0.85, tensor_parallel_size=tp,
-                    kernels=KernelConfig(one_shot_all_reduce_kb=ONE_SHOT_KB, one_shot_push=ONE_SHOT_PUSH))
+    settings: dict[str, Any] = dict(
+        dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
+        gpu_memory_utilization=0.85, tensor_parallel_size=tp,
+        kernels=KernelConfig(one_shot_all_reduce_kb=ONE_SHOT_KB, one_shot_push=ONE_SHOT_PUSH))
     return create_engine(str(folder), backend="cuda", **(settings | overrides))
 
 
@@ -125,7 +127,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(t) for t in args.tp.split(",")]
     record("machine", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", "",
-           f"torch {torch.__version__}, {platform.python_version()}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+           f"torch {torch.__version__}, {platform.python_version()}, "
+           f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
     bw = copy_bandwidth(2**29)
     record("copy bandwidth of one GPU (read+write)", round(bw / 1e9), "GB/s")
     rng = random.Random(0)
@@ -198,11 +201,13 @@ def compare(label: str, got, reference) -> None:
     """Logits of the same steps: the largest difference, relative to the logits' spread, and top-1."""
     (outs, logits), (ref_outs, ref_logits) = got, reference
     steps = min(len(logits), len(ref_logits))
-    err = max(float((a - b).abs().max()) for a, b in zip(logits[:steps], ref_logits[:steps]))
+    pairs = list(zip(logits[:steps], ref_logits[:steps], strict=True))
+    err = max(float((a - b).abs().max()) for a, b in pairs)
     scale = max(float(b.std()) for b in ref_logits[:steps])
-    top1 = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits[:steps], ref_logits[:steps]))
+    top1 = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in pairs)
     rows = sum(b.shape[0] for b in ref_logits[:steps])
-    same = [next((k for k, (x, y) in enumerate(zip(o, r)) if x != y), len(r)) for o, r in zip(outs, ref_outs)]
+    same = [next((k for k, (x, y) in enumerate(zip(o, r, strict=False)) if x != y), len(r))  # first difference
+            for o, r in zip(outs, ref_outs, strict=True)]
     record(f"{label} logits max|diff|", round(err, 4), "", f"logits std {scale:.3f}; top-1 {top1}/{rows}; greedy "
            f"tokens equal before the first difference: {same} of 8 (steps after a difference see other inputs)")
 

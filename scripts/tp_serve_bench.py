@@ -20,6 +20,7 @@ Prints one table and writes DIR/tp-serve.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -55,7 +56,8 @@ def checkpoint(shape: str, root: Path, tiled: bool, workers: int) -> Path:
 
 def workers_of(server_pid: int) -> list[int]:
     """The tensor-parallel worker processes under the server (the engine process's children)."""
-    found = subprocess.run(["pgrep", "-f", "ferrum.engine.tp_worker"], capture_output=True, text=True).stdout.split()
+    found = subprocess.run(["pgrep", "-f", "ferrum.engine.parallel.worker"], capture_output=True,
+                           text=True).stdout.split()
 
     def descends(pid: int) -> bool:
         while pid > 1:
@@ -156,7 +158,8 @@ def served(args, folder: Path, tp: int, per_token: int, bw: float, flags: list[s
 
 def offline(args, folder: Path, tp: int, flags: list[str], work: list[str]) -> None:
     res = bench(Variant("new", ROOT), "offline", "--model", str(folder), "--backend", gpu_suite.BACKEND,
-                "--tensor-parallel-size", str(tp), *flags, *work, "--output-json", str(args.out / f"offline-tp{tp}.json"))
+                "--tensor-parallel-size", str(tp), *flags, *work,
+                "--output-json", str(args.out / f"offline-tp{tp}.json"))
     record("offline", f"{args.shape} TP{tp} ferrum bench offline", round(res["output_tokens_per_s"]), "output tok/s",
            f"{res['elapsed_s']:.1f}s, {res['total_output_tokens']} tokens (as requested: "
            f"{res['output_tokens_as_requested']})")
@@ -201,12 +204,12 @@ def main() -> None:
             "--output-len", args.output_len]
     sizes = [int(t) for t in args.tp.split(",")]
     for tp in sizes:
-        attempt(f"TP{tp} served", lambda: served(args, folder, tp, per_token, bw, flags, work, skip))
+        attempt(f"TP{tp} served", functools.partial(served, args, folder, tp, per_token, bw, flags, work, skip))
         if args.kill_rank and tp > 1 and tp == sizes[-1]:
-            attempt(f"TP{tp} kill a rank", lambda: kill_a_rank(folder, tp, 8050 + tp, args.out / f"kill-tp{tp}.log",
-                                                               flags))
+            kill_log = args.out / f"kill-tp{tp}.log"
+            attempt(f"TP{tp} kill a rank", functools.partial(kill_a_rank, folder, tp, 8050 + tp, kill_log, flags))
         if "offline" not in skip:
-            attempt(f"TP{tp} offline", lambda: offline(args, folder, tp, flags, work))
+            attempt(f"TP{tp} offline", functools.partial(offline, args, folder, tp, flags, work))
     (args.out / "tp-serve.json").write_text(json.dumps(gpu_suite.RESULTS, indent=1))
     print("\n" + "\n".join(f"{r['phase']:8s} {r['name']:60s} {r['value']!s:>12} {r['unit']:12s} {r['note']}"
                            for r in gpu_suite.RESULTS), flush=True)

@@ -122,7 +122,7 @@ def engine() -> Any:
 def weights_config(tmp_path: Any, **overrides: object) -> Any:
     """A WeightLoaderConfig for download tests: cache under tmp_path, small chunks, short time-outs,
     no progress output."""
-    from ferrum.weights.spec import WeightLoaderConfig
+    from ferrum.weights.spec.loader_config import WeightLoaderConfig
 
     settings: dict[str, object] = {
         "cache_dir": tmp_path / "cache", "chunk_size": 64 * 1024, "max_concurrent_downloads": 4,

@@ -18,6 +18,7 @@ from ferrum.backends.device import Device
 from ferrum.engine.builder import create_engine
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
+from ferrum.engine.model_rank import runner_for
 from ferrum.kernels.config import KernelConfig
 from ferrum.models.attention import select_attention
 from ferrum.models.attention.layout import KVCacheLayout
@@ -26,8 +27,8 @@ from ferrum.models.layers import layer_ops
 from ferrum.models.llama import LlamaForCausalLM
 from ferrum.models.loader import load_model
 from ferrum.weights.loader import WeightLoader
-from ferrum.weights.model_files import local_weights
-from ferrum.weights.spec import WeightLoaderConfig
+from ferrum.weights.locations.model_files import local_weights
+from ferrum.weights.spec.loader_config import WeightLoaderConfig
 
 
 def host_device() -> Device:
@@ -56,13 +57,7 @@ def make_runner(model: LlamaForCausalLM, device: Device, num_blocks: int, block_
     config = EngineConfig(block_size=block_size, max_num_seqs=settings.pop("max_num_seqs", 8), **settings)
     config = config.for_device(device)
     attention = select_attention(device, layout, config.kernels)
-    if attention.name == "triton_paged":
-        from ferrum.engine.gpu_runner import GPUModelRunner
-
-        return GPUModelRunner(model, device, layout, num_blocks, attention, config, max_model_len)
-    from ferrum.engine.torch_runner import TorchModelRunner
-
-    return TorchModelRunner(model, device, layout, num_blocks, attention)
+    return runner_for(model, device, layout, num_blocks, attention, config, max_model_len)
 
 
 __all__ = ["KernelConfig", "host_device", "load_test_model", "local_engine", "make_runner"]

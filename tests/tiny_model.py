@@ -1,18 +1,16 @@
-"""The one builder of tiny random-weight model folders for the tests (transformers is test-only).
+"""The one builder of tiny random-weight model folders for the tests (transformers is test-only; a model
+without the demo tokenizer takes ferrum.tokenizer.synthetic's).
 
     FAMILIES / tiny_config(family)    a small config of each supported family (7 variants)
     save_hf_model(folder, config)     an HF model of that config with spread-out random weights,
                                       saved as a model folder; the model is returned too (the reference)
     make_tiny_llama(folder)           a bf16 Llama with the demo model's tokenizer (vocab 49152), which
                                       Ferrum serves like any model folder
-    write_synthetic_tokenizer(folder, vocab)   a word-level tokenizer of any vocabulary size (also
-                                      used by scripts/make_random_checkpoint.py)
     folder_files(folder)              every file's bytes, for comparing copies
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -142,41 +140,6 @@ def make_tiny_llama(folder: Path, seed: int = 0, max_shard_size: str | None = No
     for name in TOKENIZER_FILES:
         shutil.copyfile(DEMO / name, folder / name)
     return folder
-
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-def write_synthetic_tokenizer(out: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with one word "t<id>" per token id (whitespace-separated), <bos> and
-    <eos> last, and a plain chat template: any token id round-trips through text, at any vocabulary
-    size (random-weight checkpoints of real shapes, models without the demo tokenizer)."""
-    bos, eos = vocab_size - 2, vocab_size - 1
-    vocab = {f"t{i}": i for i in range(vocab_size - 2)} | {"<bos>": bos, "<eos>": eos}
-    tokenizer = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
-            for tok, i in (("<bos>", bos), ("<eos>", eos))
-        ],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": None,
-        "decoder": None,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
-    }
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-    }))
-
 
 
 def folder_files(folder: Path) -> dict[str, bytes]:

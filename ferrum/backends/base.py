@@ -69,8 +69,10 @@ class ComputeBackend(ABC):
     the typed `Device` of each device they serve (`_make_device`, handed out by `device()`), and the
     device-specific work (`_prepare_device`, `synchronize`, optionally `_release` and
     `_free_cached_memory`). This base keeps the shared bookkeeping: which devices are active, how
-    many operations completed and the last error, all of which `status()` reports. Engines call
-    `record_operation()` and `record_error()`; both are safe to call from worker threads.
+    many operations completed and the last error, all of which `status()` reports. The engine running
+    on a device counts each of its steps with `record_operation()` (ferrum.engine.builder.attach_engine;
+    an engine in a process of its own has them mirrored here by its client); `record_error()` keeps
+    the last error. Both are safe to call from worker threads.
 
     Whoever puts long-lived state on a device (the engine: model weights, KV cache, CUDA graphs)
     registers a release hook for it with `add_release_hook`. `release_device` and `shutdown` wait for
@@ -124,10 +126,12 @@ class ComputeBackend(ABC):
 
     async def _release(self) -> None:
         """Device-specific teardown for `shutdown`, after the release hooks ran; nothing by default."""
+        return
 
     def _free_cached_memory(self) -> None:
         """Return cached allocator memory to the driver (after the hooks ran and garbage was collected);
         nothing by default."""
+        return
 
     def supports_device(self, device: str) -> bool:
         """Whether `device` ("cuda" for any GPU, or "cuda:1" exactly) is one this backend serves."""
@@ -289,8 +293,15 @@ class ComputeBackend(ABC):
                 last_error=self._last_error,
             )
 
+    @property
+    def operations_completed(self) -> int:
+        """What `record_operation` has counted (cheap: no memory is read, unlike `status()`)."""
+        with self._state_lock:
+            return self._operations_completed
+
     def record_operation(self, count: int = 1) -> None:
-        """Count `count` completed operations (a forward pass, a sampling step, ...)."""
+        """Count `count` completed operations (engine steps: a forward pass and its sampling, or a
+        greedy burst)."""
         if count < 0:
             raise ValueError(f"count must not be negative, got {count}")
         with self._state_lock:

@@ -200,6 +200,13 @@ class HostRuntime:
         pass
 
 
+def gloo_available() -> bool:
+    """Whether this torch has torch.distributed with gloo (the CPU's tensor-parallel ranks sum through it)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
 def matmul_works(dtype: torch.dtype) -> bool:
     """Whether a tiny matmul in `dtype` runs on this CPU and gives the right answer."""
     try:
@@ -290,6 +297,8 @@ class CPUBackend(ComputeBackend):
             multi_processor_count=self._core_count,
             cpu_flags=self._reported_cpu_flags,
             packed_bf16_linears=self._native_bf16,
+            collective="gloo" if gloo_available() else None,
+            threads=self._core_count,  # torch's intra-op threads, set by initialize
             runtime=self._runtime,
         )
 

@@ -6,7 +6,7 @@ Two kinds of probing, so that only the process that runs the engine holds a CUDA
   selection need nothing more. Without NVML (no nvidia-ml-py, no driver library), torch.cuda
   probes instead, which creates a context on each GPU probed.
 - the engine's (`CUDABackend.device()`): torch.cuda, in the process that will run on the GPU
-  (the context is needed there anyway): multiprocessor count and the rest of the `Device`.
+  (the context is needed there anyway): multiprocessor count, peer access and the rest of the `Device`.
 
 Live numbers and device work (free memory, memory held, synchronize, emptying the allocator's
 cache) go through a `TorchCudaRuntime`: free memory from NVML until this process has initialised
@@ -38,7 +38,9 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 from dataclasses import dataclass, replace
+from typing import TypedDict
 
 import torch
 
@@ -63,7 +65,8 @@ FP8_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float
 @dataclass(frozen=True)
 class CudaDeviceFacts:
     """What one GPU is, as probed once (or, in tests, as declared). `multi_processor_count` is None
-    when NVML probed it (no CUDA context yet): `CUDABackend.device()` probes it with torch."""
+    when NVML probed it (no CUDA context yet): `CUDABackend.device()` probes it with torch, and
+    `integrated` and `peers` with it."""
 
     index: int
     name: str
@@ -75,6 +78,9 @@ class CudaDeviceFacts:
     flex_attention_available: bool
     cuda_version: str
     multi_processor_count: int | None = None
+    nccl_available: bool = False  # torch.distributed with NCCL (tensor-parallel ranks sum through it)
+    integrated: bool = False  # shares the host's memory (a Jetson); probed with torch
+    peers: tuple[int, ...] = ()  # visible GPUs whose memory this one can map (peer access); probed with torch
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -95,15 +101,35 @@ def module_imports(module_name: str) -> bool:
     return True
 
 
-def _software_facts() -> dict[str, object]:
+class SoftwareFacts(TypedDict):
+    """The CudaDeviceFacts that the torch build and the installed packages decide, whatever the GPU."""
+
+    flash_attention_built: bool
+    flash_sdp_enabled: bool
+    triton_available: bool
+    flex_attention_available: bool
+    cuda_version: str
+    nccl_available: bool
+
+
+def _software_facts() -> SoftwareFacts:
     """What the torch build and the installed packages offer, whatever the GPU (no CUDA context)."""
-    return dict(
-        flash_attention_built=torch.backends.cuda.is_flash_attention_available(),
-        flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled(),
-        triton_available=module_imports("triton"),
-        flex_attention_available=module_imports("torch.nn.attention.flex_attention"),
-        cuda_version=torch.version.cuda or "unknown",
-    )
+    import torch.distributed as dist
+
+    return {
+        "flash_attention_built": torch.backends.cuda.is_flash_attention_available(),
+        "flash_sdp_enabled": torch.backends.cuda.flash_sdp_enabled(),
+        "triton_available": module_imports("triton"),
+        "flex_attention_available": module_imports("torch.nn.attention.flex_attention"),
+        "cuda_version": torch.version.cuda or "unknown",
+        "nccl_available": dist.is_available() and dist.is_nccl_available(),
+    }
+
+
+def probe_peers(index: int) -> tuple[int, ...]:
+    """The visible GPUs whose memory GPU `index` can map directly (CUDA peer access)."""
+    return tuple(other for other in range(torch.cuda.device_count())
+                 if other != index and torch.cuda.can_device_access_peer(index, other))
 
 
 def probe_cuda_device(index: int) -> CudaDeviceFacts:
@@ -116,7 +142,9 @@ def probe_cuda_device(index: int) -> CudaDeviceFacts:
         compute_capability=(properties.major, properties.minor),
         total_memory_bytes=properties.total_memory,
         multi_processor_count=properties.multi_processor_count,
-        **_software_facts(),  # type: ignore[arg-type]
+        integrated=bool(properties.is_integrated),
+        peers=probe_peers(index),
+        **_software_facts(),
     )
 
 
@@ -127,7 +155,7 @@ def nvml_facts(gpu: NvmlGpu) -> CudaDeviceFacts:
         name=gpu.name,
         compute_capability=gpu.compute_capability,
         total_memory_bytes=gpu.total_memory_bytes,
-        **_software_facts(),  # type: ignore[arg-type]
+        **_software_facts(),
     )
 
 
@@ -209,6 +237,9 @@ def cuda_device(facts: CudaDeviceFacts, runtime: DeviceRuntime) -> Device:
         cuda_graphs=True,
         pdl=facts.triton_available and cc >= PDL_MIN_CC,
         fp8=torch.float8_e4m3fn in dtypes,
+        dedicated_memory=not facts.integrated,
+        peers=tuple(f"cuda:{other}" for other in facts.peers),
+        collective="nccl" if facts.nccl_available else None,
         runtime=runtime,
     )
 
@@ -296,8 +327,17 @@ class CUDABackend(AcceleratorBackend):
         if self._facts.multi_processor_count is None:
             probed = probe_cuda_device(self._facts.index)
             self._facts = replace(self._facts, multi_processor_count=probed.multi_processor_count,
-                                  name=probed.name, total_memory_bytes=probed.total_memory_bytes)
+                                  name=probed.name, total_memory_bytes=probed.total_memory_bytes,
+                                  integrated=probed.integrated, peers=probed.peers)
         return cuda_device(self._facts, self._runtime)
+
+    async def _prepare_device(self, device: str) -> None:
+        """Also sets this process up for the GPU: torch's symmetric memory (the peer-mapped buffers of
+        the tensor-parallel all-reduce, ferrum.engine.parallel.peer_all_reduce) never maps NVLink
+        multicast (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set). Every process that runs on the GPU
+        initializes its backend before it allocates any (the engine's, each tensor-parallel worker)."""
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        await super()._prepare_device(device)
 
 
 def create_backends() -> list[ComputeBackend]:

@@ -10,6 +10,10 @@ kernels need, frozen, plus live queries of memory through the device's `DeviceRu
     device.dtypes, .preferred_dtype        what it computes natively; what `dtype: auto` serves in
     device.compute_capability, .multi_processor_count, .total_memory_bytes
     device.triton, .cuda_graphs, .pdl, .fp8, .packed_bf16_linears
+    device.dedicated_memory                memory of its own (a discrete GPU), not the host's
+    device.peers                           the devices whose memory it maps directly ("cuda:1", ...)
+    device.collective                      the torch.distributed backend its ranks sum through: nccl, gloo
+    device.threads                         host threads its work runs on (the CPU's cores; 0 on a GPU)
     device.free_memory_bytes()             live: free now (every process counted)
     device.runtime                         live memory statistics, synchronize, empty the allocator cache
 """
@@ -24,6 +28,7 @@ import torch
 from ferrum.dtypes import dtype_names
 
 DeviceKind = Literal["cpu", "cuda", "mps"]
+Collective = Literal["nccl", "gloo"]
 
 
 class DeviceRuntime(Protocol):
@@ -83,6 +88,12 @@ class Device:
     pdl: bool = False  # programmatic dependent launch (compute capability 9.0 and later)
     fp8: bool = False  # native fp8 matrix units (compute capability 8.9 and later)
     packed_bf16_linears: bool = False  # a CPU with bf16 matmul units: oneDNN-prepacked linears pay off
+    # memory of its own, not the host's (a discrete GPU): the engine sizes its KV cache there by
+    # profiling against gpu_memory_utilization; a device without (the CPU, MPS) from available memory
+    dedicated_memory: bool = False
+    peers: tuple[str, ...] = ()  # other devices whose memory this one can map directly (CUDA peer access)
+    collective: Collective | None = None  # torch.distributed's backend for tensors here; None: no collectives
+    threads: int = 0  # host threads its work runs on (the CPU: its usable cores); 0: its own cores compute
     runtime: DeviceRuntime = field(default=None, compare=False, hash=False, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -91,7 +102,8 @@ class Device:
         object.__setattr__(self, "dtypes", frozenset(self.dtypes))
         if self.preferred_dtype not in self.dtypes:
             raise ValueError(
-                f"{self.name}: preferred dtype {self.preferred_dtype} is not among its dtypes ({dtype_names(self.dtypes)})"
+                f"{self.name}: preferred dtype {self.preferred_dtype} is not among its dtypes "
+                f"({dtype_names(self.dtypes)})"
             )
 
     @property
@@ -119,4 +131,6 @@ class Device:
         facts += [name for name, on in (("triton", self.triton), ("cuda graphs", self.cuda_graphs),
                                          ("pdl", self.pdl), ("fp8", self.fp8),
                                          ("packed bf16 linears", self.packed_bf16_linears)) if on]
+        if self.peers:
+            facts.append(f"peers {', '.join(self.peers)}")
         return f"{self.name} ({self.description}): " + "; ".join(facts)

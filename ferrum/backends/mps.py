@@ -143,10 +143,11 @@ class MPSBackend(AcceleratorBackend):
 
     def _make_device(self, device: str) -> Device:
         capabilities = self.capabilities()
+        macos = f", macOS {self._facts.macos_version}" if self._facts.macos_version else ""
         return Device(
             name="mps",
             kind="mps",
-            description=f"Apple GPU (Metal{', macOS ' + self._facts.macos_version if self._facts.macos_version else ''})",
+            description=f"Apple GPU (Metal{macos})",
             dtypes=capabilities.supported_dtypes,
             preferred_dtype=torch.bfloat16 if self._facts.bf16_supported else torch.float16,
             total_memory_bytes=capabilities.total_memory_bytes,

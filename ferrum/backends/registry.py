@@ -12,6 +12,7 @@ import torch
 from ferrum.backends.base import ComputeBackend
 from ferrum.backends.capabilities import BackendRequirements, dtype_names
 from ferrum.backends.cpu import CPUBackend
+from ferrum.backends.device import Device
 
 logger = logging.getLogger(__name__)
 
@@ -144,3 +145,14 @@ async def create_default_registry() -> BackendRegistry:
                 "could not set up the %s backend from %s; continuing without it", kind, module_name
             )
     return registry
+
+
+async def open_backend(name: str, device: str) -> tuple[ComputeBackend, Device]:
+    """The registered backend `name` ("cpu", "cuda:1"), from a registry built in this process,
+    initialised on `device`, and that device's `Device`, probed here: how a process that runs on a
+    device another process selected (an engine process, a tensor-parallel worker) opens it, so that a
+    GPU's CUDA context belongs to the process that computes on it."""
+    registry = await create_default_registry()
+    backend = registry.get(name)
+    await backend.initialize(device)
+    return backend, backend.device(device)

@@ -52,7 +52,7 @@ class DeviceWriter(Protocol):
 
 def _host_bytes(source: torch.Tensor) -> memoryview:
     flat = source.contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def _reader_of(source: torch.Tensor) -> ReadInto:
@@ -73,11 +73,11 @@ class HostWriter:
     def write(self, target: torch.Tensor, read: ReadInto) -> None:
         if self._direct:
             if target.numel():
-                read(memoryview(byte_view(target).numpy()), 0)
+                read(byte_view(target).numpy().data, 0)
             return
         host = torch.empty(target.shape, dtype=target.dtype)
         if host.numel():
-            read(memoryview(byte_view(host).numpy()), 0)
+            read(byte_view(host).numpy().data, 0)
         target.copy_(host)
 
     def write_tensor(self, target: torch.Tensor, source: torch.Tensor) -> None:
@@ -119,7 +119,7 @@ class PinnedWriter:
             buffer, done = free.get()
             try:
                 done.synchronize()  # its last upload has finished: the buffer may be refilled
-                read(memoryview(buffer[:n].numpy()), offset)
+                read(buffer[:n].numpy().data, offset)
                 with torch.cuda.stream(self._stream):
                     out[offset : offset + n].copy_(buffer[:n], non_blocking=True)
                     done.record(self._stream)

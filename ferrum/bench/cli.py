@@ -81,7 +81,8 @@ def _workload_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore EOS, so each generates its output length)")
     p.add_argument("--output-json", metavar="FILE", help="write the results as JSON to FILE")
-    p.add_argument("--log-level", default="warning", metavar="LEVEL", help="debug | info | warning | error (default warning)")
+    p.add_argument("--log-level", default="warning", metavar="LEVEL",
+                   help="debug | info | warning | error (default warning)")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -88,7 +88,9 @@ def _check_fits(spec: WorkloadSpec, max_model_len: int) -> None:
 def run_offline(options: OfflineOptions) -> OfflineResult:
     spec = options.workload
     if spec.prompts:
-        raise BenchError("bench offline draws random token-id prompts: a prompt list is for bench serve --endpoint chat")
+        raise BenchError(
+            "bench offline draws random token-id prompts: a prompt list is for bench serve --endpoint chat"
+        )
     if options.engine.get("max_model_len") is not None:  # before loading anything
         _check_fits(spec, int(options.engine["max_model_len"]))
     engine = create_engine(options.model, backend=options.backend, **options.engine)

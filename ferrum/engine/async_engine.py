@@ -24,7 +24,7 @@ from ferrum.engine.llm_engine import EngineStats, LLMEngine
 from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.request_streams import EngineDeadError, RequestStreams
 from ferrum.engine.sampling_params import SamplingParams
-from ferrum.engine.startup import WeightLoadReport
+from ferrum.models.loader import WeightLoadReport
 from ferrum.tokenizer import Tokenizer
 
 __all__ = ["AsyncEngine", "EngineClient", "EngineDeadError", "EngineStats", "PromptTooLongError"]

@@ -2,8 +2,11 @@
 
     EngineSpec     what an engine needs, picklable: the engine config, the backend the API process
                    selected (by name) and its device, the model's resolved files, the weights config
-    open_device    the spec's backend rebuilt in this process and its `Device` probed here (so that
-                   a GPU's CUDA context is opened by the process that runs on it, not the API server)
+    build_engine   the spec's engine in this process: its backend rebuilt and its `Device` probed here
+                   (ferrum.backends.registry.open_backend: a GPU's CUDA context belongs to the process
+                   that runs on it, not the API server), the engine attached to the backend
+    attach_engine  an engine's ties to the backend it runs on: its release on the backend's shutdown,
+                   and its steps counted as the backend's operations (GET /v1/backends)
     create_engine  an in-process engine from a model location and a backend choice (ferrum bench
                    offline, scripts, tests): select, resolve, build
 """
@@ -17,16 +20,16 @@ from typing import Any
 
 from ferrum.backends.base import ComputeBackend
 from ferrum.backends.capabilities import BackendRequirements
-from ferrum.backends.device import Device
-from ferrum.backends.registry import create_default_registry
+from ferrum.backends.registry import create_default_registry, open_backend
 from ferrum.backends.selection import select_backend
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
+from ferrum.engine.observer import StepRecord
 from ferrum.engine.startup import StartupObserver
 from ferrum.models.loader import run_sync
-from ferrum.weights.model_files import ModelFiles
-from ferrum.weights.spec import WeightLoaderConfig
-from ferrum.weights.uri import ModelLocation, resolve_model
+from ferrum.weights.locations.model_files import ModelFiles, ModelLocation
+from ferrum.weights.locations.uri import resolve_model
+from ferrum.weights.spec.loader_config import WeightLoaderConfig
 
 
 @dataclass(frozen=True)
@@ -38,22 +41,24 @@ class EngineSpec:
     weights: WeightLoaderConfig = field(default_factory=WeightLoaderConfig)
 
 
-async def open_device(spec: EngineSpec) -> tuple[ComputeBackend, Device]:
-    """The spec's backend, from a registry built in this process, initialised on its device, and
-    that device's `Device`, probed here."""
-    registry = await create_default_registry()
-    backend = registry.get(spec.backend)
-    await backend.initialize(spec.device)
-    return backend, backend.device(spec.device)
-
-
 def build_engine(spec: EngineSpec, on_progress: StartupObserver | None = None) -> tuple[LLMEngine, ComputeBackend]:
-    """The engine of `spec`, in this process (its own engine process, or a worker thread), with its
-    release registered on the backend (so that the backend's shutdown frees the device)."""
-    backend, device = run_sync(open_device(spec))
+    """The engine of `spec`, in this process (its own engine process), attached to its backend."""
+    backend, device = run_sync(open_backend(spec.backend, spec.device))
     engine = LLMEngine(spec.config, device, spec.files, spec.weights, on_progress=on_progress)
-    backend.add_release_hook(device.name, engine.release)
+    attach_engine(engine, backend)
     return engine, backend
+
+
+def attach_engine(engine: LLMEngine, backend: ComputeBackend) -> None:
+    """Ties `engine` to the backend whose device it runs on, in the process it runs in: the
+    backend's shutdown frees the engine's device memory (a release hook), and every engine step is
+    one of the backend's completed operations (a step observer)."""
+    backend.add_release_hook(engine.device.name, engine.release)
+
+    def count(record: StepRecord) -> None:
+        backend.record_operation()
+
+    engine.add_observer(count)
 
 
 def create_engine(

@@ -1,7 +1,7 @@
 """How the engine is sized and what it runs: `EngineConfig` (the `engine:` section of the YAML).
 
 The model and the device are not part of it: the engine is given a `Device` by the selected
-backend and the model's files (`ferrum.weights.model_files.ModelFiles`); what depends on the
+backend and the model's files (`ferrum.weights.locations.model_files.ModelFiles`); what depends on the
 device (batch limits, the dtype `auto` means) is resolved against that `Device` here, once.
 """
 
@@ -69,6 +69,16 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 1024),
         )
 
+    @property
+    def seqs_per_step(self) -> int:
+        """max_num_seqs, as `for_device` filled it in."""
+        return _filled(self.max_num_seqs, "max_num_seqs")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """max_num_batched_tokens, as `for_device` filled it in."""
+        return _filled(self.max_num_batched_tokens, "max_num_batched_tokens")
+
     def serving_dtype(self, checkpoint_dtype: torch.dtype, device: Device) -> torch.dtype:
         """The dtype the weights and activations are kept in. `auto`: on the CPU the device's
         preferred dtype (bf16 where it has bf16 matmul units, else float32); on a GPU the
@@ -76,6 +86,13 @@ class EngineConfig:
         preferred one (bf16, or fp16 before compute capability 8.0)."""
         if self.dtype != "auto":
             return serving_dtype(self.dtype)
-        if device.is_accelerator and checkpoint_dtype in (torch.float16, torch.bfloat16) and checkpoint_dtype in device.dtypes:
+        half = checkpoint_dtype in (torch.float16, torch.bfloat16)
+        if device.is_accelerator and half and checkpoint_dtype in device.dtypes:
             return checkpoint_dtype
         return device.preferred_dtype
+
+
+def _filled(value: int | None, name: str) -> int:
+    if value is None:
+        raise ValueError(f"{name} is not resolved yet: use EngineConfig.for_device(device)")
+    return value

@@ -5,7 +5,7 @@ smallest bucket that holds its sequences: their inputs are copied into the graph
 buffers (padded rows point at a spare "trash" KV block), and the graph computes the logits of
 every row into one static buffer shared by all graphs (so that their memory pool holds one graph's
 temporaries, not every graph's output). Batches of up to `KernelConfig.fused_decode_rows` run the
-fused matrix-vector chain (ferrum.models.layers.fused_decode).
+fused matrix-vector chain (ferrum.models.fused_decode).
 
 Each graph ends with the greedy choice of every row, written where the next replay reads its
 input (one position on, ferrum.models.layers.greedy): a greedy burst replays a graph several
@@ -25,7 +25,7 @@ import torch
 from ferrum.engine.sequence import Sequence
 from ferrum.models.attention.layout import KVCache, KVCacheLayout
 from ferrum.models.attention.triton_paged import TritonPagedAttention
-from ferrum.models.layers.fused_decode import FusedDecode
+from ferrum.models.fused_decode import FusedDecode
 from ferrum.models.layers.greedy import greedy_advance
 from ferrum.models.llama import LlamaForCausalLM
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GreedyBurst:
+class GraphBurst:
     """Greedy decode iterations queued on the device: their ids land in host rows start..start+steps."""
 
     done: torch.cuda.Event
@@ -116,8 +116,8 @@ class DecodeGraphs:
             self.s_pos[rows], self.s_slots[rows], self.s_tables[rows], self.s_lens[rows], self.model.rotary
         )
         logits = self.s_logits[rows]
-        if size <= self.fused_rows:  # weight-read bound: the fused matrix-vector chain
-            self.fused.logits(self.s_ids[rows], self.kv_caches, batch, into=logits)  # type: ignore[union-attr]
+        if self.fused is not None and size <= self.fused_rows:  # weight-read bound: the fused chain
+            self.fused.logits(self.s_ids[rows], self.kv_caches, batch, into=logits)
         else:
             logits.copy_(self.model.lm_head(self.model(self.s_ids[rows], self.kv_caches, batch)))
         # after the logits: the greedy choice is recorded and becomes the next replay's input one
@@ -187,7 +187,7 @@ class DecodeGraphs:
         """Block tables and the KV slot of each sequence's next position, for a continued burst."""
         self._staging_free()
         slots, n = self.h_vec_np[2], len(seqs)
-        for i, (seq, p) in enumerate(zip(seqs, positions)):
+        for i, (seq, p) in enumerate(zip(seqs, positions, strict=True)):
             slots[i] = self.layout.slot(seq.block_table, p)
         self._upload_tables(seqs, n)
         self.s_slots[:n].copy_(self.h_vec[2, :n], non_blocking=True)
@@ -210,7 +210,9 @@ class DecodeGraphs:
 
     # -- greedy bursts -------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch_greedy(self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None) -> GreedyBurst:
+    def launch_greedy(
+        self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None
+    ) -> GraphBurst:
         """See ModelRunner.launch_greedy."""
         assert steps <= self.max_burst, steps
         if continue_at is not None:
@@ -229,9 +231,9 @@ class DecodeGraphs:
         done = torch.cuda.Event()
         done.record()
         self._burst_start, self._burst_size = start, size
-        return GreedyBurst(done, start, steps, len(seqs))
+        return GraphBurst(done, start, steps, len(seqs))
 
-    def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
+    def read_greedy(self, burst: GraphBurst) -> list[list[int]]:
         """Waits for a burst; its chosen ids, [steps][sequences]."""
         burst.done.synchronize()
         return self.h_tokens_np[burst.start : burst.start + burst.steps, : burst.num_seqs].tolist()

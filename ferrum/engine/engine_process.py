@@ -4,7 +4,8 @@ Started by ProcessEngineClient with multiprocessing's "spawn" context. From the 
 given it rebuilds the backend registry, takes the backend the API process selected, probes its
 `Device` here (a GPU's CUDA context belongs to this process alone) and builds LLMEngine on it;
 it reports Ready (or StartFailed), then runs the engine loop over two one-way pipes: commands
-(AddRequest, AbortRequest, StopLoop) in, one Stepped message per round out. It ignores SIGINT
+(AddRequest, AbortRequest, StopLoop) in, one Stepped message per round out (with the steps its
+backend has counted, for the API process's backend: GET /v1/backends). It ignores SIGINT
 (Ctrl-C in a terminal reaches the whole process group; the server stops it with StopLoop), exits
 by itself when the server's end of either pipe goes away, and frees the device through its
 backend's shutdown before it exits.
@@ -26,8 +27,8 @@ from ferrum.engine.heap import freeze_startup_heap
 from ferrum.engine.limits import RequestLimits
 from ferrum.engine.llm_engine import EngineStats
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.startup import StartupProgress, WeightLoadReport
-from ferrum.models.loader import run_sync
+from ferrum.engine.startup import StartupProgress
+from ferrum.models.loader import WeightLoadReport, run_sync
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class StartFailed:
 class Stepped:
     outputs: list[RequestOutput]
     stats: EngineStats
+    operations: int = 0  # the engine's steps so far, as this process's backend counted them
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def run_engine_process(spec: EngineSpec, commands: Connection, results: Connecti
         return command
 
     def emit(outputs: list[RequestOutput], stats: EngineStats) -> None:
-        results.send(Stepped(outputs, stats))
+        results.send(Stepped(outputs, stats, backend.operations_completed))
 
     failed = False
     try:

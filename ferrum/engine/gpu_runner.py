@@ -18,14 +18,14 @@ import torch
 
 from ferrum.backends.device import Device
 from ferrum.engine.config import EngineConfig
-from ferrum.engine.cuda_graphs import DecodeGraphs, GreedyBurst, graph_batch_sizes
-from ferrum.engine.runner import advance, pack_step
+from ferrum.engine.cuda_graphs import DecodeGraphs, GraphBurst, graph_batch_sizes
+from ferrum.engine.runner import GreedyBurst, advance, pack_step
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.models.attention.layout import KVCacheLayout
 from ferrum.models.attention.triton_paged import TritonPagedAttention
-from ferrum.models.layers.fused_decode import FusedDecode
+from ferrum.models.fused_decode import FusedDecode
 from ferrum.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class GPUModelRunner:
         if device.cuda_graphs and not config.enforce_eager:
             kernels = config.kernels
             fused = FusedDecode(model, kernels.gemv, attention.pdl) if kernels.fused_decode_rows else None
-            max_num_seqs = config.max_num_seqs or 1
+            max_num_seqs = config.seqs_per_step
             self.graphs = DecodeGraphs(
                 model, self.kv_caches, layout, attention, fused, kernels.fused_decode_rows, max_num_seqs,
                 layout.blocks_for(max_model_len), max(1, config.num_scheduler_steps), self.trash_block, self.device,
@@ -125,7 +125,7 @@ class GPUModelRunner:
         return self.graphs.launch_greedy(seqs, steps, continue_at)
 
     def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
-        assert self.graphs is not None
+        assert self.graphs is not None and isinstance(burst, GraphBurst)
         return self.graphs.read_greedy(burst)
 
     def release(self) -> None:

@@ -14,7 +14,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -35,14 +35,13 @@ from ferrum.engine.scheduler import BurstLimits, Scheduler, SchedulerOutput
 from ferrum.engine.sequence import Sequence, SequenceStatus
 from ferrum.engine.startup import StartupObserver, StartupProgress
 from ferrum.engine.structured import Guides
-from ferrum.engine.tensor_parallel import TensorParallelError
 from ferrum.models.config import ModelConfig, load_model_config
 from ferrum.models.loader import run_sync
 from ferrum.tokenizer import Tokenizer
 from ferrum.weights.loader import WeightLoader
-from ferrum.weights.model_files import ModelFiles
-from ferrum.weights.spec import WeightLoaderConfig
-from ferrum.weights.uri import publish_model_folder
+from ferrum.weights.locations.model_files import ModelFiles
+from ferrum.weights.locations.uri import publish_model_folder
+from ferrum.weights.spec.loader_config import WeightLoaderConfig
 
 __all__ = ["EngineStats", "LLMEngine", "PromptTooLongError"]
 
@@ -105,7 +104,7 @@ class LLMEngine:
         self.guides = Guides(self.tokenizer, model_config.vocab_size)
         bursts = BurstLimits(min(config.num_scheduler_steps, self.runner.max_burst), self.max_model_len,
                              self.outputs.eos_token_ids)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, bursts)
+        self.scheduler = Scheduler(self.block_manager, config.seqs_per_step, config.tokens_per_step, bursts)
         self.sequences: dict[str, Sequence] = {}
         # greedy decodes queued on the device whose tokens the host has not read yet
         self._burst: tuple[list[Sequence], GreedyBurst] | None = None
@@ -124,40 +123,29 @@ class LLMEngine:
     def _build_rank(self, files: ModelFiles, weights: WeightLoaderConfig) -> ModelRank:
         """The model (its weights streamed in), KV cache and runner on this device. With
         tensor_parallel_size N > 1 this is rank 0 of N: the other ranks start in worker processes
-        first, build their shards alongside, and replay every step (MirroredRunner)."""
+        first, build their shards alongside through the same set-up path, and replay every step
+        (ferrum.engine.parallel)."""
         size = self.config.tensor_parallel_size
         if size == 1:
-            return ModelRank(self.config, self.device, self.model_config, files, weights, self.dtype,
+            rank = ModelRank(self.config, self.device, self.model_config, files, weights, self.dtype,
                              self.max_model_len, report=self._report)
-        from ferrum.engine.tensor_parallel import MirroredRunner, RankGroup
+            self.rank_reports = [rank.weight_load]
+            return rank
+        from ferrum.engine.parallel.rank import lead_ranks
+        from ferrum.engine.parallel.spec import RankSpec, local_dist_url
         from ferrum.models.layers.parallel import ShardPlan
 
         ShardPlan.check(self.model_config, size)
         if not files.complete:  # every rank reads its shards from the cache: fetch once, here
             files = run_sync(_fetched(files, weights))
-        threads = max(1, torch.get_num_threads() // size) if self.device.kind == "cpu" else 0
-        if threads:
-            torch.set_num_threads(threads)
-        spec_config = replace(self.config, max_model_len=self.max_model_len)
-        group, url = RankGroup.start(size, self.device.name, spec_config, files, weights, threads)
-        try:
-            tp = group.join(self.device.kind, url, self.device.torch_device if self.device.kind == "cuda" else None,
-                            self.config.kernels.one_shot_all_reduce_kb * 1024, self.config.kernels.pdl and self.device.pdl,
-                            self.config.kernels.one_shot_push)
-            rank = ModelRank(self.config, self.device, self.model_config, files, weights, self.dtype,
-                             self.max_model_len, tp, report=self._report, agree_blocks=group.agree_blocks)
-            reports = group.wait_ready()
-        except BaseException as exc:
-            group.close()
-            if group.failure is not None and not isinstance(exc, TensorParallelError):
-                raise TensorParallelError(group.failure) from exc
-            raise
-        self.rank_reports = [rank.weight_load, *reports]
+        spec = RankSpec(size, self.device.name, self.config, self.model_config, self.dtype,
+                        self.max_model_len, files, weights, local_dist_url(),
+                        logging.getLogger().getEffectiveLevel())
+        rank, self.rank_reports = lead_ranks(spec, self.device, self._report)
         for i, report in enumerate(self.rank_reports):
             log.info("tensor parallel rank %d/%d: %.3f GB of weights on its device, %.3f GB read from the checkpoint "
                      "in %.2fs (%.2f GB/s)", i, size, report.nbytes / 1e9, report.bytes_read / 1e9, report.seconds,
                      report.nbytes / 1e9 / max(report.seconds, 1e-9))
-        rank.runner = MirroredRunner(rank.runner, group)
         return rank
 
     def _report(self, progress: StartupProgress) -> None:
@@ -284,7 +272,7 @@ class LLMEngine:
         if following is not None:
             self._burst = (seqs, following)
         for row in chosen:
-            live = [(seq, token) for seq, token in zip(seqs, row) if not seq.is_finished]
+            live = [(seq, token) for seq, token in zip(seqs, row, strict=True) if not seq.is_finished]
             if not live:
                 break
             for seq, _ in live:
@@ -338,7 +326,7 @@ class LLMEngine:
         """Runs prompts to completion; returns the output token ids of each."""
         ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         results: dict[str, list[int]] = {i: [] for i in ids}
-        for rid, prompt in zip(ids, prompts):
+        for rid, prompt in zip(ids, prompts, strict=True):
             self.add_request(rid, prompt, params)
         while self.has_work:
             for out in self.step():
@@ -349,7 +337,7 @@ class LLMEngine:
 async def _fetched(files: ModelFiles, weights: WeightLoaderConfig) -> ModelFiles:
     """A remote model's files, downloaded into the cache first (tensor-parallel ranks each read
     their shards from there)."""
-    from ferrum.weights.uri import resolve_model
+    from ferrum.weights.locations.uri import resolve_model
 
     async with WeightLoader(weights) as loader:
         await loader.preload(files.weights)

@@ -1,10 +1,14 @@
 """One rank's model on its device: the model (or its tensor-parallel shard) built and filled
 through the WeightLoader, its KV cache planned, and the runner around both.
 
-The engine builds one `ModelRank` for itself; under tensor parallelism every worker process builds
-one the same way, step for step, so that the collectives of the profile and of CUDA graph capture
-meet in the same order on every rank. `agree_blocks` makes the ranks settle on one KV cache size
-(the smallest any rank can hold).
+The engine builds one `ModelRank` for itself; under tensor parallelism every rank builds one the
+same way, step for step (ferrum.engine.parallel.rank), so that the collectives of the profile and of
+CUDA graph capture meet in the same order on every rank. `agree_blocks` makes the ranks settle on
+one KV cache size (the smallest any rank can hold).
+
+`runner_for` picks the runner by the attention backend's type: TorchModelRunner over torch_paged,
+GPUModelRunner over triton_paged. Where the device has memory of its own (`Device.dedicated_memory`)
+the KV cache is sized by profiling the GPU runner; elsewhere from the host's available memory.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,17 +27,22 @@ from ferrum.engine.runner import ModelRunner
 from ferrum.engine.sampler import sample
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.sequence import Sequence
-from ferrum.engine.startup import StartupProgress, WeightLoadReport
-from ferrum.models.attention import select_attention
+from ferrum.engine.startup import StartupProgress
+from ferrum.engine.torch_runner import TorchModelRunner
+from ferrum.models.attention import AttentionBackend, select_attention
 from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.attention.torch_paged import TorchPagedAttention
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import layer_ops
 from ferrum.models.layers.parallel import ShardPlan, TensorParallel
 from ferrum.models.llama import LlamaForCausalLM
-from ferrum.models.loader import load_model, run_sync
+from ferrum.models.loader import WeightLoadReport, load_model, run_sync
 from ferrum.weights.loader import WeightLoader
-from ferrum.weights.model_files import ModelFiles
-from ferrum.weights.spec import WeightLoaderConfig
+from ferrum.weights.locations.model_files import ModelFiles
+from ferrum.weights.spec.loader_config import WeightLoaderConfig
+
+if TYPE_CHECKING:
+    from ferrum.engine.gpu_runner import GPUModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +70,7 @@ class ModelRank:
         self.layout = KVCacheLayout.of(self.shard.rank_config(), dtype, config.block_size)
         self.attention = select_attention(device, self.layout, config.kernels)
         self._report = report
-        plan = plan_host(device, self.layout, config) if device.kind != "cuda" else None
+        plan = plan_host(device, self.layout, config) if not device.dedicated_memory else None
         if plan is not None:  # sized before loading, so that a cache too small fails fast
             self.check_fits(plan.num_blocks)
         self.model, self.weight_load = self._load(files, weights)
@@ -71,7 +81,7 @@ class ModelRank:
         self.num_blocks = agree_blocks(plan.num_blocks)
         self.check_fits(self.num_blocks)
         self.runner: ModelRunner = self.make_runner(self.num_blocks)
-        if device.kind == "cuda":
+        if device.dedicated_memory:
             used, held = in_use_bytes(device)
             log.info("GPU memory after start-up: %.2f GiB in use on the device (this process's allocator %.2f GiB), "
                      "budget %.2f GiB", used / 2**30, held / 2**30, plan.budget_bytes / 2**30)
@@ -94,32 +104,31 @@ class ModelRank:
             run_sync(loader.aclose())
 
     def make_runner(self, num_blocks: int, graph_sizes: list[int] | None = None) -> ModelRunner:
-        if self.attention.name == "triton_paged":
-            from ferrum.engine.gpu_runner import GPUModelRunner
-
-            return GPUModelRunner(self.model, self.device, self.layout, num_blocks, self.attention,  # type: ignore[arg-type]
-                                  self.config, self.max_model_len, graph_sizes=graph_sizes)
-        from ferrum.engine.torch_runner import TorchModelRunner
-
-        return TorchModelRunner(self.model, self.device, self.layout, num_blocks, self.attention)
+        return runner_for(self.model, self.device, self.layout, num_blocks, self.attention, self.config,
+                          self.max_model_len, graph_sizes)
 
     def _profile(self) -> int:
-        """The memory planner's profile (ferrum.engine.memory_plan): a scratch runner with a KV cache
-        of two blocks runs every eager step size up to max_num_batched_tokens (compiling every
+        """The memory planner's profile (ferrum.engine.memory_plan): a scratch GPU runner with a KV
+        cache of two blocks runs every eager step size up to max_num_batched_tokens (compiling every
         kernel before serving; the rows past the probe's two tokens pad the step), the sampler at
         its widest, and captures the largest decode graph. Returns its KV cache's bytes."""
+        from ferrum.engine.gpu_runner import GPUModelRunner
+
         config = self.config
         blocks = 2
-        graphs = [config.max_num_seqs] if self.device.cuda_graphs and not config.enforce_eager else []
+        graphs = [config.seqs_per_step] if self.device.cuda_graphs and not config.enforce_eager else []
         scratch = self.make_runner(blocks, graph_sizes=graphs)
-        scratch.warm_up(config.max_num_batched_tokens)  # type: ignore[attr-defined]
-        _widest_sample(config.max_num_seqs, self.model_config.vocab_size, self.device)
+        if not isinstance(scratch, GPUModelRunner):
+            raise TypeError(f"profiling {self.device.name}'s memory takes the GPU runner (triton_paged "
+                            f"attention), not {type(scratch).__name__}")
+        scratch.warm_up(config.tokens_per_step)
+        _widest_sample(config.seqs_per_step, self.model_config.vocab_size, self.device)
         scratch.release()
         return self.layout.bytes_per_block * (blocks + 1)
 
     def check_fits(self, num_blocks: int) -> None:
         if num_blocks * self.config.block_size < self.max_model_len:
-            memory = "gpu_memory_utilization" if self.device.kind == "cuda" else "kv_cache_memory_gb"
+            memory = "gpu_memory_utilization" if self.device.dedicated_memory else "kv_cache_memory_gb"
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {self.config.block_size} tokens) cannot hold one "
                 f"sequence of max_model_len={self.max_model_len} tokens; raise {memory} or lower max_model_len"
@@ -128,6 +137,30 @@ class ModelRank:
     def release(self) -> None:
         self.runner.release()
         self.model = None  # type: ignore[assignment]
+
+
+def runner_for(
+    model: LlamaForCausalLM,
+    device: Device,
+    layout: KVCacheLayout,
+    num_blocks: int,
+    attention: AttentionBackend,
+    config: EngineConfig,
+    max_model_len: int,
+    graph_sizes: list[int] | None = None,
+) -> TorchModelRunner | GPUModelRunner:
+    """The runner for `attention`, by its type: TorchModelRunner over torch_paged, GPUModelRunner
+    over triton_paged (its module, and Triton, imported only then). `config` has its device defaults
+    filled in; `graph_sizes`: the GPU runner's decode graphs (default: every bucket)."""
+    if isinstance(attention, TorchPagedAttention):
+        return TorchModelRunner(model, device, layout, num_blocks, attention)
+    from ferrum.engine.gpu_runner import GPUModelRunner
+    from ferrum.models.attention.triton_paged import TritonPagedAttention
+
+    if isinstance(attention, TritonPagedAttention):
+        return GPUModelRunner(model, device, layout, num_blocks, attention, config, max_model_len,
+                              graph_sizes=graph_sizes)
+    raise TypeError(f"no model runner for {type(attention).__name__} attention")
 
 
 def _widest_sample(rows: int, vocab: int, device: Device) -> None:

@@ -19,7 +19,7 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
 
     def append(self, seqs: list[Sequence], result: SampleResult) -> None:
-        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
             self._append_token(seq, token, lp)
 
     def _append_token(self, seq: Sequence, token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> None:

@@ -7,7 +7,9 @@ EngineSpec; this side loads the tokenizer from the model's folder for prompts an
 and checks requests against the limits the engine process reports.
 
 Commands go down one pipe from the event loop. A reader thread receives the engine's messages from
-the other and hands them to the event loop with call_soon_threadsafe. When the engine process dies,
+the other and hands them to the event loop with call_soon_threadsafe; the engine's steps, which the
+engine process's backend counts, are counted again on this process's backend (`on_operations`), the
+one the API reports. When the engine process dies,
 the reader sees the pipe close: every waiting request fails with EngineDeadError and is_ready() is
 False. Only the event loop's thread touches the Process object (reaping a child from two threads
 can lose its exit status).
@@ -19,6 +21,7 @@ import asyncio
 import logging
 import multiprocessing
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
@@ -53,6 +56,7 @@ class ProcessEngineClient(RequestStreams):
         results: Connection,
         tokenizer: Tokenizer,
         ready: Ready,
+        on_operations: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(tokenizer, ready.limits, ready.stats, ready.weight_load)
         self._process = process
@@ -60,15 +64,22 @@ class ProcessEngineClient(RequestStreams):
         self._results = results
         self._reader: threading.Thread | None = None
         self._stopping = False
+        self._on_operations = on_operations
+        self._operations = 0  # the engine process's count, as last reported
 
     @classmethod
     async def launch(
-        cls, spec: EngineSpec, log_level: int | None = None, on_progress: StartupObserver | None = None
+        cls,
+        spec: EngineSpec,
+        log_level: int | None = None,
+        on_progress: StartupObserver | None = None,
+        on_operations: Callable[[int], None] | None = None,
     ) -> ProcessEngineClient:
         """Starts the engine process and waits until its engine is built (`on_progress` hears its
         start-up phases, on this event loop). A failure there raises the same exception here (an
         EngineDeadError if it cannot be carried over), leaving no process behind; so does
-        cancelling the wait."""
+        cancelling the wait. `on_operations(n)`: n more engine steps ran (from the reader thread;
+        the API process's `ComputeBackend.record_operation`)."""
         ctx = multiprocessing.get_context("spawn")
         child_commands, commands = ctx.Pipe(duplex=False)  # (receiving end, sending end)
         results, child_results = ctx.Pipe(duplex=False)
@@ -104,7 +115,7 @@ class ProcessEngineClient(RequestStreams):
         except BaseException:
             await _stop_process(process, commands)
             raise
-        client = cls(process, commands, results, tokenizer, first)
+        client = cls(process, commands, results, tokenizer, first, on_operations)
         log.info("engine process %d ready", process.pid)
         return client
 
@@ -152,6 +163,7 @@ class ProcessEngineClient(RequestStreams):
             while True:
                 message = _receive_or_none(self._results)
                 if isinstance(message, Stepped):
+                    self._count(message.operations)
                     loop.call_soon_threadsafe(self._deliver, message.outputs, message.stats)
                 elif isinstance(message, StepFailed):
                     loop.call_soon_threadsafe(self._fail_all, EngineDeadError(message.message))
@@ -161,6 +173,11 @@ class ProcessEngineClient(RequestStreams):
                     return
         except RuntimeError:  # the event loop was closed under us: nobody left to tell
             return
+
+    def _count(self, operations: int) -> None:
+        if operations > self._operations and self._on_operations is not None:
+            self._on_operations(operations - self._operations)
+        self._operations = max(self._operations, operations)
 
     def _process_gone(self) -> None:
         if not self._stopping:

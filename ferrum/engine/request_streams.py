@@ -19,7 +19,7 @@ from ferrum.engine.limits import RequestLimits
 from ferrum.engine.llm_engine import EngineStats
 from ferrum.engine.outputs import RequestOutput, merge_outputs
 from ferrum.engine.sampling_params import SamplingParams
-from ferrum.engine.startup import WeightLoadReport
+from ferrum.models.loader import WeightLoadReport
 from ferrum.tokenizer import Tokenizer
 
 

@@ -3,9 +3,10 @@
     TorchModelRunner (torch_runner.py)  torch_paged attention, every device; the CPU's runner
     GPUModelRunner   (gpu_runner.py)    triton_paged attention, CUDA graphs for decode, greedy bursts
 
-`make_runner` picks one from the attention backend, which `select_attention` picked once from the
-`Device`. A runner owns the model's KV cache and turns a scheduled step into logits; one that can
-(`max_burst > 0`) also runs greedy decode iterations back to back on the device.
+`ferrum.engine.model_rank.runner_for` picks one by the attention backend's type, which
+`select_attention` picked once from the `Device`. A runner owns the model's KV cache and turns a
+scheduled step into logits; one that can (`max_burst > 0`) also runs greedy decode iterations back to
+back on the device.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import torch
 
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
-from ferrum.models.attention import PackedStep, SequenceRows
 from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.attention.packed_step import PackedStep, SequenceRows
 
 
 class GreedyBurst(Protocol):
-    """Greedy decode iterations queued on the device (what `launch_greedy` returns)."""
+    """Greedy decode iterations queued on the device (what `launch_greedy` returns; `read_greedy`
+    takes back only the runner's own)."""
 
-    steps: int
+    @property
+    def steps(self) -> int: ...
 
 
 class ModelRunner(Protocol):

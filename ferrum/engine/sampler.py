@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.sequence import Sequence
 
 
@@ -58,7 +59,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], mask: torch.Tensor | None
             top: list[tuple[int, float]] = []
             if p.logprobs > 0:
                 values, ids = row.topk(p.logprobs)
-                top = list(zip(ids.tolist(), values.tolist()))
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
             logprob_out[i] = (float(row[chosen[i]]), top)
     return SampleResult(chosen, logprob_out)
 
@@ -75,7 +76,7 @@ def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
     return logits
 
 
-def _no_penalties(p) -> bool:
+def _no_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
 
 

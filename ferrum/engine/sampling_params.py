@@ -1,10 +1,12 @@
-"""What a request asks of the sampler and of the stop checks."""
+"""What a request asks of the sampler and of the stop checks, and the grammar its output must follow
+(`StructuredOutput`, compiled and enforced by ferrum.engine.structured)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from ferrum.engine.structured import StructuredOutput
+StructuredKind = Literal["json", "regex", "choice", "grammar"]
 
 
 class SamplingParamsError(ValueError):
@@ -13,6 +15,17 @@ class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """`kind` json: `spec` is a JSON schema (text); regex: a regular expression; choice: a JSON list of
+    strings; grammar: a Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's, told by `::=`).
+    `param`: the request field it came from, for error messages."""
+
+    kind: StructuredKind
+    spec: str
+    param: str = "structured_outputs"
 
 
 @dataclass(frozen=True)
@@ -61,7 +74,11 @@ class SamplingParams:
             "repetition_penalty",
             f"must be in (0, 2], got {self.repetition_penalty}",
         )
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
         check(
             -2.0 <= self.frequency_penalty <= 2.0,
             "frequency_penalty",

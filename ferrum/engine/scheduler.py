@@ -204,15 +204,17 @@ class Scheduler:
 
     def _room(self, seqs: SequenceOf[Sequence], outputs: list[int], computed: list[int]) -> int:
         steps = self.bursts.max_steps
-        for seq, out, done in zip(seqs, outputs, computed):
+        for seq, out, done in zip(seqs, outputs, computed, strict=True):
             steps = min(steps, seq.params.max_tokens - out, self.bursts.max_model_len - done)
         return steps
 
     def _grow_for(self, seqs: SequenceOf[Sequence], computed: list[int], steps: int) -> int:
         blocks = self.blocks
-        if steps < 1 or sum(blocks.blocks_needed(q, c + steps) for q, c in zip(seqs, computed)) > blocks.num_free:
+        if steps < 1:
             return 0
-        for q, c in zip(seqs, computed):
+        if sum(blocks.blocks_needed(q, c + steps) for q, c in zip(seqs, computed, strict=True)) > blocks.num_free:
+            return 0
+        for q, c in zip(seqs, computed, strict=True):
             blocks.grow(q, c + steps)
         return steps
 

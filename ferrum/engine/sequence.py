@@ -13,6 +13,7 @@ from ferrum.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ferrum.engine.structured import Guide
+    from ferrum.tokenizer.incremental import IncrementalDecoder
 
 
 class SequenceStatus(enum.Enum):
@@ -46,7 +47,7 @@ class Sequence:
     num_text_sent: int = 0
     num_tokens_sent: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    decoder: object | None = None
+    decoder: IncrementalDecoder | None = None
     guide: Guide | None = None  # the grammar's state when the request asked for structured output
 
     @property

@@ -1,5 +1,5 @@
-"""What an engine reports while it starts: the phase it is in with its progress, and, once the
-weights are in, how they were loaded (for the server's readiness answer and its metrics)."""
+"""What an engine reports while it starts: the phase it is in with its progress (for the server's
+readiness answer); how the weights were loaded is the model loader's `WeightLoadReport`."""
 
 from __future__ import annotations
 
@@ -21,14 +21,3 @@ class StartupProgress:
 
 
 StartupObserver = Callable[[StartupProgress], None]
-
-
-@dataclass(frozen=True)
-class WeightLoadReport:
-    """The model's weights: where they came from (a source kind: file, url, s3, hf), how many bytes,
-    how long from the first read to the last byte on the device."""
-
-    source: str
-    nbytes: int
-    seconds: float
-    bytes_read: int = 0  # of the checkpoint: a tensor-parallel rank reads only its shards where it can

@@ -1,8 +1,9 @@
 """Structured outputs: a grammar (JSON schema, regex, a choice of strings, or a Lark / GBNF grammar) that
 every generated token must follow, enforced with llguidance.
 
-    StructuredOutput   what a request asks for (in SamplingParams); `grammar()` compiles it to llguidance's
-                       grammar text and names what is wrong with it (StructuredOutputError: a 400)
+    compile_grammar    a request's StructuredOutput (ferrum.engine.sampling_params) as llguidance's grammar
+                       text, naming what is wrong with it (StructuredOutputError: a 400); checked_grammar
+                       remembers the answers
     Guides             the engine's side: one llguidance tokenizer for the model, compiled grammars cached
                        (a new sequence gets a copy of its grammar's matcher), and per step the token
                        bitmask of every guided sequence, computed on the host while the device runs the
@@ -23,18 +24,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence as SequenceOf
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ferrum.engine.sampling_params import StructuredOutput
+
 if TYPE_CHECKING:
-    from ferrum.engine.sequence import Sequence
     from ferrum.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-StructuredKind = Literal["json", "regex", "choice", "grammar"]
 MAX_CACHED_GRAMMARS = 128
 
 
@@ -46,50 +46,42 @@ class StructuredOutputError(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True)
-class StructuredOutput:
-    """`kind` json: `spec` is a JSON schema (text); regex: a regular expression; choice: a JSON list of
-    strings; grammar: a Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's, told by `::=`).
-    `param`: the request field it came from, for error messages."""
+def compile_grammar(structured: StructuredOutput) -> str:
+    """llguidance's grammar text for `structured`, checked; raises StructuredOutputError naming the
+    problem."""
+    import llguidance
 
-    kind: StructuredKind
-    spec: str
-    param: str = "structured_outputs"
+    param = structured.param
+    matcher = llguidance.LLMatcher
+    if structured.kind == "json":
+        try:
+            schema = json.loads(structured.spec)
+        except json.JSONDecodeError as exc:
+            raise StructuredOutputError(f"{param}: the JSON schema is not valid JSON ({exc})", param) from exc
+        if not isinstance(schema, (dict, bool)):
+            raise StructuredOutputError(f"{param}: a JSON schema must be an object", param)
+        text = matcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {})
+    elif structured.kind == "regex":
+        text = matcher.grammar_from_regex(structured.spec)
+    elif structured.kind == "choice":
+        choices = json.loads(structured.spec)
+        if not choices:
+            raise StructuredOutputError(f"{param}: choice needs at least one string", param)
+        text = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    else:
+        lark = structured.spec
+        if "::=" in lark:  # GBNF
+            from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    def grammar(self) -> str:
-        """llguidance's grammar text, checked; raises StructuredOutputError naming the problem."""
-        import llguidance
-
-        matcher = llguidance.LLMatcher
-        if self.kind == "json":
             try:
-                schema = json.loads(self.spec)
-            except json.JSONDecodeError as exc:
-                raise StructuredOutputError(f"{self.param}: the JSON schema is not valid JSON ({exc})", self.param)
-            if not isinstance(schema, (dict, bool)):
-                raise StructuredOutputError(f"{self.param}: a JSON schema must be an object", self.param)
-            text = matcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {})
-        elif self.kind == "regex":
-            text = matcher.grammar_from_regex(self.spec)
-        elif self.kind == "choice":
-            choices = json.loads(self.spec)
-            if not choices:
-                raise StructuredOutputError(f"{self.param}: choice needs at least one string", self.param)
-            text = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-        else:
-            lark = self.spec
-            if "::=" in lark:  # GBNF
-                from llguidance.gbnf_to_lark import gbnf_to_lark
-
-                try:
-                    lark = gbnf_to_lark(lark)
-                except Exception as exc:  # the converter raises plain exceptions for bad input
-                    raise StructuredOutputError(f"{self.param}: not a valid GBNF grammar: {exc}", self.param)
-            text = matcher.grammar_from_lark(lark)
-        error = matcher.validate_grammar(text)
-        if error:
-            raise StructuredOutputError(f"{self.param}: {_first_lines(error)}", self.param)
-        return text
+                lark = gbnf_to_lark(lark)
+            except Exception as exc:  # the converter raises plain exceptions for bad input
+                raise StructuredOutputError(f"{param}: not a valid GBNF grammar: {exc}", param) from exc
+        text = matcher.grammar_from_lark(lark)
+    error = matcher.validate_grammar(text)
+    if error:
+        raise StructuredOutputError(f"{param}: {_first_lines(error)}", param)
+    return text
 
 
 def _first_lines(message: str, limit: int = 6) -> str:
@@ -100,9 +92,9 @@ def _first_lines(message: str, limit: int = 6) -> str:
 
 @functools.lru_cache(maxsize=256)
 def checked_grammar(structured: StructuredOutput) -> str:
-    """`structured.grammar()`, remembered: the server checks each request's grammar, the engine compiles
-    it, and clients send the same few schemas again and again."""
-    return structured.grammar()
+    """`compile_grammar(structured)`, remembered: the server checks each request's grammar, the engine
+    compiles it, and clients send the same few schemas again and again."""
+    return compile_grammar(structured)
 
 
 class Guide:
@@ -126,15 +118,22 @@ class Guide:
         return self.matcher.get_error() if self.matcher.is_error() else ""
 
 
+class Guided(Protocol):
+    """What the masks need of a sequence (ferrum.engine.sequence.Sequence): its guide, if it has one."""
+
+    @property
+    def guide(self) -> Guide | None: ...
+
+
 class PendingMasks:
     """Bitmasks being computed for some guided sequences; `for_rows` lays them out for a step's rows."""
 
-    def __init__(self, seqs: list[Sequence], future: Future[torch.Tensor], words: int) -> None:
+    def __init__(self, seqs: list[Guided], future: Future[torch.Tensor], words: int) -> None:
         self._index = {id(seq): i for i, seq in enumerate(seqs)}
         self._future = future
         self._words = words
 
-    def for_rows(self, seqs: SequenceOf[Sequence]) -> torch.Tensor | None:
+    def for_rows(self, seqs: SequenceOf[Guided]) -> torch.Tensor | None:
         """[len(seqs), words] int32 in `seqs`' order (every bit set for unguided rows); None if no row
         of `seqs` is guided. Waits for the computation."""
         masks = self._future.result()
@@ -199,14 +198,15 @@ class Guides:
             return Guide(template.deep_copy())
 
     # -- per step ----------------------------------------------------------------------------------
-    def start_masks(self, seqs: SequenceOf[Sequence]) -> PendingMasks | None:
+    def start_masks(self, seqs: SequenceOf[Guided]) -> PendingMasks | None:
         """Begins the bitmasks of the guided sequences among `seqs` (those about to be sampled) in a
         thread; llguidance drops the GIL, so this overlaps the forward pass. None when none is guided."""
-        guided = [seq for seq in seqs if seq.guide is not None]
+        guided = [(seq, seq.guide) for seq in seqs if seq.guide is not None]
         if not guided:
             return None
-        rows = [(seq.guide.matcher, i) for i, seq in enumerate(guided)]  # type: ignore[union-attr]
-        return PendingMasks(guided, self._pool.submit(self._masks, rows, len(guided)), self.words)
+        rows = [(guide.matcher, i) for i, (_, guide) in enumerate(guided)]
+        pending = self._pool.submit(self._masks, rows, len(guided))
+        return PendingMasks([seq for seq, _ in guided], pending, self.words)
 
     def _masks(self, rows: list[tuple[Any, int]], batch: int) -> torch.Tensor:
         mask = torch.full((batch, self.words), -1, dtype=torch.int32)  # unguided rows: every bit set

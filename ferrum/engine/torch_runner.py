@@ -9,8 +9,8 @@ from ferrum.backends.device import Device
 from ferrum.engine.runner import GreedyBurst, advance, pack_step
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
-from ferrum.models.attention import AttentionBackend
 from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.attention.torch_paged import TorchPagedAttention
 from ferrum.models.llama import LlamaForCausalLM
 
 
@@ -19,7 +19,7 @@ class TorchModelRunner:
 
     def __init__(
         self, model: LlamaForCausalLM, device: Device, layout: KVCacheLayout, num_blocks: int,
-        attention: AttentionBackend,
+        attention: TorchPagedAttention,
     ) -> None:
         if device.packed_bf16_linears and layout.dtype == torch.bfloat16:
             from ferrum.models.layers.packed_linear import pack_linears

@@ -13,4 +13,8 @@ dependent launch, is decided once from the `Device` and the engine's `KernelConf
     all_reduce.py       one-shot sum across the GPUs of one host over peer-mapped buffers (TP decode)
 
 Importing this package imports nothing; each module imports triton.
+
+A `@triton.jit` function's parameters are annotated `tl.constexpr` or `tl.tensor` (what a pointer or
+a runtime scalar is inside a kernel), never a Python type: Triton reads `int`, `float` and `bool` as
+fixed argument types (i32, fp32, u1), which changes what a launch compiles.
 """

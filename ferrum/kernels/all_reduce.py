@@ -11,8 +11,8 @@ has mapped (peer-to-peer over NVLink), in one of two ways:
 Either way every rank sums the same values in rank order in float32, so every rank gets the same
 bits, into its tensor in place.
 
-The ranks' buffers and flags are symmetric memory (ferrum.engine.peer_all_reduce sets them up);
-the kernel takes them as tables of addresses, one per rank. Each program owns one `BLOCK`-element
+The ranks' buffers and flags are symmetric memory (ferrum.engine.parallel.peer_all_reduce sets them
+up); the kernel takes them as tables of addresses, one per rank. Each program owns one `BLOCK`-element
 region of the tensor and synchronises with the same program of the other ranks only:
 
     epochs[pid]   this rank's count of the calls program `pid` took part in (local memory)
@@ -48,9 +48,10 @@ COUNT_MASK = (1 << 30) - 1
 
 
 @triton.jit
-def _one_shot_sum_kernel(x_ptr, n, buffers, flags, epochs, HALF: tl.constexpr, RANK: tl.constexpr,
-                         WORLD: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr,
-                         PUSH: tl.constexpr):
+def _one_shot_sum_kernel(x_ptr: tl.tensor, n: tl.tensor, buffers: tl.tensor, flags: tl.tensor,
+                         epochs: tl.tensor, HALF: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                         BLOCK: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr,
+                         PUSH: tl.constexpr) -> None:
     pdl_wait(PDL)  # the next kernel may launch now (and load its weights); x and the counts after the one before
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)

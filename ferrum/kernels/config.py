@@ -52,8 +52,9 @@ class KernelConfig:
     gemv: the fused projections' slicing.
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
-    (ferrum.engine.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md). 0: NCCL for
-    every sum. Where the fast path cannot be set up (no peer access, a second group in one process), NCCL.
+    (ferrum.engine.parallel.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md).
+    0: NCCL for every sum. Where the fast path cannot be set up (no peer access, a second group in one
+    process), NCCL.
     one_shot_push: the one-shot kernel writes each rank's tensor into every rank's buffer (one NVLink
     trip: the data travels with the flag) rather than having each rank read the others' (false: pull,
     two trips one after the other; ferrum.kernels.all_reduce)."""

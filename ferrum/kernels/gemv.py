@@ -44,8 +44,11 @@ class GemvSlicing:
 
 
 @triton.jit
-def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k, K, eps,
-               stride_xm, NORM: tl.constexpr, GATED: tl.constexpr, WHOLE_K: tl.constexpr = False, w=None, w2=None):
+def _gemv_tile(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW: tl.tensor,
+               w_rows: tl.tensor, w_rows2: tl.tensor, xrows: tl.tensor, rmask: tl.tensor, nmask: tl.tensor,
+               k: tl.tensor, K: tl.tensor, eps: tl.tensor, stride_xm: tl.tensor, NORM: tl.constexpr,
+               GATED: tl.constexpr, WHOLE_K: tl.constexpr = False, w: tl.tensor | None = None,
+               w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One BLOCK_K slice of the product (WHOLE_K: the slice is all of K, masked where K is not a
     power of two; w, w2: the slice of the weights, when already loaded)."""
     if WHOLE_K:
@@ -76,14 +79,15 @@ def _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k, K,
 
 
 @triton.jit
-def _product(acc, x, w):
+def _product(acc: tl.tensor, x: tl.tensor, w: tl.tensor) -> tl.tensor:
     """acc [ROWS, BLOCK_N] + x [ROWS, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T, a float32 multiply-reduce."""
     acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     return acc
 
 
 @triton.jit
-def _row_offsets(IDX, rows, rmask, X_GATHER: tl.constexpr, R_GATHER: tl.constexpr):
+def _row_offsets(IDX: tl.tensor, rows: tl.tensor, rmask: tl.tensor, X_GATHER: tl.constexpr,
+                 R_GATHER: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     """The rows of X and of R that the product's rows 0..M-1 read: themselves, or IDX's entries
     (set before the step: read before the PDL wait)."""
     xrows = rows.to(tl.int64)
@@ -98,7 +102,8 @@ def _row_offsets(IDX, rows, rmask, X_GATHER: tl.constexpr, R_GATHER: tl.constexp
 
 
 @triton.jit
-def _first_weights(w_rows, w_rows2, nmask, kk, K, GATED: tl.constexpr, PDL: tl.constexpr):
+def _first_weights(w_rows: tl.tensor, w_rows2: tl.tensor, nmask: tl.tensor, kk: tl.tensor, K: tl.tensor,
+                   GATED: tl.constexpr, PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     """The weights of a program's first K slice, loaded before pdl_wait: they do not depend on the
     kernel before."""
     wmask = nmask[:, None] & (kk < K)[None, :]
@@ -111,11 +116,13 @@ def _first_weights(w_rows, w_rows2, nmask, kk, K, GATED: tl.constexpr, PDL: tl.c
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, R, NW, OUT, IDX, M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+def _gemv_kernel(X: tl.tensor, W: tl.tensor, B: tl.tensor, R: tl.tensor, NW: tl.tensor, OUT: tl.tensor,
+                 IDX: tl.tensor, M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
+                 stride_wn: tl.tensor, stride_rm: tl.tensor, stride_om: tl.tensor, eps: tl.tensor,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                  WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0,
-                 X_GATHER: tl.constexpr = False, R_GATHER: tl.constexpr = False):
+                 X_GATHER: tl.constexpr = False, R_GATHER: tl.constexpr = False) -> None:
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
     (the embedding table, for the first layer: no separate gather kernel; see STEP_START)."""
     act_ty = X.dtype.element_ty
@@ -223,11 +230,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, table: GemvTable, *, bias: torch
 
 
 @triton.jit
-def _qkv_rope_kernel(X, W, B, NW, POS, COS, SIN, SLOTS, QOUT, KC, VC, IDX, M, K,
-                     stride_xm, stride_wn, stride_cs, stride_qt, stride_qh, stride_kc, stride_kh, eps,
+def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, B: tl.tensor, NW: tl.tensor, POS: tl.tensor,
+                     COS: tl.tensor, SIN: tl.tensor, SLOTS: tl.tensor, QOUT: tl.tensor, KC: tl.tensor,
+                     VC: tl.tensor, IDX: tl.tensor, M: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
+                     stride_wn: tl.tensor, stride_cs: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor,
+                     stride_kc: tl.tensor, stride_kh: tl.tensor, eps: tl.tensor,
                      H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-                     WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False):
+                     WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False) -> None:
     """The q/k/v projection with rope and the KV-cache write as its epilogue: each program owns
     BLOCK_H dims of the first half of one head and the matching dims of the second half, the
     pairs the rotation mixes."""
@@ -331,9 +341,11 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _qkv_rope_kernel[grid](
         x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         positions, cos, sin, slots, q, k_cache, v_cache, x_rows if x_rows is not None else x, m, k,
-        x.stride(0), weight.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), eps,
+        x.stride(0), weight.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), eps,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
-        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl_mode(pdl), X_GATHER=x_rows is not None,
+        NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl_mode(pdl),
+        X_GATHER=x_rows is not None,
         num_warps=4, num_stages=2,
         **pdl_launch(pdl),
     )

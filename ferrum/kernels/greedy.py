@@ -14,8 +14,9 @@ ARGMAX_CHUNKS = 32
 
 
 @triton.jit
-def _argmax_chunks_kernel(LOGITS, VALS, IDX, stride_l, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr = 0):
+def _argmax_chunks_kernel(LOGITS: tl.tensor, VALS: tl.tensor, IDX: tl.tensor, stride_l: tl.tensor,
+                          V: tl.tensor, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = 0) -> None:
     """Program (row, c): the largest logit of chunk c of the row, and its first index."""
     pdl_wait(PDL)
     row = tl.program_id(0)
@@ -35,9 +36,11 @@ def _argmax_chunks_kernel(LOGITS, VALS, IDX, stride_l, V, CHUNK: tl.constexpr, B
 
 
 @triton.jit
-def _advance_kernel(VALS, IDX, TOKENS, STEP, IDS, POS, LENS, SLOTS, TABLES, NREAL, rows, stride_t, stride_bt,
-                    max_blocks, max_steps, PAGE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PDL: tl.constexpr = 0):
+def _advance_kernel(VALS: tl.tensor, IDX: tl.tensor, TOKENS: tl.tensor, STEP: tl.tensor, IDS: tl.tensor,
+                    POS: tl.tensor, LENS: tl.tensor, SLOTS: tl.tensor, TABLES: tl.tensor, NREAL: tl.tensor,
+                    rows: tl.tensor, stride_t: tl.tensor, stride_bt: tl.tensor, max_blocks: tl.tensor,
+                    max_steps: tl.tensor, PAGE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PDL: tl.constexpr = 0) -> None:
     """One program for the whole batch: each row's argmax over its chunks becomes TOKENS[step] and
     the next input; its position, context length and KV slot move one token on; step += 1. Rows
     from NREAL on (padding a graph's batch) stay where they are."""
@@ -74,6 +77,7 @@ def greedy_advance(logits: torch.Tensor, tokens: torch.Tensor, step: torch.Tenso
     idx = torch.empty(rows, ARGMAX_CHUNKS, dtype=torch.int32, device=logits.device)
     _argmax_chunks_kernel[(rows, ARGMAX_CHUNKS)](logits, vals, idx, logits.stride(0), vocab, CHUNK=chunk,
                                                   BLOCK=1024, PDL=pdl_mode(pdl), num_warps=4, **pdl_launch(pdl))
-    _advance_kernel[(1,)](vals, idx, tokens, step, ids, positions, lens, slots, tables, num_real, rows, tokens.stride(0),
-                          tables.stride(0), tables.shape[1], tokens.shape[0], PAGE=page, CHUNKS=ARGMAX_CHUNKS,
-                          BLOCK_R=max(2, triton.next_power_of_2(rows)), PDL=pdl_mode(pdl), num_warps=4, **pdl_launch(pdl))
+    _advance_kernel[(1,)](vals, idx, tokens, step, ids, positions, lens, slots, tables, num_real, rows,
+                          tokens.stride(0), tables.stride(0), tables.shape[1], tokens.shape[0], PAGE=page,
+                          CHUNKS=ARGMAX_CHUNKS, BLOCK_R=max(2, triton.next_power_of_2(rows)), PDL=pdl_mode(pdl),
+                          num_warps=4, **pdl_launch(pdl))

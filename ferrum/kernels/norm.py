@@ -9,8 +9,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, OUT, ROUT, stride_x, stride_r, stride_o, stride_ro, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X: tl.tensor, R: tl.tensor, W: tl.tensor, OUT: tl.tensor, ROUT: tl.tensor,
+                     stride_x: tl.tensor, stride_r: tl.tensor, stride_o: tl.tensor, stride_ro: tl.tensor,
+                     n: tl.tensor, eps: tl.tensor, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr) -> None:
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -43,7 +44,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X: tl.tensor, OUT: tl.tensor, stride_x: tl.tensor, stride_o: tl.tensor, n: tl.tensor,
+                         BLOCK: tl.constexpr) -> None:
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n

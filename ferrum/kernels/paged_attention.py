@@ -1,7 +1,7 @@
 """Attention over the paged KV cache.
 
 The cache of one layer is two tensors [num_slots, num_kv_heads, head_dim]; a token at position p
-of a sequence lives in slot block_table[p // page] * page + p % page (ferrum.engine.kv_layout).
+of a sequence lives in slot block_table[p // page] * page + p % page (ferrum.models.attention.layout).
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 
 
 @triton.jit
-def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_scale, qpos,
+def _attend_pages(q: tl.tensor, KC: tl.tensor, VC: tl.tensor, table: tl.tensor, begin: tl.tensor,
+                  end: tl.tensor, kvh: tl.tensor, stride_kc: tl.tensor, stride_kh: tl.tensor,
+                  qk_scale: tl.tensor, qpos: tl.tensor,
                   ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Online-softmax attention of q [ROWS, D] over one sequence's cached keys begin .. end-1 (`table`
     points at its block-table row; with CAUSAL, row i sees keys up to position qpos[i]). Returns the
     running max and sum (base 2) and the unnormalised output."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS], tl.float32)
+    sums = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     for start in range(begin, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -31,12 +33,13 @@ def _attend_pages(q, KC, VC, table, begin, end, kvh, stride_kc, stride_kh, qk_sc
         keep = valid[None, :]
         if CAUSAL:
             keep = keep & (n[None, :] <= qpos[:, None])
-        m, l, acc = _softmax_step(q, k, VC + off, valid, keep, m, l, acc, qk_scale, PRECISION)
-    return m, l, acc
+        m, sums, acc = _softmax_step(q, k, VC + off, valid, keep, m, sums, acc, qk_scale, PRECISION)
+    return m, sums, acc
 
 
 @triton.jit
-def _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D: tl.constexpr, PAGE: tl.constexpr):
+def _kv_offsets(table: tl.tensor, n: tl.tensor, valid: tl.tensor, kvh: tl.tensor, stride_kc: tl.tensor,
+                stride_kh: tl.tensor, D: tl.constexpr, PAGE: tl.constexpr) -> tl.tensor:
     """Offsets of the k (or v) rows of cache positions n [BLOCK_N] in one kv head: [BLOCK_N, D]."""
     page = tl.load(table + n // PAGE, mask=valid, other=0)
     slot = page.to(tl.int64) * PAGE + n % PAGE
@@ -44,8 +47,10 @@ def _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D: tl.constexpr, PAG
 
 
 @triton.jit
-def _softmax_step(q, k, v, valid, keep, m, l, acc, qk_scale, PRECISION: tl.constexpr):
-    """One block of keys k [BLOCK_N, D] into the running max m, sum l and output acc of q's rows
+def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, keep: tl.tensor, m: tl.tensor,
+                  sums: tl.tensor, acc: tl.tensor, qk_scale: tl.tensor,
+                  PRECISION: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """One block of keys k [BLOCK_N, D] into the running max m, sums and output acc of q's rows
     (v: the block's values, or pointers to load them from, masked by valid; keep: which scores
     count). A block where a row keeps nothing leaves that row as it was."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -54,19 +59,22 @@ def _softmax_step(q, k, v, valid, keep, m, l, acc, qk_scale, PRECISION: tl.const
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept yet: no -inf - -inf
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
-    l = l * alpha + tl.sum(p, axis=1)
+    sums = sums * alpha + tl.sum(p, axis=1)
     if v.dtype.is_ptr():
         v = tl.load(v, mask=valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l, acc
+    return m_new, sums, acc
 
 
 # The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
 @triton.jit(do_not_specialize=["stride_bt"])
-def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
-                   stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
+def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, OUT: tl.tensor, PART_ACC: tl.tensor,
+                   PART_ML: tl.tensor, TABLES: tl.tensor, LENS: tl.tensor, scale: tl.tensor,
+                   stride_qt: tl.tensor, stride_qh: tl.tensor, stride_kc: tl.tensor, stride_kh: tl.tensor,
+                   stride_bt: tl.tensor, stride_ot: tl.tensor, stride_oh: tl.tensor,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr = 0) -> None:
     """One program per (sequence, kv head, split): its G query heads against one slice of the
     sequence's cache. With one split the result is final; with several, each writes its partial
     (running max, sum, unnormalised output) for _decode_reduce_kernel to combine. (Combining them
@@ -109,18 +117,18 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
     q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
     qk_scale = scale * 1.4426950408889634
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    sums = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    m, l, acc = _softmax_step(q, k, v, valid, valid[None, :], m, l, acc, qk_scale, PRECISION)
+    m, sums, acc = _softmax_step(q, k, v, valid, valid[None, :], m, sums, acc, qk_scale, PRECISION)
     for start in range(begin + BLOCK_N, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < end
         off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
-        m, l, acc = _softmax_step(q, k, VC + off, valid, valid[None, :], m, l, acc, qk_scale, PRECISION)
+        m, sums, acc = _softmax_step(q, k, VC + off, valid, valid[None, :], m, sums, acc, qk_scale, PRECISION)
     heads = kvh * G + g
     if SPLITS == 1:
-        out = acc / l[:, None]
+        out = acc / sums[:, None]
         tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=gmask[:, None])
     else:
@@ -128,12 +136,13 @@ def _decode_kernel(Q, KC, VC, OUT, PART_ACC, PART_ML, TABLES, LENS, scale,
         row = (b * num_heads + heads) * SPLITS + split  # [B, H, SPLITS] partials
         tl.store(PART_ACC + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
         tl.store(PART_ML + row * 2, m, mask=gmask)
-        tl.store(PART_ML + row * 2 + 1, l, mask=gmask)
+        tl.store(PART_ML + row * 2 + 1, sums, mask=gmask)
 
 
 @triton.jit
-def _decode_reduce_kernel(PART_ACC, PART_ML, OUT, stride_ot, stride_oh,
-                          D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+def _decode_reduce_kernel(PART_ACC: tl.tensor, PART_ML: tl.tensor, OUT: tl.tensor, stride_ot: tl.tensor,
+                          stride_oh: tl.tensor, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          PDL: tl.constexpr = 0) -> None:
     pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -142,12 +151,12 @@ def _decode_reduce_kernel(PART_ACC, PART_ML, OUT, stride_ot, stride_oh,
     smask = sp < SPLITS
     row = (b * num_heads + h) * SPLITS + sp
     m = tl.load(PART_ML + row * 2, mask=smask, other=float("-inf"))
-    l = tl.load(PART_ML + row * 2 + 1, mask=smask, other=0.0)
+    sums = tl.load(PART_ML + row * 2 + 1, mask=smask, other=0.0)
     m_all = tl.max(m, axis=0)
-    w = tl.where(smask & (l > 0), tl.exp2(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
+    w = tl.where(smask & (sums > 0), tl.exp2(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
     d = tl.arange(0, D)
     acc = tl.load(PART_ACC + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(sums * w, axis=0)
     tl.store(OUT + b * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
@@ -196,10 +205,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
-def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PAST, scale,
-                    stride_qt, stride_qh, stride_kc, stride_kh, stride_bt, stride_ot, stride_oh,
+def _prefill_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, OUT: tl.tensor, TABLES: tl.tensor,
+                    TILE_SEQ: tl.tensor, TILE_M: tl.tensor, Q_START: tl.tensor, Q_LEN: tl.tensor,
+                    PAST: tl.tensor, scale: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor,
+                    stride_kc: tl.tensor, stride_kh: tl.tensor, stride_bt: tl.tensor, stride_ot: tl.tensor,
+                    stride_oh: tl.tensor,
                     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr) -> None:
     """One program per (tile of BLOCK_M new tokens of one sequence, query head). Query i of a
     sequence sits at position past + i and sees the cached keys 0 .. past + i (its own included)."""
     tile = tl.program_id(0)
@@ -215,9 +227,9 @@ def _prefill_kernel(Q, KC, VC, OUT, TABLES, TILE_SEQ, TILE_M, Q_START, Q_LEN, PA
     d = tl.arange(0, D)
     q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
     end = past + tl.minimum(m0 + BLOCK_M, q_len)
-    m, l, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
-                              scale * 1.4426950408889634, past + rows, BLOCK_M, D, PAGE, BLOCK_N, True, PRECISION)
-    out = acc / l[:, None]
+    m, sums, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
+                                 scale * 1.4426950408889634, past + rows, BLOCK_M, D, PAGE, BLOCK_N, True, PRECISION)
+    out = acc / sums[:, None]
     tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=rmask[:, None])
 

@@ -27,7 +27,7 @@ def pdl_mode(pdl: bool) -> int:
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr):
+def pdl_wait(PDL: tl.constexpr) -> None:
     """Called once by every program of a kernel launched with pdl_launch, after the loads that do
     not depend on the kernel before and before anything that does."""
     if PDL == 1:

@@ -11,10 +11,12 @@ from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 
 
 @triton.jit
-def _rope_store_kernel(QKV, POS, COS, SIN, SLOTS, QOUT, KC, VC, QNW, KNW,
-                       stride_t, stride_qt, stride_qh, stride_cs, stride_kc, stride_kh, eps,
+def _rope_store_kernel(QKV: tl.tensor, POS: tl.tensor, COS: tl.tensor, SIN: tl.tensor, SLOTS: tl.tensor,
+                       QOUT: tl.tensor, KC: tl.tensor, VC: tl.tensor, QNW: tl.tensor, KNW: tl.tensor,
+                       stride_t: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor, stride_cs: tl.tensor,
+                       stride_kc: tl.tensor, stride_kh: tl.tensor, eps: tl.tensor,
                        H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-                       PDL: tl.constexpr = 0):
+                       PDL: tl.constexpr = 0) -> None:
     pdl_wait(PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1 q heads, H..H+KV-1 k heads, then v heads
@@ -62,6 +64,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         qkv, positions, cos, sin, slots, q, k_cache, v_cache,
         q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
         qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), eps,
-        H=num_heads, KV=num_kv_heads, D=head_dim, QK_NORM=q_norm is not None, PDL=pdl_mode(pdl), num_warps=1, **pdl_launch(pdl),
+        H=num_heads, KV=num_kv_heads, D=head_dim, QK_NORM=q_norm is not None, PDL=pdl_mode(pdl), num_warps=1,
+        **pdl_launch(pdl),
     )
     return q

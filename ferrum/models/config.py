@@ -10,10 +10,9 @@ from typing import Any
 import torch
 
 from ferrum.dtypes import serving_dtype
-
-
-class ModelConfigError(ValueError):
-    """config.json is missing, unreadable, or describes something Ferrum cannot run."""
+from ferrum.models.errors import ModelConfigError
+from ferrum.models.registry import resolve_architecture
+from ferrum.weights.locations.model_files import local_model_folder
 
 
 @dataclass(frozen=True)
@@ -97,15 +96,13 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ModelConfigError(f"{path}: not found; a model folder needs config.json") from None
+        local_model_folder(Path(folder))  # raises the one verdict on what the folder lacks
+        raise ModelConfigError(f"{path}: not found") from None  # (only if it was removed meanwhile)
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelConfigError(f"{path}: cannot be read as JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{path}: expected a JSON object")
     raw = {**raw.get("text_config", {}), **raw} if "text_config" in raw else raw
-
-    from ferrum.models.registry import resolve_architecture  # avoid an import cycle
-
     architecture = resolve_architecture(raw, path)
     try:
         hidden = int(raw["hidden_size"])

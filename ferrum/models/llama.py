@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ferrum.models.attention.layer import Attention, AttentionInputs
 from ferrum.models.attention.layout import KVCache
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import GatedMLP, LayerOps, RMSNorm, RotaryEmbedding, torch_ops
@@ -36,26 +37,6 @@ class WeightBinding:
     shard: Shard | None = None  # under tensor parallelism: the part of the checkpoint tensor this rank reads
 
 
-class Attention(nn.Module):
-    """`config` is this rank's (its share of the heads under tensor parallelism)."""
-
-    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = (nn.Linear(self.q_size, config.hidden_size, bias=False) if tp.size == 1
-                       else RowParallelLinear(self.q_size, config.hidden_size, False, tp))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
-
-    def forward(self, x: torch.Tensor, cache: KVCache, batch) -> torch.Tensor:
-        out = batch.attend(self, self.qkv_proj(x), cache)  # rope, cache write and attention
-        return self.o_proj(out)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel) -> None:
         super().__init__()
@@ -67,7 +48,7 @@ class DecoderLayer(nn.Module):
             self.mlp.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, batch
+        self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, batch: AttentionInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input before its residual add; returns (MLP output, residual stream)."""
         h, residual = self.input_layernorm(x, residual)
@@ -99,6 +80,8 @@ class LlamaForCausalLM(nn.Module):
         self.shard = ShardPlan(config, tp.rank, tp.size)
         rank_config = self.shard.rank_config()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding
+        self.lm_head: nn.Linear | ParallelLMHead
         if tp.size == 1:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -111,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], batch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], batch: AttentionInputs) -> torch.Tensor:
         """input_ids: [T] (their positions and the cache slots are in `batch`, the attention
         backend's step inputs). Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)

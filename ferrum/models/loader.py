@@ -16,21 +16,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
 
 from ferrum.backends.device import Device
-from ferrum.engine.startup import WeightLoadReport
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import LayerOps, RotaryEmbedding
 from ferrum.models.layers.parallel import TensorParallel
 from ferrum.models.llama import LlamaForCausalLM, WeightBinding, ignored_checkpoint_tensor
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
-from ferrum.weights.sources import WeightSource
-from ferrum.weights.spec import TensorSpec, WeightMetadata
-from ferrum.weights.transforms import Cast, Slice
+from ferrum.weights.spec.sources import WeightSource
+from ferrum.weights.spec.tensors import TensorSpec, WeightMetadata
+from ferrum.weights.spec.transforms import Cast, Slice
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,18 @@ R = TypeVar("R")
 
 class WeightsError(WeightError, ValueError):
     """Weights missing or not matching the model's config; names the file."""
+
+
+@dataclass(frozen=True)
+class WeightLoadReport:
+    """The model's weights: where they came from (a source kind: file, url, s3, hf), how many bytes,
+    how long from the first read to the last byte on the device (for the server's readiness answer
+    and its metrics)."""
+
+    source: str
+    nbytes: int
+    seconds: float
+    bytes_read: int = 0  # of the checkpoint: a tensor-parallel rank reads only its shards where it can
 
 
 def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: LayerOps,
@@ -103,8 +115,6 @@ def _target(param: torch.Tensor, binding: WeightBinding) -> torch.Tensor:
 
 
 def _with_tensor(source: WeightSource, tensor: str) -> WeightSource:
-    from dataclasses import replace
-
     return replace(source, tensor_name=tensor)
 
 

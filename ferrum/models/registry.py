@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ferrum.models.config import ModelConfigError
+from ferrum.models.errors import ModelConfigError
 
 # Every entry is a Llama-family decoder; the differences are flags in ModelConfig
 # (q/k/v bias for Qwen2, per-head q/k norm for Qwen3).

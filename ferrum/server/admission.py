@@ -17,11 +17,11 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NoReturn
 
+from ferrum.config.server_settings import LimitsConfig
 from ferrum.engine.outputs import RequestOutput
 from ferrum.server.errors import APIError
-from ferrum.server.settings import LimitsConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Ticket:
     end_reason: EndReason | None = None
     first_token_s: float | None = None  # from arrival to the first token of any choice
     queue_time_s: float | None = None  # the longest any of its engine requests waited in the queue
-    output_tokens: dict[int, int] = field(default_factory=dict)  # per finished engine request
+    output_tokens: dict[int, int] = field(default_factory=dict)  # per engine request: handed on (all, once finished)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     _abort: Callable[[str], object] | None = None
     _timer: asyncio.TimerHandle | None = None
@@ -48,6 +48,11 @@ class Ticket:
     def started(self, index: int) -> None:
         """Engine request `index` gave its first output: it left the waiting queue."""
         self.waiting.discard(index)
+
+    def handed_on(self, index: int, output: RequestOutput) -> None:
+        """Engine request `index`'s `output` was taken by the response (sent, for a stream): a request the
+        client leaves is logged with the tokens it got."""
+        self.output_tokens[index] = output.num_output_tokens
 
     def finished(self, index: int, output: RequestOutput) -> None:
         self.output_tokens[index] = output.num_output_tokens
@@ -164,7 +169,7 @@ class Admission:
             log.error("shutdown: %d request(s) did not end after their abort", len(self.tickets))
         return len(ended)
 
-    def refuse(self, reason: RejectReason, message: str | None = None) -> None:
+    def refuse(self, reason: RejectReason, message: str | None = None) -> NoReturn:
         """Raises the refusal's APIError (and counts it)."""
         if self._on_reject is not None:
             self._on_reject(reason)

@@ -36,6 +36,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from ferrum.config.server_settings import ServerSettings
 from ferrum.engine.async_engine import EngineClient
 from ferrum.engine.limits import PromptTooLongError
 from ferrum.server.admission import Admission, Ticket
@@ -70,7 +71,6 @@ from ferrum.server.protocol import (
 )
 from ferrum.server.request_id import RequestIdMiddleware
 from ferrum.server.responses import ResponseObject, ResponsesRequest, ResponsesShape
-from ferrum.server.settings import ServerSettings
 from ferrum.server.sse import SSEResponse, named_sse_events, sse_events
 from ferrum.server.state import ServerState
 from ferrum.server.ui import install_chat_page
@@ -410,7 +410,7 @@ class Server:
     async def _chat_chunks(
         self, engine: EngineClient, req: ChatCompletionRequest, response_id: str, jobs: list[Job], ticket: Ticket,
         output: ChatOutput,
-    ) -> AsyncGenerator[BaseModel, None]:
+    ) -> AsyncGenerator[ChatCompletionChunk, None]:
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:

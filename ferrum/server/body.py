@@ -31,7 +31,9 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
     try:  # JSON may escape a lone surrogate (\ud800), which is no text: nothing could encode it
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise bad_request("The request body holds an unpaired UTF-16 surrogate (e.g. \\ud800): not valid text.") from None
+        raise bad_request(
+            "The request body holds an unpaired UTF-16 surrogate (e.g. \\ud800): not valid text."
+        ) from None
     except RecursionError:
         raise bad_request("The request body is nested too deeply.") from None
     try:

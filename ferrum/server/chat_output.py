@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ferrum.config.server_settings import ChatConfig
+from ferrum.engine.outputs import FinishReason as EngineFinishReason
 from ferrum.server.errors import bad_request
 from ferrum.server.protocol import (
     ChatCompletionRequest,
@@ -27,13 +29,13 @@ from ferrum.server.protocol import (
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
+    FinishReason,
     FunctionCall,
     ToolCallOut,
     template_messages,
 )
 from ferrum.server.reasoning import FORMATS as REASONING_FORMATS
 from ferrum.server.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
-from ferrum.server.settings import ChatConfig
 from ferrum.server.tool_calls import CallDelta, ToolCallStream, ToolFormat, ToolParserError, tool_format
 from ferrum.tokenizer import Tokenizer
 
@@ -45,7 +47,9 @@ class ChatOutput:
     reasoning: ReasoningFormat | None = None  # None: no thinking part is separated
     names: frozenset[str] | None = None  # the functions that may be called: a "call" to another is content
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+    def message(
+        self, text: str, finish_reason: EngineFinishReason | None
+    ) -> tuple[ChatResponseMessage, FinishReason | None]:
         reasoning = None
         if self.reasoning is not None:
             reasoning, text = split_reasoning(self.reasoning, text)
@@ -80,7 +84,7 @@ class ChoiceStream:
             return _delta(text, [], thought)
         return _delta(*self._calls.feed(text), thought)
 
-    def finish(self, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+    def finish(self, finish_reason: EngineFinishReason | None) -> tuple[DeltaMessage | None, FinishReason | None]:
         thought = text = ""
         if self._reasoning is not None:
             thought, text = self._reasoning.finish()
@@ -103,7 +107,7 @@ def _delta(content: str, calls: list[CallDelta], thought: str = "") -> DeltaMess
     return DeltaMessage(content=content or None, reasoning_content=thought or None, tool_calls=tool_calls or None)
 
 
-def _finish(reason: str | None, called: bool) -> str | None:
+def _finish(reason: EngineFinishReason | None, called: bool) -> FinishReason | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 

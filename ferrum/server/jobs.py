@@ -60,8 +60,9 @@ def _settle(task: asyncio.Task[RequestOutput]) -> None:
 async def run_jobs(
     engine: EngineClient, jobs: Sequence[Job], metrics: ServerMetrics, ticket: Ticket
 ) -> AsyncGenerator[tuple[Job, RequestOutput], None]:
-    """The outputs of all jobs as they come. However the consumer stops (return, error, aclose,
-    cancellation), every engine generator is closed, which aborts the unfinished requests."""
+    """The outputs of all jobs as they come; each is counted in the ticket (`Ticket.handed_on`) once the
+    consumer asks for the next. However the consumer stops (return, error, aclose, cancellation), every
+    engine generator is closed, which aborts the unfinished requests."""
     gens = [engine.generate(job.request_id, job.prompt_ids, job.params, ticket.priority) for job in jobs]
     pending: dict[asyncio.Task[RequestOutput], int] = {}
     last_token_at: list[float | None] = [None] * len(jobs)
@@ -92,6 +93,7 @@ async def run_jobs(
             async for out in gens[0]:
                 observe(0, out)
                 yield jobs[0], out
+                ticket.handed_on(0, out)  # the consumer asks for the next: this one is sent
             return
         pending = {asyncio.create_task(_next_output(g)): i for i, g in enumerate(gens)}
         while pending:
@@ -106,6 +108,7 @@ async def run_jobs(
                 if not out.finished:
                     pending[asyncio.create_task(_next_output(gens[i]))] = i
                 yield jobs[i], out
+                ticket.handed_on(i, out)
     finally:
         with anyio.CancelScope(shield=True):
             for task in pending:

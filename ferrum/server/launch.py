@@ -19,21 +19,18 @@ from pathlib import Path
 from ferrum.backends.base import ComputeBackend
 from ferrum.backends.registry import create_default_registry
 from ferrum.backends.selection import select_backend
-from ferrum.config import ConfigError, ServerConfig
+from ferrum.config.loader import ConfigError, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine, EngineClient
-from ferrum.engine.builder import EngineSpec
+from ferrum.engine.builder import EngineSpec, attach_engine
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.process_client import ProcessEngineClient
 from ferrum.engine.startup import StartupObserver, StartupProgress
 from ferrum.models.config import load_model_config
-from ferrum.weights.model_files import ModelFiles
-from ferrum.weights.sources import File
-from ferrum.weights.uri import parse_model_location, resolve_model, resolve_model_folder
+from ferrum.weights.locations.model_files import ModelFiles, local_model_folder
+from ferrum.weights.locations.uri import parse_model_location, resolve_model, resolve_model_folder
+from ferrum.weights.spec.sources import File
 
 log = logging.getLogger("ferrum")
-
-
-NO_FOLDER_HINT = " (the folder does not exist; `make serve` prepares the demo model)"
 
 
 class StartupError(RuntimeError):
@@ -52,14 +49,12 @@ def check_local_folder(config: ServerConfig) -> None:
             ) from None
         except OSError:
             pass
-        if not (location.path / "config.json").is_file():
-            hint = "" if location.path.exists() else NO_FOLDER_HINT
-            raise StartupError(f"model folder {location.path} has no config.json{hint}")
         load_model_config(location.path)  # an unsupported architecture is named before anything else
+        local_model_folder(location.path)  # which files make a model folder: one rule for every source
 
 
 async def model_files(config: ServerConfig) -> ModelFiles:
-    """`config.model` resolved for serving (ferrum.weights.uri.resolve_model), its config.json read
+    """`config.model` resolved for serving (ferrum.weights.locations.uri.resolve_model), its config.json read
     (an unsupported architecture is named here, in the server, before any engine starts). Raises
     StartupError, ModelConfigError, or a WeightError naming what is missing."""
     check_local_folder(config)
@@ -67,16 +62,14 @@ async def model_files(config: ServerConfig) -> ModelFiles:
     files = await resolve_model(config.model, config.weights)
     load_model_config(files.folder)
     if not isinstance(files.location, File):
-        how = "in the cache" if files.complete else f"small files fetched; weights streamed from {files.weights.display}"
+        streamed = f"small files fetched; weights streamed from {files.weights.display}"
+        how = "in the cache" if files.complete else streamed
         log.info("model %s: %s (%.1fs)", files.display, how, time.perf_counter() - started)
     return files
 
 
 async def pull_model(config: ServerConfig) -> Path:
     """`ferrum pull`: the whole model fetched into the cache (or found there); its local folder."""
-    location = parse_model_location(config.model)
-    if isinstance(location, File) and not (location.path / "config.json").is_file():
-        check_local_folder(config)
     started = time.perf_counter()
     folder = await resolve_model_folder(config.model, config.weights)
     log.info("model %s is in %s (%.1fs)", parse_model_location(config.model).display, folder,
@@ -101,7 +94,8 @@ async def build_engine(
     """The engine client, its model loaded (in its own process or on a worker thread), and the
     backend it runs on (`selected`, or chosen here). An in-process engine's device memory (weights,
     KV cache, CUDA graphs) is freed by the backend's shutdown; an engine process frees its own
-    before it exits. `on_progress` hears the start-up's phases on this event loop."""
+    before it exits. Either way the engine's steps are counted as the backend's operations (GET
+    /v1/backends). `on_progress` hears the start-up's phases on this event loop."""
     if selected is None:
         selected = await choose_backend(config)
     backend, device_name = selected
@@ -112,7 +106,9 @@ async def build_engine(
     try:
         if engine_in_own_process(config.engine_process, backend.kind):
             log.info("engine: in its own process")
-            return await ProcessEngineClient.launch(spec, on_progress=report), backend
+            client = await ProcessEngineClient.launch(spec, on_progress=report,
+                                                      on_operations=backend.record_operation)
+            return client, backend
         log.info("engine: on a thread of the server process")
         device = backend.device(device_name)
         loop = asyncio.get_running_loop()
@@ -125,7 +121,7 @@ async def build_engine(
         )
     except (OSError, ValueError) as exc:  # unreadable or invalid model files: the message names the file
         raise StartupError(f"cannot load the model from {files.display}: {exc}") from exc
-    backend.add_release_hook(device_name, engine.release)
+    attach_engine(engine, backend)
     return AsyncEngine(engine), backend
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ferrum.server.settings import LoggingConfig
+from ferrum.config.server_settings import LoggingConfig
 
 REQUEST_LOGGER = "ferrum.request"
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -21,8 +21,13 @@ from pydantic import (
     model_validator,
 )
 
-from ferrum.engine.sampling_params import SamplingParams, SamplingParamsError
-from ferrum.engine.structured import StructuredOutput, StructuredOutputError, checked_grammar
+from ferrum.engine.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    StructuredKind,
+    StructuredOutput,
+)
+from ferrum.engine.structured import StructuredOutputError, checked_grammar
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 MAX_N = 128
@@ -181,8 +186,10 @@ class SamplingFields(BaseModel):
                 asked.append(StructuredOutput("choice", json.dumps(so.choice), "structured_outputs.choice"))
             if so.grammar is not None:
                 asked.append(StructuredOutput("grammar", so.grammar, "structured_outputs.grammar"))
-        for name, kind in (("guided_json", "json"), ("json_schema", "json"), ("guided_regex", "regex"),
-                           ("guided_choice", "choice"), ("guided_grammar", "grammar"), ("grammar", "grammar")):
+        fields: tuple[tuple[str, StructuredKind], ...] = (
+            ("guided_json", "json"), ("json_schema", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"), ("grammar", "grammar"))
+        for name, kind in fields:
             value = getattr(self, name)
             if value is None:
                 continue

@@ -358,8 +358,8 @@ class ResponsesShape:
                         yield event("response.content_part.added", item_id=text_item["id"], output_index=index,
                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []})
                     text_item["content"][0]["text"] += delta.content
-                    yield event("response.output_text.delta", item_id=text_item["id"], output_index=output.index(text_item),
-                                content_index=0, delta=delta.content)
+                    yield event("response.output_text.delta", item_id=text_item["id"],
+                                output_index=output.index(text_item), content_index=0, delta=delta.content)
                 for tc in delta.tool_calls or []:
                     if tc.index not in calls:
                         for e in close_text():

@@ -26,7 +26,7 @@ from types import FrameType
 
 import uvicorn
 
-from ferrum.config import ServerConfig
+from ferrum.config.loader import ServerConfig
 from ferrum.engine.async_engine import EngineClient
 from ferrum.engine.heap import freeze_startup_heap
 from ferrum.server.api import Server, backend_card, create_app
@@ -116,7 +116,12 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         ),
         stop,
     )
-    http.on_second_signal = lambda: [ticket.end("shutdown") for ticket in list(server.admission.tickets)]
+
+    def end_every_request() -> None:
+        for ticket in list(server.admission.tickets):
+            ticket.end("shutdown")
+
+    http.on_second_signal = end_every_request
     http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
     scheme = "https" if api.ssl_certfile else "http"
     log.info("listening on %s://%s:%d%s (GET /ready says when the model is loaded)", scheme, config.host,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,7 @@ class ToolFormat:
     joiner: str = ""
     close: str = ""
 
-    def grammar(self, tools: Sequence[dict[str, Any]], forced: str | None, parallel: bool,
+    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: str | None, parallel: bool,
                 otherwise: str | None = None) -> str:
         """A Lark grammar (llguidance's dialect) for output that is only tool calls: one or more (one when
         `parallel` is false) of the tools, `forced` only when given, each call's arguments matching its

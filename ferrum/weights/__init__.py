@@ -24,12 +24,30 @@ from ferrum.weights.errors import (
     UnsupportedError,
     WeightError,
 )
-from ferrum.weights.sources import S3, File, HuggingFace, Memory, RawLayout, Url, WeightFormat, WeightSource
-from ferrum.weights.spec import TensorSpec, WeightLoaderCapabilities, WeightLoaderConfig, WeightMetadata
-from ferrum.weights.transforms import Cast, Quantize, Reshape, Scale, Slice, TensorTransformation, Transpose
+from ferrum.weights.spec.loader_config import WeightLoaderConfig
+from ferrum.weights.spec.sources import (
+    S3,
+    File,
+    HuggingFace,
+    Memory,
+    RawLayout,
+    Url,
+    WeightFormat,
+    WeightSource,
+)
+from ferrum.weights.spec.tensors import TensorSpec, WeightLoaderCapabilities, WeightMetadata
+from ferrum.weights.spec.transforms import (
+    Cast,
+    Quantize,
+    Reshape,
+    Scale,
+    Slice,
+    TensorTransformation,
+    Transpose,
+)
 
 if TYPE_CHECKING:
-    from ferrum.weights.formats import index_shards
+    from ferrum.weights.formats.readers import index_shards
     from ferrum.weights.loader import WeightLoader
 
 __all__ = [
@@ -72,7 +90,7 @@ def __getattr__(name: str) -> Any:
 
         return WeightLoader
     if name == "index_shards":
-        from ferrum.weights.formats import index_shards
+        from ferrum.weights.formats.readers import index_shards
 
         return index_shards
     raise AttributeError(f"module 'ferrum.weights' has no attribute {name!r}")

@@ -6,11 +6,11 @@
 How a group of specs of one stored object is served (`load_tensors` groups them so that each object
 is opened / fetched once, and works on all groups at once):
 
-    File        memory-mapped in a thread (formats.open_local); a folder means its model.safetensors
+    File        memory-mapped in a thread (readers.open_local); a folder means its model.safetensors
                 (or its index); an `*.index.json` sends each tensor to its shard
     Memory      read from the bytes (copied out once)
-    HuggingFace hub.hub_fetch (huggingface_hub's cache), then as a File
-    Url / S3    SafeTensors: streamed: download.Downloader.open(obj) fetches the file into the cache
+    HuggingFace hub_fetch (huggingface_hub's cache), then as a File
+    Url / S3    SafeTensors: streamed: Downloader.open(obj) fetches the file into the cache
                 while each tensor is made as soon as `wait_range` says its bytes are in (read from
                 the cache's file as it grows); the download's verification (`result()`) is awaited
                 before anything is returned. `fetching(source)` starts those downloads ahead, while
@@ -55,7 +55,7 @@ from ferrum.weights.errors import (
     UnsupportedError,
     WeightError,
 )
-from ferrum.weights.formats import (
+from ferrum.weights.formats.readers import (
     OpenedWeights,
     StoredBytes,
     format_from_name,
@@ -68,9 +68,10 @@ from ferrum.weights.formats import (
     stored_dtype,
     tensor_from_bytes,
 )
-from ferrum.weights.model_files import local_weights
-from ferrum.weights.safetensors_header import SafetensorsHeader, header_length, parse_header
-from ferrum.weights.sources import (
+from ferrum.weights.formats.safetensors_header import SafetensorsHeader, header_length, parse_header
+from ferrum.weights.locations.model_files import local_weights
+from ferrum.weights.spec.loader_config import WeightLoaderConfig
+from ferrum.weights.spec.sources import (
     S3,
     File,
     HuggingFace,
@@ -82,20 +83,14 @@ from ferrum.weights.sources import (
     object_of,
     sibling,
 )
-from ferrum.weights.spec import (
-    TensorSpec,
-    WeightLoaderCapabilities,
-    WeightLoaderConfig,
-    WeightMetadata,
-    specs_by_name,
-)
-from ferrum.weights.transforms import Slice, apply_transformations, check_result
+from ferrum.weights.spec.tensors import TensorSpec, WeightLoaderCapabilities, WeightMetadata, specs_by_name
+from ferrum.weights.spec.transforms import Slice, apply_transformations, check_result
 
 if TYPE_CHECKING:
     from ferrum.backends.device import Device
     from ferrum.backends.transfer import DeviceWriter
-    from ferrum.weights.download import Download, Downloader
-    from ferrum.weights.remote import RemoteObject
+    from ferrum.weights.download.downloader import Download, Downloader
+    from ferrum.weights.download.remote import RemoteObject
 
 __all__ = ["WeightLoader"]
 
@@ -117,8 +112,9 @@ async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
     try:
         done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
-            if task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            error = task.exception()
+            if error is not None:
+                raise error
         return [task.result() for task in tasks]
     finally:
         for task in tasks:
@@ -218,7 +214,7 @@ def _finish_into(reader: OpenedWeights, spec: TensorSpec, sink: _Sink) -> torch.
                 return sink.put_stored(spec, stored, reader.name)
             host = torch.empty(stored.shape, dtype=stored.dtype)
             if host.numel():
-                stored.read(memoryview(host.reshape(-1).view(torch.uint8).numpy()), 0)
+                stored.read(host.reshape(-1).view(torch.uint8).numpy().data, 0)
             return sink.put_tensor(spec, _transformed(host, replace(spec, transformations=rest), where=reader.name))
     tensor = _finish(reader, spec)
     sink.read_from_source(_stored_nbytes(reader, spec))
@@ -230,7 +226,9 @@ def _sliced(stored: StoredBytes, step: Slice, where: str, name: str) -> StoredBy
     size = stored.shape[dim] if dim >= 0 else 0
     start, end, _ = slice(step.start, step.end).indices(size)
     if dim < 0:
-        raise TransformError(where, f"tensor {name!r}: {step!r}: dim {step.dim} is out of range for shape {stored.shape}")
+        raise TransformError(
+            where, f"tensor {name!r}: {step!r}: dim {step.dim} is out of range for shape {stored.shape}"
+        )
     return stored.sliced(dim, start, max(start, end))
 
 
@@ -355,7 +353,7 @@ class WeightLoader:
                 lambda: open_bytes(source.data, source.format, name=source.display).metadata()
             )
         if isinstance(source, HuggingFace) and _format_hint_of(source) is WeightFormat.SAFETENSORS:
-            from ferrum.weights.hub import hub_metadata
+            from ferrum.weights.hub.fetch import hub_metadata
 
             return await hub_metadata(source, self.config)
         if isinstance(source, (Url, S3)) and _format_hint_of(source) is WeightFormat.SAFETENSORS:
@@ -415,7 +413,7 @@ class WeightLoader:
         started: list[tuple[RemoteObject, Download]] = []
         try:
             if isinstance(source, (Url, S3)):
-                files = [source]
+                files: list[WeightSource] = [source]
                 if _is_index(source):
                     _, shards = await self._index(source)
                     files = [sibling(source, shard) for shard in dict.fromkeys(shards.values())]
@@ -487,7 +485,9 @@ class WeightLoader:
         finally:
             reader.close()
 
-    async def _load_indexed(self, index: WeightSource, specs: Sequence[TensorSpec], sink: _Sink | None = None) -> Tensors:
+    async def _load_indexed(
+        self, index: WeightSource, specs: Sequence[TensorSpec], sink: _Sink | None = None
+    ) -> Tensors:
         """Each spec from the shard the index names for it; the shards' groups are loaded at once."""
         _, shards = await self._index(index)
         by_shard: dict[str, list[TensorSpec]] = {}
@@ -532,17 +532,17 @@ class WeightLoader:
 
     def _get_downloader(self) -> Downloader:
         if self._downloader is None:
-            from ferrum.weights.download import Downloader
+            from ferrum.weights.download.downloader import Downloader
 
             self._downloader = Downloader(self.config)
         return self._downloader
 
     def _remote_object(self, source: Url | S3) -> RemoteObject:
         if isinstance(source, Url):
-            from ferrum.weights.http import HttpObject
+            from ferrum.weights.download.http import HttpObject
 
             return HttpObject(source.url, source.headers, self.config)
-        from ferrum.weights.s3 import S3Object
+        from ferrum.weights.download.s3 import S3Object
 
         return S3Object(source, self.config)
 
@@ -555,7 +555,7 @@ class WeightLoader:
     async def _fetch(self, source: WeightSource) -> Path:
         """A verified local copy of a remote object (huggingface_hub's cache, or ours)."""
         if isinstance(source, HuggingFace):
-            from ferrum.weights.hub import hub_fetch
+            from ferrum.weights.hub.fetch import hub_fetch
 
             return await hub_fetch(source, self.config)
         if isinstance(source, (Url, S3)):
@@ -568,7 +568,9 @@ class WeightLoader:
             return source.path
         raise UnsupportedError(source.display, "a Memory source has no file to fetch")
 
-    async def _load_streaming(self, source: Url | S3, specs: Sequence[TensorSpec], sink: _Sink | None = None) -> Tensors:
+    async def _load_streaming(
+        self, source: Url | S3, specs: Sequence[TensorSpec], sink: _Sink | None = None
+    ) -> Tensors:
         """Make each tensor as soon as its bytes are in the cache's partial file, while the rest of
         the file downloads; return once the whole download is verified."""
         obj = self._remote_object(source)
@@ -631,7 +633,7 @@ class WeightLoader:
     async def _hub_available(self, source: HuggingFace) -> bool:
         import huggingface_hub
 
-        from ferrum.weights.hub_env import hub_settings
+        from ferrum.weights.hub.settings import hub_settings
 
         settings = hub_settings(source.cache_dir)
 

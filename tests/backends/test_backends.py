@@ -10,6 +10,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ def test_capabilities_reject_contradictory_dtype_flags() -> None:
         ("devices", ("gpu0",), "unknown device"),
     ],
 )
-def test_capabilities_reject_impossible_values(field_name: str, value: object, message: str) -> None:
+def test_capabilities_reject_impossible_values(field_name: str, value: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(cpu_profile(), **{field_name: value})
 
@@ -591,7 +592,7 @@ def test_cpu_total_memory_matches_proc_meminfo(cpu_backend_probe: CPUBackend) ->
 
 
 def test_cpu_flags_reported_match_cpuinfo(cpu_backend_probe: CPUBackend) -> None:
-    reported = cpu_backend_probe.capabilities().extras["cpu_flags"]
+    reported = cast("tuple[str, ...]", cpu_backend_probe.capabilities().extras["cpu_flags"])
     flags = cpu_module.read_cpu_flags()
     assert set(reported) == {flag for flag in cpu_module.REPORTED_CPU_FLAGS if flag in flags}
 

@@ -177,7 +177,8 @@ async def main():
     await backend.shutdown()
     nvml = Nvml.load()
     gpu = nvml.visible_gpus()[0]
-    print(device, caps.free_memory_bytes > 0, torch.cuda.is_initialized(), os.getpid() in nvml.process_memory(gpu.handle))
+    held = os.getpid() in nvml.process_memory(gpu.handle)
+    print(device, caps.free_memory_bytes > 0, torch.cuda.is_initialized(), held)
 
 asyncio.run(main())
 """

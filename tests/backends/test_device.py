@@ -4,7 +4,9 @@ NVML without a CUDA context: a stand-in `pynvml` module here, the real one on a 
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
+import os
+from types import ModuleType, SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -56,7 +58,8 @@ def test_auto_dtype_follows_the_device() -> None:
 
 def test_batch_defaults_follow_the_device() -> None:
     cpu = CPUBackend().device()
-    assert (EngineConfig().for_device(cpu).max_num_seqs, EngineConfig().for_device(cpu).max_num_batched_tokens) == (64, 1024)
+    on_cpu = EngineConfig().for_device(cpu)
+    assert (on_cpu.max_num_seqs, on_cpu.max_num_batched_tokens) == (64, 1024)
     gpu = EngineConfig().for_device(stub_cuda_device((9, 0)))
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (256, 8192)
 
@@ -109,11 +112,42 @@ def test_a_gpu_probed_through_nvml_is_probed_by_torch_only_when_its_device_is_as
     assert backend.device() is device and probes == [0]
 
 
+def test_the_facts_tensor_parallelism_and_the_memory_plan_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peer access, the collective backend, the host threads and whether memory is the device's own
+    are probed by the backends: the engine reads them off the Device."""
+    cpu_backend = CPUBackend()
+    cpu = cpu_backend.device()
+    assert (cpu.collective, cpu.threads, cpu.dedicated_memory, cpu.peers) == ("gloo", cpu_backend.core_count,
+                                                                              False, ())
+    facts = dataclasses.replace(gpu_facts(), nccl_available=True, peers=(1, 3))
+    gpu = CUDABackend(facts, StubRuntime()).device()
+    assert (gpu.collective, gpu.threads, gpu.dedicated_memory) == ("nccl", 0, True)
+    assert gpu.peers == ("cuda:1", "cuda:3")
+    assert "peers cuda:1, cuda:3" in gpu.summary()
+    jetson = CUDABackend(dataclasses.replace(gpu_facts(), integrated=True), StubRuntime()).device()
+    assert (jetson.collective, jetson.dedicated_memory) == (None, False)  # no NCCL in that torch: no ranks
+    # a GPU probed through NVML has its peers and memory kind probed by torch with the rest
+    probed = dataclasses.replace(gpu_facts(), peers=(2,), integrated=True)
+    monkeypatch.setattr(cuda_module, "probe_cuda_device", lambda index: probed)
+    late = CUDABackend(dataclasses.replace(gpu_facts(), multi_processor_count=None), StubRuntime()).device()
+    assert (late.peers, late.dedicated_memory) == (("cuda:2",), False)
+
+
+async def test_initialising_a_gpu_turns_nvlink_multicast_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    await CUDABackend(gpu_facts(), StubRuntime()).initialize("cuda:0")
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")  # a setting of the user's is kept
+    await CUDABackend(gpu_facts(), StubRuntime()).initialize("cuda:0")
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "0"
+
+
 def test_mps_device() -> None:
     backend = MPSBackend(MpsDeviceFacts(bf16_supported=False, macos_version="15.1"), StubRuntime(total_bytes=96 * GIB))
     device = backend.device()
     assert (device.kind, device.name, device.preferred_dtype) == ("mps", "mps", torch.float16)
     assert device.total_memory_bytes == 96 * GIB and not device.triton and not device.cuda_graphs
+    assert (device.collective, device.threads, device.dedicated_memory) == (None, 0, False)
 
 
 # -- NVML, without a CUDA context ----------------------------------------------------------------------
@@ -176,7 +210,7 @@ def test_nvml_honours_cuda_visible_devices(visible: str | None, physical: list[i
     gpus = nvml.visible_gpus(environ)
     assert [gpu.uuid for gpu in gpus] == [UUIDS[i] for i in physical]
     assert [gpu.ordinal for gpu in gpus] == list(range(len(physical)))  # CUDA renumbers them
-    for gpu, index in zip(gpus, physical):
+    for gpu, index in zip(gpus, physical, strict=True):
         assert gpu.name == f"GPU {index}" and gpu.total_memory_bytes == (index + 1) * 10 * GIB
     if gpus:
         assert nvml.memory_info(gpus[0].handle) == ((physical[0] + 1) * 4 * GIB, (physical[0] + 1) * 10 * GIB)
@@ -203,7 +237,8 @@ def test_registry_probes_gpus_through_nvml_and_never_through_torch(monkeypatch: 
     assert (caps.total_memory_bytes, caps.free_memory_bytes) == (20 * GIB, 8 * GIB)
     assert caps.extras["compute_capability"] == (9, 0) and caps.extras["device_name"] == "GPU 1"
     assert backends[1].capabilities().extras["device_name"] == "GPU 2"
-    assert nvml_facts(Nvml(fake).visible_gpus({"CUDA_VISIBLE_DEVICES": "0"})[0]).multi_processor_count is None
+    gpu = Nvml(cast(ModuleType, fake)).visible_gpus({"CUDA_VISIBLE_DEVICES": "0"})[0]
+    assert nvml_facts(gpu).multi_processor_count is None
 
 
 def test_without_nvml_the_registry_probes_through_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,7 +116,9 @@ def test_prompt_pool_stays_below_a_smaller_model_vocabulary(tokenizer: Tokenizer
 # -- metrics ------------------------------------------------------------------------------------------
 
 
-def _record(ttft: float, gaps: tuple[float, ...], tokens: int, prompt: int = 10, error: str | None = None) -> RequestRecord:
+def _record(
+    ttft: float, gaps: tuple[float, ...], tokens: int, prompt: int = 10, error: str | None = None
+) -> RequestRecord:
     return RequestRecord(prompt, tokens, tokens, ttft, gaps, ttft + sum(gaps), error)
 
 

@@ -4,6 +4,8 @@ round trip through ToolMessages."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
@@ -38,13 +40,17 @@ def llm(base_url: str) -> ChatOpenAI:
 def test_invoke_stream_batch(llm: ChatOpenAI) -> None:
     answer = llm.invoke("What is the capital of France?")
     assert "Paris" in answer.content
-    assert "".join(chunk.content for chunk in llm.stream("What is the capital of France?")) == answer.content
+    streamed = ""
+    for chunk in llm.stream("What is the capital of France?"):
+        assert isinstance(chunk.content, str)
+        streamed += chunk.content
+    assert streamed == answer.content
     replies = llm.batch(["What is the capital of France?", "Say hello."])
     assert replies[0].content == answer.content and replies[1].content
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_structured_output(llm: ChatOpenAI, method: str) -> None:
+def test_structured_output(llm: ChatOpenAI, method: Literal["json_schema", "function_calling"]) -> None:
     city = llm.with_structured_output(City, method=method, strict=True).invoke("Tell me about Paris.")
     assert isinstance(city, City)
 

@@ -14,6 +14,7 @@ from tests.clients.conftest import MODEL, WEATHER_QUESTION, get_weather
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of its price list (no network here)
 import litellm
+from litellm.types.llms.openai import ResponsesAPIResponse
 
 pytestmark = pytest.mark.slow
 TOOL = {"type": "function", "function": {
@@ -61,5 +62,7 @@ def test_tools_and_their_results(provider: dict[str, Any]) -> None:
 
 def test_responses(provider: dict[str, Any]) -> None:
     r = litellm.responses(input="What is the capital of France?", max_output_tokens=16, temperature=0, **provider)
-    text = "".join(part.text for item in r.output if item.type == "message" for part in item.content)
+    assert isinstance(r, ResponsesAPIResponse)  # neither streamed nor awaited
+    output: list[Any] = r.output  # items of several libraries' classes (or dicts), read by `type` as the docs do
+    text = "".join(part.text for item in output if item.type == "message" for part in item.content)
     assert "Paris" in text

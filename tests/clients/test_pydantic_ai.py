@@ -4,11 +4,21 @@ a message history that holds a tool call and its result."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import BaseModel, Field
 from pydantic_ai import Agent, NativeOutput
-from pydantic_ai.messages import ModelRequest, ModelResponse, ToolCallPart, ToolReturnPart, UserPromptPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
 from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.output import OutputSpec
 from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.usage import UsageLimits
@@ -29,7 +39,7 @@ def model(base_url: str) -> OpenAIChatModel:
     return OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=base_url, api_key="unused"))
 
 
-def agent_with_a_tool(model: OpenAIChatModel, output_type: object, calls: list[str]) -> Agent:
+def agent_with_a_tool(model: OpenAIChatModel, output_type: OutputSpec[Any], calls: list[str]) -> Agent:
     agent = Agent(model, output_type=output_type, retries=2,
                   model_settings=ModelSettings(temperature=0, max_tokens=100))
 
@@ -61,7 +71,7 @@ def test_native_structured_output(model: OpenAIChatModel) -> None:
 
 
 def test_a_conversation_carried_on_after_a_tool_result(model: OpenAIChatModel) -> None:
-    history = [
+    history: list[ModelMessage] = [
         ModelRequest(parts=[UserPromptPart(WEATHER_QUESTION)]),
         ModelResponse(parts=[ToolCallPart("weather", {"city": "Paris"}, tool_call_id="call_1")]),
         ModelRequest(parts=[ToolReturnPart("weather", get_weather("Paris"), tool_call_id="call_1")]),

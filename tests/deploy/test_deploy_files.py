@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ferrum.config import load_config
+from ferrum.config.loader import load_config
 from ferrum.server.metrics import METRIC_NAMES
 from tests.deploy.tools import ROOT, tool
 
@@ -87,7 +87,8 @@ def test_compose_file_renders_and_follows_the_compose_spec(files: tuple[str, ...
     assert env["AWS_SECRET_ACCESS_KEY"] == "secret" == upload["environment"]["AWS_SECRET_ACCESS_KEY"]
     assert ferrum["depends_on"]["upload-model"]["condition"] == "service_completed_successfully"
     assert ferrum["read_only"] is True and "/tmp" in ferrum["tmpfs"]
-    drain = load_config(ROOT / "docker" / "config.yaml", {}, environ={"FERRUM_MODEL": "/m"}).server.lifecycle.shutdown_timeout_s
+    docker_config = load_config(ROOT / "docker" / "config.yaml", {}, environ={"FERRUM_MODEL": "/m"})
+    drain = docker_config.server.lifecycle.shutdown_timeout_s
     assert int(ferrum["stop_grace_period"].rstrip("s")) > drain
     if "compose.gpu.yaml" in files:
         assert ferrum["build"]["dockerfile"] == "docker/Dockerfile.cuda"

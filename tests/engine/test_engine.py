@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,9 +150,9 @@ def test_scheduler_never_exceeds_the_budget_or_the_cache() -> None:
         assert sum(s.num_new_tokens for s in p.scheduled) <= 7
         assert len(sched.running) <= 4
         assert bm.num_used <= 8
-        for s in p.scheduled:
-            assert 1 <= s.num_new_tokens <= s.seq.num_uncomputed_tokens
-            assert len(s.seq.block_table) * 4 >= s.seq.num_computed_tokens + s.num_new_tokens
+        for item in p.scheduled:
+            assert 1 <= item.num_new_tokens <= item.seq.num_uncomputed_tokens
+            assert len(item.seq.block_table) * 4 >= item.seq.num_computed_tokens + item.num_new_tokens
         _advance(p)
         for s in list(sched.running):
             if len(s.output_token_ids) >= s.params.max_tokens:
@@ -433,13 +434,13 @@ def test_logprobs_arrive_with_their_tokens(engine, france) -> None:
     assert r.tokens == france.tokens
     for d in r.deltas:
         assert d.new_logprobs is not None and len(d.new_logprobs) == len(d.new_token_ids)
-        for lp, token in zip(d.new_logprobs, d.new_token_ids):
+        for lp, token in zip(d.new_logprobs, d.new_token_ids, strict=True):
             assert lp.token_id == token and len(lp.top) == 3
             assert lp.top[0].token_id == token  # greedy: the chosen token is the most likely one
             assert lp.logprob == pytest.approx(lp.top[0].logprob) and lp.logprob <= 0.0
             assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
             assert lp.token == engine.tokenizer.decode([token], skip_special_tokens=False)
-    paris = [lp for d in r.deltas for lp in d.new_logprobs if lp.token.strip() == "Paris"]
+    paris = [lp for d in r.deltas for lp in d.new_logprobs or () if lp.token.strip() == "Paris"]
     assert len(paris) == 1 and paris[0].logprob > -0.5  # the model is sure of its answer
     plain = _one(engine, _chat(engine, FRANCE), SamplingParams(max_tokens=4, temperature=0.0))
     assert all(d.new_logprobs is None for d in plain.deltas)
@@ -568,6 +569,7 @@ async def test_async_closing_a_generator_aborts_and_frees_blocks(engine) -> None
         before = aengine.stats()
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         gen = aengine.generate("close-me", prompt, long)
+        assert isinstance(gen, AsyncGenerator)  # closing it aborts the request
         seen = 0
         async for out in gen:
             seen += len(out.new_token_ids)
@@ -630,6 +632,7 @@ async def test_async_request_id_reusable_right_after_closing(engine) -> None:
     async with _Running(engine) as aengine:
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         gen = aengine.generate("retry", prompt, long)
+        assert isinstance(gen, AsyncGenerator)
         await anext(gen)
         with pytest.raises(ValueError, match="already in use"):  # not while the first one is live
             await anext(aengine.generate("retry", prompt, SamplingParams(max_tokens=4)))

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from ferrum.config import ConfigError, ServerConfig, load_config
+from ferrum.config.loader import ConfigError, ServerConfig, load_config
 from ferrum.engine.async_engine import AsyncEngine, EngineClient, EngineDeadError
 from ferrum.engine.builder import EngineSpec
 from ferrum.engine.config import EngineConfig
@@ -30,8 +30,8 @@ from ferrum.engine.process_client import ProcessEngineClient
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.server.launch import build_engine, engine_in_own_process
 from ferrum.weights.errors import CorruptWeightsError, SourceNotFoundError
-from ferrum.weights.model_files import ModelFiles
-from ferrum.weights.sources import File
+from ferrum.weights.locations.model_files import ModelFiles
+from ferrum.weights.spec.sources import File
 from tests.live_server import MODEL_DIR, live_server
 
 pytestmark = [

@@ -15,8 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 from ferrum.engine.llm_engine import LLMEngine  # noqa: E402
 from ferrum.engine.sampling_params import SamplingParams  # noqa: E402
+from ferrum.tokenizer.synthetic import write_synthetic_tokenizer  # noqa: E402
 from tests.engines import host_device, load_test_model, local_engine  # noqa: E402
-from tests.tiny_model import save_hf_model, write_synthetic_tokenizer  # noqa: E402
+from tests.tiny_model import save_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_weights_reach_the_gpu_bit_for_bit(tiny: Path) -> None:
 
     cpu = load_test_model(tiny, host_device(), torch.float32)
     gpu = load_test_model(tiny, create_backends()[0].device(), torch.float32)
-    for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
+    for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters(), strict=True):
         assert torch.equal(a, b.cpu()), name
 
 
@@ -72,7 +73,7 @@ def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
     single = engine(tiny, "cuda", num_scheduler_steps=1, max_model_len=256)
     expected = single.generate(prompts[:4], free)
     stop_id = expected[1][10]  # met part-way through the second burst of prompt 1
-    stopping = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    stopping = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,))
     expected_stop = single.generate(prompts[:4], stopping)
     near_limit = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)  # 230 + 25 = 255 < 256
     expected_limit = single.generate([prompts[4]], near_limit)
@@ -94,7 +95,8 @@ def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
     while burst.sequences["a"].num_tokens < len(prompts[0]) + 20:
         burst.step()
     assert "a" in burst.sequences  # the next burst is already queued behind the one read
-    assert burst.abort_request("a").finish_reason == "abort"
+    aborted = burst.abort_request("a")
+    assert aborted is not None and aborted.finish_reason == "abort"
     rest: list[int] = list(burst.sequences["b"].output_token_ids)
     while burst.has_work:
         for out in burst.step():

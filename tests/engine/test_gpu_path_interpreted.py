@@ -11,8 +11,8 @@ import pytest
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.sampling_params import SamplingParams
-from ferrum.weights.model_files import ModelFiles, local_weights
-from ferrum.weights.sources import File
+from ferrum.weights.locations.model_files import ModelFiles, local_weights
+from ferrum.weights.spec.sources import File
 from tests.engines import host_device
 from tests.tiny_model import make_tiny_llama
 from tests.triton_interpreter import gpu_path_device

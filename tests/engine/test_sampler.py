@@ -201,7 +201,7 @@ def test_same_seed_same_draws() -> None:
 def test_different_seed_different_draws() -> None:
     a, b = _seeded_run(7), _seeded_run(8)
     assert a != b
-    assert sum(x == y for x, y in zip(a, b)) < 10  # uniform over 100: agreement is rare
+    assert sum(x == y for x, y in zip(a, b, strict=True)) < 10  # uniform over 100: agreement is rare
 
 
 def test_seeded_draws_ignore_batch_neighbours_and_the_global_rng() -> None:
@@ -331,7 +331,7 @@ def test_logprobs_are_those_of_the_raw_logits(n_top: int) -> None:
     seqs = [_seq(p, [1, 2, 3], [int(logits[i].argmax())]) for i, p in enumerate(params)]
     result = sample(logits, seqs)
     ref = torch.log_softmax(logits, dim=-1)
-    for i, (token, lp) in enumerate(zip(result.token_ids, result.logprobs)):
+    for i, (token, lp) in enumerate(zip(result.token_ids, result.logprobs, strict=True)):
         assert lp is not None
         chosen, top = lp
         assert chosen == pytest.approx(ref[i, token].item(), abs=1e-6)
@@ -342,6 +342,7 @@ def test_logprobs_are_those_of_the_raw_logits(n_top: int) -> None:
         assert [t for t, _ in top] == want_ids.tolist()
         assert values == pytest.approx(want_v.tolist(), abs=1e-6)
     assert result.token_ids[0] == int(logits[0].argmax())
+    assert result.logprobs[0] is not None
     assert result.logprobs[0][0] == pytest.approx(ref[0].max().item(), abs=1e-6)
 
 
@@ -349,6 +350,7 @@ def test_logprobs_zero_gives_the_chosen_token_only_and_none_is_off() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])
     seqs = [_seq(SamplingParams(temperature=0.0, logprobs=0)), _seq(SamplingParams(temperature=0.0))]
     result = sample(logits, seqs)
+    assert result.logprobs[0] is not None
     chosen, top = result.logprobs[0]
     assert top == []
     assert chosen == pytest.approx(torch.log_softmax(logits[0], 0)[2].item(), abs=1e-6)

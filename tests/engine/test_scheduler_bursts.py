@@ -105,8 +105,8 @@ def test_a_burst_is_followed_only_when_no_sequence_can_have_stopped() -> None:
     assert sched.burst_continues([a, b], [[1, EOS], [3, 4]])  # b ignores EOS
     sched.add(Sequence("w", [1, 2, 3], GREEDY, 0.0))
     assert not sched.burst_continues([a, b], [[1, 2], [3, 4]])  # a request waits for a free slot
-    stopping = _decoding("c", params=SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=[5]))
-    strings = _decoding("d", params=SamplingParams(max_tokens=50, temperature=0.0, stop=["x"]))
+    stopping = _decoding("c", params=SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=(5,)))
+    strings = _decoding("d", params=SamplingParams(max_tokens=50, temperature=0.0, stop=("x",)))
     short = _decoding("e", params=SamplingParams(max_tokens=3, temperature=0.0))
     other = _scheduler()
     _running(other, stopping, strings, short)

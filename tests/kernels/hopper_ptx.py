@@ -29,7 +29,8 @@ GEMV_ARGS = ["X", "W", "B", "R", "NW", "OUT", "IDX", "M", "N", "K",
 GEMV_TYPES = ["*bf16"] * 6 + ["*i64"] + ["i32"] * 7 + ["fp32"]
 QKV_ARGS = ["X", "W", "B", "NW", "POS", "COS", "SIN", "SLOTS", "QOUT", "KC", "VC", "IDX", "M", "K",
             "stride_xm", "stride_wn", "stride_cs", "stride_qt", "stride_qh", "stride_kc", "stride_kh", "eps"]
-QKV_TYPES = ["*bf16"] * 4 + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*bf16", "*i64"] + ["i32"] * 9 + ["fp32"]
+QKV_TYPES = (["*bf16"] * 4 + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*bf16", "*i64"] + ["i32"] * 9
+             + ["fp32"])
 DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", "scale", "stride_qt", "stride_qh",
                "stride_kc", "stride_kh", "stride_bt", "stride_ot", "stride_oh"]
 DECODE_TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i32", "*i32", "fp32"] + ["i32"] * 7
@@ -39,7 +40,7 @@ def compile_sm90(fn, names: list[str], types: list[str], consts: dict, num_warps
     """The kernel compiled for sm_90 with PDL; pointers, strides and sizes taken as multiples of
     16, as Triton's launcher specialises them for the 1B shapes (the block tables' stride is left
     unspecialised in the kernel)."""
-    sig = dict(zip(names, types))
+    sig = dict(zip(names, types, strict=True))
     aligned = [i for i, (name, ty) in enumerate(sig.items())
                if ty.startswith("*") or (name.startswith("stride") and name != "stride_bt") or name in ("N", "K", "V")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
@@ -90,9 +91,10 @@ def main() -> None:
             X_GATHER=True)),
         "decode attention": compile_sm90(paged_attention._decode_kernel, DECODE_ARGS, DECODE_TYPES, dict(
             G=4, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=32, SPLITS=32, PRECISION="tf32", PDL=1)),
-        "decode reduce": compile_sm90(paged_attention._decode_reduce_kernel, ["PART_ACC", "PART_ML", "OUT", "stride_ot", "stride_oh"],
-                                      ["*fp32", "*fp32", "*bf16", "i32", "i32"], dict(D=64, SPLITS=32, BLOCK_S=32, PDL=1),
-                                      num_warps=1),
+        "decode reduce": compile_sm90(paged_attention._decode_reduce_kernel,
+                                      ["PART_ACC", "PART_ML", "OUT", "stride_ot", "stride_oh"],
+                                      ["*fp32", "*fp32", "*bf16", "i32", "i32"],
+                                      dict(D=64, SPLITS=32, BLOCK_S=32, PDL=1), num_warps=1),
         "argmax": compile_sm90(greedy._argmax_chunks_kernel, ["LOGITS", "VALS", "IDX", "stride_l", "V"],
                                ["*fp32", "*fp32", "*i32", "i32", "i32"], dict(CHUNK=4008, BLOCK=1024, PDL=1)),
     }

@@ -93,8 +93,9 @@ def test_paged_prefill_with_cached_context_matches_reference(heads, kv_heads, di
     def ints(values):
         return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
-    out = paged_attention.paged_prefill(q.to(DEVICE), k_cache, v_cache, tables, ints(tile_seq), ints(tile_m), ints(q_start),
-                           ints([n for _, n in shapes]), ints([p for p, _ in shapes]), page, dim**-0.5).cpu()
+    out = paged_attention.paged_prefill(q.to(DEVICE), k_cache, v_cache, tables, ints(tile_seq), ints(tile_m),
+                                        ints(q_start), ints([n for _, n in shapes]), ints([p for p, _ in shapes]),
+                                        page, dim**-0.5).cpu()
     for i, (p, n) in enumerate(shapes):
         ref = reference_attention(qs[i], kv[i][0], kv[i][1], past=p)
         assert rel_err(out[q_start[i] : q_start[i] + n], ref) < 1e-2
@@ -143,7 +144,10 @@ def test_rope_and_store_writes_rotated_k_and_v_into_slots(qk_norm):
     v_cache = torch.zeros(40, kv_heads, dim, dtype=DTYPE)
     qn = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DTYPE) if qk_norm else None
     kn = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DTYPE) if qk_norm else None
-    dev = lambda t: None if t is None else t.to(DEVICE)
+
+    def dev(t):
+        return None if t is None else t.to(DEVICE)
+
     kc, vc = k_cache.to(DEVICE), v_cache.to(DEVICE)
     q = rope.rope_and_store(dev(qkv), dev(positions), dev(cos), dev(sin), dev(slots), kc, vc,
                           heads, kv_heads, dim, dev(qn), dev(kn), 1e-6).cpu()

@@ -120,7 +120,7 @@ def test_fused_small_batch_decode_matches_hf(pair) -> None:
     ours, device = _ours(folder, "triton-eager")
     runner = make_runner(ours, device, 64, 8, enforce_eager=True)
     from ferrum.kernels.config import GemvTable
-    from ferrum.models.layers.fused_decode import FusedDecode
+    from ferrum.models.fused_decode import FusedDecode
 
     fused = FusedDecode(ours, GemvTable(), pdl=False)
     blocks = BlockManager(num_blocks=64, block_size=8)

@@ -1,6 +1,7 @@
 """Who may call the server: API keys on every route but the open ones (wrong, missing and right keys,
-from flags, a key file and FERRUM_API_KEY), CORS, TLS, a proxy's root path; and the small routes
-(/version, /v1/backends, /tokenize, /detokenize) on the demo model."""
+from flags, a key file and FERRUM_API_KEY), CORS, TLS, a proxy's root path; the small routes
+(/version, /v1/backends, /tokenize, /detokenize) on the demo model; the request log line (JSON, without
+the prompt; a dropped stream's with the tokens it sent)."""
 
 from __future__ import annotations
 
@@ -178,6 +179,37 @@ def test_one_json_line_per_request_without_the_prompt(keyed: ServerProcess) -> N
     assert line["prompt_tokens"] == r.json()["usage"]["prompt_tokens"] and line["completion_tokens"] == 3
     assert 0 <= line["queue_s"] <= line["ttft_s"] <= line["duration_s"]
     assert "prompt" not in line and "secret prompt 7731" not in keyed.log()
+
+
+def request_line(server: ServerProcess, request_id: str, timeout_s: float = 10) -> dict[str, Any]:
+    """The request log line of `request_id`, waited for (a stream's is written once it has closed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        mine = [line for line in lines if line.get("logger") == "ferrum.request" and line.get("id") == request_id]
+        if mine or time.monotonic() > deadline:
+            assert len(mine) == 1, lines[-5:]
+            return mine[0]
+        time.sleep(0.1)
+
+
+def test_a_dropped_stream_is_logged_with_the_tokens_it_sent(keyed: ServerProcess) -> None:
+    prompt = [1, 504, 3458, 314, 216]  # token ids: prompt_tokens is known
+    body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True, "logprobs": 0}
+    received, request_id = 0, None
+    with httpx.stream("POST", f"{keyed.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {FLAG_KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                request_id = chunk["id"]
+                received += len(chunk["choices"][0]["logprobs"]["tokens"])
+                if received >= 24:
+                    break  # the client goes away mid-stream
+    assert request_id is not None
+    logged = request_line(keyed, request_id)
+    assert logged["outcome"] == "disconnected" and logged["prompt_tokens"] == len(prompt)
+    assert received <= logged["completion_tokens"] <= received + 16, (received, logged)  # and those in flight
 
 
 def test_metrics_expose_every_family_after_a_request(keyed: ServerProcess) -> None:

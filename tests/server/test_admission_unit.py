@@ -7,13 +7,13 @@ import asyncio
 
 import pytest
 
+from ferrum.config.server_settings import LimitsConfig
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Sequence
 from ferrum.server.admission import Admission
 from ferrum.server.errors import APIError
-from ferrum.server.settings import LimitsConfig
 
 
 def make(limits: LimitsConfig, running: int = 2) -> tuple[Admission, list[str], list[str]]:

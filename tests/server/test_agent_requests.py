@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="demo model not prepared"),
 ]
 
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 NO_PARAMETERS = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
@@ -153,13 +153,15 @@ def test_forced_choice_with_an_answer_format_answers_with_the_call(server: Serve
               "additionalProperties": False}
     r = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
         "input": "What is the weather like in Paris today?", "max_output_tokens": 40,
-        "tools": [{"type": "function", **WEATHER["function"]}], "tool_choice": {"type": "function", "name": "get_weather"},
+        "tools": [{"type": "function", **WEATHER["function"]}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
         "text": {"format": {"type": "json_schema", "name": "City", "schema": schema, "strict": True}}})
     assert r.status_code == 200, r.text
     assert [item["name"] for item in r.json()["output"] if item["type"] == "function_call"] == ["get_weather"]
     r = httpx.post(f"{server.url}{CHAT}", timeout=60, json={
         "messages": QUESTION, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
-        "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"name": "City", "schema": schema}}})
+        "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "City", "schema": schema}}})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ferrum.cli import build_parser
-from ferrum.config import ConfigError, load_config
-from ferrum.server.settings import LimitsConfig
+from ferrum.config.loader import ConfigError, load_config
+from ferrum.config.server_settings import LimitsConfig
 
 
 def flags(*argv: str) -> dict[str, object]:
@@ -43,12 +43,14 @@ def test_defaults() -> None:
     assert (s.limits.overload_status, s.limits.max_n, s.limits.request_timeout_s) == (429, 16, None)
     assert (s.logging.format, s.logging.level, s.logging.requests, s.logging.prompts) == ("text", "info", True, False)
     assert s.lifecycle.shutdown_timeout_s == 30.0
+    assert config.weights.cache_dir == Path("~/.cache/ferrum").expanduser()
 
 
 def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     path = write(tmp_path, FILE)
     from_file = load_config(path, {}, environ={})
-    assert (from_file.model, from_file.port, from_file.engine) == ("from/file", 9000, {"max_num_seqs": 4, "dtype": "float32"})
+    assert (from_file.model, from_file.port) == ("from/file", 9000)
+    assert from_file.engine == {"max_num_seqs": 4, "dtype": "float32"}
     assert from_file.server.limits.max_waiting_requests == 10 and from_file.server.limits.overload_status == 503
     assert from_file.server.api.keys == ("file-key",) and from_file.server.logging.format == "json"
     assert from_file.server.lifecycle.shutdown_timeout_s == 12.0
@@ -60,7 +62,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         "FERRUM_API_KEY": "env-key-1, env-key-2",
         "ferrum_logging__level": "debug",  # names are case-insensitive
         "FERRUM_SHUTDOWN_TIMEOUT_S": "5",
-        "FERRUM_CACHE": "/somewhere",  # the weights cache's default: not a config key, not an error
+        "FERRUM_CACHE": "/somewhere",  # weights.cache_dir
         "UNRELATED": "x",
     }
     from_env = load_config(path, {}, environ=env)
@@ -71,9 +73,11 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     assert from_env.server.api.keys == ("env-key-1", "env-key-2")
     assert from_env.server.logging.level == "debug" and from_env.server.logging.format == "json"
     assert from_env.server.lifecycle.shutdown_timeout_s == 5.0
+    assert from_env.weights.cache_dir == Path("/somewhere")
 
     given = flags("--port", "9200", "--max-num-seqs", "16", "--max-waiting-requests", "30", "--api-key", "flag-key",
-                  "--log-level", "error", "--shutdown-timeout", "1.5", "--overload-status", "429")
+                  "--log-level", "error", "--shutdown-timeout", "1.5", "--overload-status", "429",
+                  "--cache-dir", "/flag-cache")
     from_flags = load_config(path, given, environ=env)
     assert from_flags.port == 9200
     assert from_flags.engine == {"max_num_seqs": 16, "dtype": "float32"}
@@ -81,6 +85,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     assert from_flags.server.api.keys == ("flag-key",)
     assert from_flags.server.logging.level == "error"
     assert from_flags.server.lifecycle.shutdown_timeout_s == 1.5
+    assert from_flags.weights.cache_dir == Path("/flag-cache")
     assert from_flags.model == "from/file"  # set by the file alone
 
 
@@ -102,7 +107,8 @@ def test_every_flag_lands_in_its_setting(tmp_path: Path) -> None:
     assert s.limits == LimitsConfig(max_waiting_requests=7, max_waiting_tokens=5000, overload_status=503,
                                     retry_after_s=3, max_body_mb=0.5, max_tokens=100, max_n=2, request_timeout_s=9.5)
     assert s.lifecycle.shutdown_timeout_s == 4.0 and s.lifecycle.failed_start_linger_s == 0.0
-    assert (s.logging.format, s.logging.prompts, s.logging.requests, s.logging.level) == ("json", True, False, "warning")
+    logs = s.logging
+    assert (logs.format, logs.prompts, logs.requests, logs.level) == ("json", True, False, "warning")
     assert config.weights.cache_dir == tmp_path / "cache"
 
 

@@ -96,8 +96,8 @@ CASES: list[tuple[str, str, bytes, int]] = [
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}).encode(), 400),
     ("regex that does not compile", C, b'{"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "(("}}',
      400),
-    ("GBNF that does not compile", CHAT, json.dumps({"messages": [HI], "max_tokens": 2, "grammar": "root ::= ("}).encode(),
-     400),
+    ("GBNF that does not compile", CHAT,
+     json.dumps({"messages": [HI], "max_tokens": 2, "grammar": "root ::= ("}).encode(), 400),
     ("20-deep JSON schema", CHAT, json.dumps({"messages": [HI], "max_tokens": 4, "guided_json": json.loads(
         '{"type": "array", "items": ' * 20 + '{"type": "string"}' + "}" * 20)}).encode(), 200),
     ("200-deep JSON schema", CHAT, json.dumps({"messages": [HI], "max_tokens": 4, "guided_json": json.loads(

@@ -21,7 +21,7 @@ import pytest
 from tests.fault_server import FaultServer
 from tests.live_server import MODEL_DIR, ServerProcess, server_process
 from tests.tiny_model import folder_files, make_tiny_llama
-from tests.weights.test_model_sources import run_cli
+from tests.weights.locations.test_model_sources import run_cli
 
 pytestmark = pytest.mark.slow
 demo = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="demo model not prepared")

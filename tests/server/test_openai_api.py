@@ -13,12 +13,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.live_server import MODEL_DIR, live_server
 
 pytestmark = pytest.mark.slow
 
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
 
 
@@ -128,7 +129,7 @@ def test_completion_echo_and_token_prompts(client: openai.OpenAI, model: str) ->
 
 
 def test_chat_paris(client: openai.OpenAI, model: str) -> None:
-    out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=32, temperature=0)  # type: ignore[arg-type]
+    out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=32, temperature=0)
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
     message = out.choices[0].message
     assert message.role == "assistant"
@@ -166,8 +167,8 @@ def test_streaming_chat_matches_non_streaming(client: openai.OpenAI, model: str)
     assert reasons == [full.choices[0].finish_reason]
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
-    assert last.usage.completion_tokens == full.usage.completion_tokens  # type: ignore[union-attr]
-    assert last.usage.prompt_tokens == full.usage.prompt_tokens  # type: ignore[union-attr]
+    assert last.usage.completion_tokens == full.usage.completion_tokens
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
 
 
 def test_streaming_completion_matches_non_streaming(client: openai.OpenAI, model: str) -> None:
@@ -177,7 +178,7 @@ def test_streaming_completion_matches_non_streaming(client: openai.OpenAI, model
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.total_tokens == full.usage.total_tokens  # type: ignore[union-attr]
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
     no_usage = list(client.completions.create(**kwargs, stream=True))
     assert all(c.usage is None for c in no_usage)
 
@@ -222,7 +223,7 @@ def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
         max_tokens=6,
         temperature=0,
         logprobs=True,
-        top_logprobs=2,  # type: ignore[arg-type]
+        top_logprobs=2,
     )
     content = out.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == out.usage.completion_tokens  # type: ignore[union-attr]
@@ -234,7 +235,7 @@ def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
     assert "".join(item.token for item in content).startswith(out.choices[0].message.content or "\0")
     plain = client.chat.completions.create(
         model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True
-    )  # type: ignore[arg-type]
+    )
     assert all(item.top_logprobs == [] for item in plain.choices[0].logprobs.content)  # type: ignore[union-attr]
 
 
@@ -255,10 +256,10 @@ def test_seed_reproducible(client: openai.OpenAI, model: str) -> None:
 
 
 def test_n_choices(client: openai.OpenAI, model: str) -> None:
-    out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, n=3)  # type: ignore[arg-type]
+    out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, n=3)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert len({c.message.content for c in out.choices}) == 1  # greedy: all the same
-    single = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    single = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0)
     assert out.choices[0].message.content == single.choices[0].message.content
     assert out.usage is not None and single.usage is not None
     assert out.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
@@ -316,7 +317,7 @@ def test_bad_parameters_are_400(
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         if endpoint == "chat":
-            client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, extra_body=extra)  # type: ignore[arg-type]
+            client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, extra_body=extra)
         else:
             client.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body=extra)
     error = _error(info.value.response)
@@ -338,9 +339,9 @@ def test_context_length_exceeded(
 ) -> None:
     prompt_tokens = client.chat.completions.create(
         model=model, messages=CHAT, max_tokens=1
-    ).usage.prompt_tokens  # type: ignore[arg-type,union-attr]
+    ).usage.prompt_tokens  # type: ignore[union-attr]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=CHAT, max_tokens=max_model_len)  # type: ignore[arg-type]
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=max_model_len)
     error = _error(info.value.response)
     assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
     message = error["message"]
@@ -358,7 +359,7 @@ def test_context_length_exceeded(
 
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
     error = _error(info.value.response)
     assert error["code"] == "model_not_found" and "no-such-model" in error["message"]
     with pytest.raises(openai.NotFoundError):

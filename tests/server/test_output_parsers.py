@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -151,7 +151,7 @@ def test_reasoning_parsers_on_any_text(name: str, text: str, cuts: list[int]) ->
 @given(text=hostile, cuts=st.lists(st.integers(0, 10_000), max_size=12),
        finish=st.sampled_from(["stop", "length"]))
 def test_a_choice_streamed_matches_the_whole_message(tools: str, reasoning: str, text: str, cuts: list[int],
-                                                     finish: str) -> None:
+                                                     finish: Literal["stop", "length"]) -> None:
     output = ChatOutput(FORMATS[tools], None, REASONING[reasoning], frozenset(NAMES))
     with time_bound():
         message, whole_finish = output.message(text, finish)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -58,8 +59,9 @@ def server(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
 def test_reasoning_content_apart_from_the_answer(server: tuple[str, str]) -> None:
     name, url = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    args = dict(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                max_tokens=60, temperature=0, extra_body={"structured_outputs": {"regex": FORCED[name]}})
+    args: dict[str, Any] = dict(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=60,
+        temperature=0, extra_body={"structured_outputs": {"regex": FORCED[name]}})
     message = client.chat.completions.create(**args).choices[0].message
     thought = message.model_extra["reasoning_content"]
     assert thought and "<think>" not in thought and "</think>" not in thought

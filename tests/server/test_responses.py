@@ -7,18 +7,21 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import FunctionToolParam
 
 from tests.live_server import MODEL_DIR, live_server
 from tests.server.test_tool_calls import SCHEMAS, TOOLS, _model_with_template
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
-FUNCTION_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+# the SDK's FunctionToolParam requires `strict`; these tools leave it out, which Ferrum accepts
+FUNCTION_TOOLS = cast("list[FunctionToolParam]", [{"type": "function", **t["function"]} for t in TOOLS])
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +45,17 @@ def test_text_in_text_out(client: openai.OpenAI) -> None:
     assert r.status == "completed" and r.object == "response" and r.id.startswith("resp_")
     assert "Paris" in r.output_text
     assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
-    assert r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 24
+    assert r.usage is not None and r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 24
     short = client.responses.create(model=MODEL, input="Tell me a long story about Paris.", max_output_tokens=4,
                                     temperature=0)
-    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.status == "incomplete" and short.incomplete_details is not None
+    assert short.incomplete_details.reason == "max_output_tokens"
 
 
 def test_streamed_events_add_up_to_the_response(client: openai.OpenAI) -> None:
-    args = dict(model=MODEL, input=[{"role": "user", "content": "What is the capital of France?"}],
-                max_output_tokens=24, temperature=0)
+    args: dict[str, Any] = dict(
+        model=MODEL, input=[{"role": "user", "content": "What is the capital of France?"}], max_output_tokens=24,
+        temperature=0)
     whole = client.responses.create(**args)
     kinds, text, final = [], "", None
     for event in client.responses.create(stream=True, **args):
@@ -63,13 +68,15 @@ def test_streamed_events_add_up_to_the_response(client: openai.OpenAI) -> None:
     assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added") < kinds.index(
         "response.output_text.delta") < kinds.index("response.output_text.done") < kinds.index(
         "response.output_item.done")
+    assert final is not None
     assert text == whole.output_text == final.output_text
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
 def test_function_tools_and_their_results(client: openai.OpenAI) -> None:
-    args = dict(model=MODEL, input="What is the weather in Paris?", tools=FUNCTION_TOOLS, tool_choice="required",
-                max_output_tokens=80, temperature=0, parallel_tool_calls=False)
+    args: dict[str, Any] = dict(
+        model=MODEL, input="What is the weather in Paris?", tools=FUNCTION_TOOLS, tool_choice="required",
+        max_output_tokens=80, temperature=0, parallel_tool_calls=False)
     r = client.responses.create(**args)
     (call,) = [item for item in r.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
@@ -98,10 +105,12 @@ def test_json_schema_text_format(client: openai.OpenAI) -> None:
 
 
 def test_what_a_stateless_server_refuses(url: str) -> None:
-    for body, param in [({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-                        ({"input": []}, "input"),
-                        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
-                        ({"input": [{"type": "function_call_output"}]}, "input")]:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": []}, "input"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        ({"input": [{"type": "function_call_output"}]}, "input")]
+    for body, param in cases:
         r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
         assert r.status_code == 400, (body, r.text)
         assert (r.json()["error"]["param"] or "").startswith(param), r.json()

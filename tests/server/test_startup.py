@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ferrum.config import ConfigError, load_config
+from ferrum.config.loader import ConfigError, load_config
 from tests.engines import host_device
 from tests.live_server import free_port
 
@@ -50,7 +50,8 @@ def test_gpu_engine_flags_reach_the_engine_config() -> None:
     assert engine.max_num_batched_tokens == 2048
     gpu = dataclasses.replace(host_device(), name="cuda:0", kind="cuda", cuda_graphs=True)
     defaults = load_config(None, {"model": "m"}).engine_config().for_device(gpu)
-    assert (defaults.gpu_memory_utilization, defaults.enforce_eager, defaults.enable_prefix_caching) == (0.9, False, True)
+    assert defaults.gpu_memory_utilization == 0.9
+    assert (defaults.enforce_eager, defaults.enable_prefix_caching) == (False, True)
     assert (defaults.max_num_seqs, defaults.max_num_batched_tokens) == (256, 8192)
 
 

@@ -120,7 +120,7 @@ def test_every_schema_holds_in_a_batch_mixed_with_free_requests(client: openai.O
     jobs = [(name, stream) for name in SCHEMAS for stream in (False, True)] + [(None, False), (None, True)] * 2
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: (job, _ask(client, *job)), jobs))
-    for (name, stream), texts in results:
+    for (name, _stream), texts in results:
         if name is not None:
             for text in texts:
                 _valid(name, text)
@@ -195,12 +195,14 @@ def test_malformed_structured_output_is_a_400_naming_it(base_url: str, body: dic
 
 
 def test_logit_bias_moves_the_choice(client: openai.OpenAI, base_url: str) -> None:
-    tokens = httpx.post(f"{base_url}/tokenize", json={"prompt": " banana", "add_special_tokens": False}).json()["tokens"]
+    tokenized = httpx.post(f"{base_url}/tokenize", json={"prompt": " banana", "add_special_tokens": False})
+    tokens = tokenized.json()["tokens"]
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=3,
         temperature=0, logit_bias={str(tokens[0]): 100})
-    assert reply.choices[0].message.content.count("banana") == 3, reply.choices[0].message.content
+    content = reply.choices[0].message.content
+    assert content is not None and content.count("banana") == 3, content
     free = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=3,
         temperature=0, logit_bias={str(tokens[0]): -100})
-    assert "banana" not in free.choices[0].message.content
+    assert free.choices[0].message.content is not None and "banana" not in free.choices[0].message.content

@@ -9,20 +9,29 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageParam,
+    ChatCompletionMessageToolCallParam,
+)
+from openai.types.shared_params import ResponseFormatJSONSchema
 
-from ferrum.engine.structured import StructuredOutput
+from ferrum.engine.sampling_params import StructuredOutput
+from ferrum.engine.structured import checked_grammar
 from ferrum.server.tool_calls import FORMATS, ToolCallStream, parse_tool_calls, tool_format
 from tests.live_server import MODEL_DIR, live_server
 
 TEMPLATES = Path(__file__).parent / "templates"
 MODEL = "SmolLM2-135M-Instruct"
-WEATHER = {
+WEATHER: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -36,7 +45,7 @@ WEATHER = {
         },
     },
 }
-TIME = {
+TIME: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "get_time",
@@ -47,7 +56,7 @@ TIME = {
 }
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 SAMPLES = {
     "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -108,7 +117,7 @@ def test_forcing_grammar_compiles_and_accepts_its_own_format(name: str) -> None:
 
     fmt = FORMATS[name]
     for forced, parallel in ((None, True), ("get_time", False)):
-        grammar = StructuredOutput("grammar", fmt.grammar(TOOLS, forced, parallel)).grammar()
+        grammar = checked_grammar(StructuredOutput("grammar", fmt.grammar(TOOLS, forced, parallel)))
         assert grammar
     assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(
         fmt.grammar(TOOLS, None, True))) == ""
@@ -163,7 +172,8 @@ def test_responses_input_items_become_a_conversation() -> None:
         {"type": "message", "role": "assistant", "id": "m1", "status": "completed",
          "content": [{"type": "output_text", "text": "Sunny.", "annotations": []}]},
     ], "tools": [function, {**function, "name": "get_time"}],
-        "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}})
+        "tool_choice": {"type": "allowed_tools", "mode": "required",
+                        "tools": [{"type": "function", "name": "get_weather"}]}})
     chat = req.to_chat()
     assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "assistant"]
     assert chat.messages[3].content == "sunny" and chat.messages[3].tool_call_id == "c1"
@@ -188,7 +198,9 @@ def _model_with_template(tmp: Path, family: str) -> Path:
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
-def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+def family_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
     if not (MODEL_DIR / "config.json").is_file():
         pytest.skip(f"demo model not prepared at {MODEL_DIR}")
     family = request.param
@@ -202,6 +214,14 @@ def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _function_calls(message: ChatCompletionMessage) -> list[ChatCompletionMessageFunctionToolCall]:
+    """The message's tool calls, every one a function call (the only kind there are here)."""
+    assert message.tool_calls is not None
+    calls = [c for c in message.tool_calls if isinstance(c, ChatCompletionMessageFunctionToolCall)]
+    assert len(calls) == len(message.tool_calls)
+    return calls
 
 
 def _valid_call(call: Any, names: set[str]) -> dict:
@@ -222,15 +242,17 @@ def test_named_tool_choice_always_yields_a_valid_call(family_server: tuple[str, 
                 tool_choice={"type": "function", "function": {"name": name}}, parallel_tool_calls=False)
             choice = reply.choices[0]
             assert choice.finish_reason == "tool_calls", choice
-            assert len(choice.message.tool_calls) == 1 and choice.message.tool_calls[0].function.name == name
-            _valid_call(choice.message.tool_calls[0], {name})
+            calls = _function_calls(choice.message)
+            assert len(calls) == 1 and calls[0].function.name == name
+            _valid_call(calls[0], {name})
 
 
 @pytest.mark.slow
 def test_streamed_tool_calls_reassemble_to_the_non_streamed_ones(family_server: tuple[str, str]) -> None:
     _, url = family_server
     client = _client(url)
-    args = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
+    args: dict[str, Any] = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": "required",
+                            "max_tokens": 120, "temperature": 0}
     whole = client.chat.completions.create(**args).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
     for call in whole.message.tool_calls:
@@ -257,9 +279,11 @@ def test_tool_results_go_back_to_the_model(family_server: tuple[str, str]) -> No
     client = _client(url)
     first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=80,
                                            temperature=0, tool_choice="required", parallel_tool_calls=False)
-    call = first.choices[0].message.tool_calls[0]
-    messages = [*QUESTION,
-                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+    call = _function_calls(first.choices[0].message)[0]
+    messages: list[ChatCompletionMessageParam] = [
+        *QUESTION,
+        {"role": "assistant", "content": None,
+         "tool_calls": [cast(ChatCompletionMessageToolCallParam, call.model_dump())]},
                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
     reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=30,
                                            temperature=0, tool_choice="none")
@@ -276,18 +300,19 @@ def test_tool_choices_mean_what_openai_says(family_server: tuple[str, str]) -> N
     client = _client(url)
     person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
               "required": ["name"], "additionalProperties": False}
-    answer_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+    answer_format: ResponseFormatJSONSchema = {"type": "json_schema",
+                                               "json_schema": {"name": "person", "schema": person}}
     for temperature, seed in ((0.0, None), (1.0, 3)):
         named = client.chat.completions.create(
             model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=60, temperature=temperature, seed=seed,
             tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
-        assert named.finish_reason == "tool_calls" and [c.function.name for c in named.message.tool_calls] == [
-            "get_time"]
+        assert named.finish_reason == "tool_calls"
+        assert [c.function.name for c in _function_calls(named.message)] == ["get_time"]
         for parallel in (False, None):  # None: left out (true), so the model may go on calling to max_tokens
             forced = client.chat.completions.create(
                 model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=60, temperature=temperature, seed=seed,
                 tool_choice="required", response_format=answer_format,
-                **({} if parallel is None else {"parallel_tool_calls": parallel})).choices[0]
+                parallel_tool_calls=openai.omit if parallel is None else parallel).choices[0]
             calls = forced.message.tool_calls
             assert calls and forced.finish_reason in ("tool_calls", "length" if parallel is None else "tool_calls")
             assert len(calls) == 1 or parallel is None
@@ -301,6 +326,7 @@ def test_tool_choices_mean_what_openai_says(family_server: tuple[str, str]) -> N
             for call in auto.message.tool_calls[:None if auto.finish_reason == "tool_calls" else -1]:
                 _valid_call(call, set(SCHEMAS))
         elif auto.finish_reason == "stop":
+            assert auto.message.content is not None
             jsonschema.validate(json.loads(auto.message.content), person)
 
 
@@ -312,7 +338,7 @@ def test_auto_tool_choice_returns_content_or_calls(family_server: tuple[str, str
     choice = reply.choices[0]
     if choice.message.tool_calls:
         assert choice.finish_reason == "tool_calls"
-        for call in choice.message.tool_calls:
+        for call in _function_calls(choice.message):
             json.loads(call.function.arguments)
     else:
         assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
@@ -322,7 +348,7 @@ def test_auto_tool_choice_returns_content_or_calls(family_server: tuple[str, str
 def test_bad_tool_requests_are_400s(family_server: tuple[str, str]) -> None:
     _, url = family_server
     base = {"model": MODEL, "messages": QUESTION, "max_tokens": 5}
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         # a forced choice wins over the answer format, but a malformed format is still refused

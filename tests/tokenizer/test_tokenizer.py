@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
-
 from ferrum.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
 from ferrum.tokenizer.cleanup import CleanupStream, clean_up_tokenization
+
+transformers = pytest.importorskip("transformers")  # the reference the tokenizer is compared with
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct"
 
@@ -775,7 +775,9 @@ def check_after_prompt(tok: Tokenizer, prompt: list[int], generated: list[int], 
 def test_first_generated_token_keeps_its_space(sp: dict[str, Tokenizer], kind: str) -> None:
     tok = sp[kind]
     ids = tok.encode("The capital of France is Paris. 你好")
-    paris = ids.index(tok.token_to_id("▁Paris"))
+    paris_id = tok.token_to_id("▁Paris")
+    assert paris_id is not None
+    paris = ids.index(paris_id)
     prompt, generated = ids[:paris], ids[paris:]
     assert prompt[0] == tok.bos_token_id and tok.decode(prompt) == "The capital of France is"
     added = tok.decode(ids)[len(tok.decode(prompt)) :]

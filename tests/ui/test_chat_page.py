@@ -73,7 +73,9 @@ def _wait_idle(page: Any, timeout_ms: int = 120_000) -> None:
 
 def _running(server: str) -> float:
     metrics = httpx.get(f"{server}/metrics", timeout=10).text
-    return float(re.search(r"^ferrum_num_requests_running(?:\{[^}]*\})? (\S+)$", metrics, re.M).group(1))
+    found = re.search(r"^ferrum_num_requests_running(?:\{[^}]*\})? (\S+)$", metrics, re.M)
+    assert found is not None
+    return float(found.group(1))
 
 
 def test_question_streams_an_answer_with_its_speed(page: Any) -> None:

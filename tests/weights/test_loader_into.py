@@ -14,7 +14,7 @@ from safetensors.torch import save, save_file
 
 from ferrum.weights import S3, File, TensorSpec, Url, WeightLoader
 from ferrum.weights.errors import IntegrityError, SpecMismatchError
-from ferrum.weights.transforms import Cast
+from ferrum.weights.spec.transforms import Cast
 from tests.conftest import S3Bucket, weights_config
 from tests.engines import host_device
 from tests.fault_server import FaultServer
@@ -117,7 +117,9 @@ async def test_url_streams_into_destinations_and_resumes_a_cut_connection(
     fused, into = _destinations()
     config = weights_config(tmp_path)
     async with WeightLoader(config) as loader:
-        got = await loader.load_tensors(_specs(lambda n: Url(url, tensor_name=n), tensors), into=into, device=host_device())
+        got = await loader.load_tensors(
+            _specs(lambda n: Url(url, tensor_name=n), tensors), into=into, device=host_device()
+        )
     _check(got, into, fused, tensors)
     blobs = list((config.cache_dir / "blobs").iterdir())
     assert len(blobs) == 1 and blobs[0].read_bytes() == data  # the verified cache, written alongside
@@ -154,7 +156,9 @@ async def test_s3_streams_into_destinations(s3_bucket: S3Bucket, tmp_path: Path)
     fused, into = _destinations()
     async with WeightLoader(weights_config(tmp_path)) as loader:
         got = await loader.load_tensors(
-            _specs(lambda n: S3(s3_bucket.name, "m/w.safetensors", endpoint=s3_bucket.endpoint, tensor_name=n), tensors),
+            _specs(
+                lambda n: S3(s3_bucket.name, "m/w.safetensors", endpoint=s3_bucket.endpoint, tensor_name=n), tensors
+            ),
             into=into, device=host_device(),
         )
     _check(got, into, fused, tensors)

@@ -36,7 +36,7 @@ from ferrum.weights import (
     WeightLoader,
     WeightLoaderConfig,
 )
-from ferrum.weights.remote import ObjectInfo
+from ferrum.weights.download.remote import ObjectInfo
 
 MiB = 1024 * 1024
 
@@ -145,7 +145,8 @@ async def test_concurrent_load_of_many_specs(
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(loader_module, "open_local", counting_open)
-    specs, want = [], {}
+    specs: list[TensorSpec] = []
+    want: dict[str, torch.Tensor] = {}
     for f, (path, tensors) in enumerate(files.items()):
         for name, tensor in tensors.items():
             key = f"{f}/{name}"
@@ -176,7 +177,7 @@ async def test_concurrent_load_of_many_specs(
 
 
 async def test_duplicate_spec_names_refused(loader: WeightLoader) -> None:
-    spec = TensorSpec("w", (1,), torch.float32, source=File("/nonexistent.safetensors"))
+    spec = TensorSpec("w", (1,), torch.float32, source=File(Path("/nonexistent.safetensors")))
     with pytest.raises(ValueError, match="two TensorSpecs are named 'w'"):
         await loader.load_tensors([spec, spec])
 
@@ -209,7 +210,7 @@ async def test_memory_sources(loader: WeightLoader) -> None:
         "npy": Memory(npy.getvalue(), WeightFormat.NUMPY),
         "npz": Memory(npz.getvalue(), WeightFormat.NUMPY, tensor_name="w"),
         "raw": Memory(raw, RawLayout(torch.float32, (3, 4))),
-        "bare_raw": Memory(bytearray(raw), WeightFormat.RAW),
+        "bare_raw": Memory(bytearray(raw), WeightFormat.RAW),  # type: ignore[arg-type]  # copied into bytes
     }
     specs = [
         TensorSpec(key if key != "st" else "w", (3, 4), torch.float32, source=src)

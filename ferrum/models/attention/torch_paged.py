@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.backends.device import Device
-from ferrum.models.attention import PackedStep
 from ferrum.models.attention.layout import KVCache, KVCacheLayout
+from ferrum.models.attention.packed_step import PackedStep
 from ferrum.models.layers.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
-    from ferrum.models.llama import Attention
+    from ferrum.models.attention.layer import Attention
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,11 @@ def paged_attention(
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
-    n = batch.num_decode
-    if n:
+    n, slots = batch.num_decode, batch.decode_slots
+    if slots is not None:  # n decodes
         qd = q[:n].unsqueeze(2)  # [n, H, 1, D]
-        kd = _gather(k_cache, batch.decode_slots).transpose(1, 2)  # [n, KV, L, D]
-        vd = _gather(v_cache, batch.decode_slots).transpose(1, 2)
+        kd = _gather(k_cache, slots).transpose(1, 2)  # [n, KV, L, D]
+        vd = _gather(v_cache, slots).transpose(1, 2)
         decoded = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=gqa)
         if not batch.prefills:
             return decoded.squeeze(2)

@@ -19,12 +19,12 @@ from ferrum.backends.device import Device
 from ferrum.kernels.config import KernelConfig
 from ferrum.kernels.paged_attention import PREFILL_BLOCK_M, decode_splits, paged_decode, paged_prefill
 from ferrum.kernels.rope import rope_and_store
-from ferrum.models.attention import PackedStep
 from ferrum.models.attention.layout import KVCache, KVCacheLayout
+from ferrum.models.attention.packed_step import PackedStep
 
 if TYPE_CHECKING:
+    from ferrum.models.attention.layer import Attention
     from ferrum.models.layers.rotary import RotaryEmbedding
-    from ferrum.models.llama import Attention
 
 
 @dataclass(frozen=True)

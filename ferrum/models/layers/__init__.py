@@ -7,7 +7,6 @@ never per call from where a tensor happens to live.
     rotary.py         rotary embedding tables and the rotation
     mlp.py            the gated MLP (gate and up fused in one projection)
     packed_linear.py  CPU: linears with oneDNN-prepacked bf16 weights
-    fused_decode.py   GPU: the decode chain of a few rows as fused matrix-vector kernels
     greedy.py         GPU: the decode graphs' argmax and next inputs, on the device
 """
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ferrum.models.layers.ops import LayerOps, torch_ops
+from ferrum.models.layers.parallel import RowParallelLinear
 
 
 class GatedMLP(nn.Module):
@@ -13,7 +14,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj: nn.Linear | RowParallelLinear = nn.Linear(intermediate, hidden, bias=bias)  # row-split under TP
         self.ops = ops or torch_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
     TensorParallel       a rank's place in the group (rank, size) and its two collectives:
                          all_reduce (sum) and all_gather along the last dim; single() is one rank.
                          The sum goes through `reduce` where start-up chose one (on GPUs that reach
-                         each other's memory: ferrum.engine.peer_all_reduce), else torch.distributed
+                         each other's memory: ferrum.engine.parallel.peer_all_reduce), else torch.distributed
     ShardPlan            what rank r of N holds of a model: its heads, KV heads (split, or
                          replicated where N exceeds them), MLP columns and vocabulary rows; the
                          sharded ModelConfig the rank builds its modules from; and, for each

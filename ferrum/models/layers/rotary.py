@@ -32,6 +32,9 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by position (the half-split layout HF checkpoints use)."""
 
+    cos_table: torch.Tensor  # buffers: [max_positions, head_dim] float32
+    sin_table: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(rope, head_dim)

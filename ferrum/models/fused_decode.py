@@ -1,0 +1,78 @@
+"""GPU: the decode of a few rows (up to `KernelConfig.fused_decode_rows`) as a chain of fused
+matrix-vector kernels (ferrum.kernels.gemv), each projection with its neighbours fused in: the
+norm before it in its prologue, rope and the KV-cache write (q/k/v), or the residual add or
+silu * mul after it in its epilogue. At these batch sizes a step is a chain of weight reads, and
+these kernels read the weights faster than cuBLAS while launching a third as many kernels.
+Equal to the layered forward up to rounding order.
+
+Under tensor parallelism (a rank's shard of the model) o_proj's and down_proj's products are
+partial sums: rank 0 alone adds the residual (and down_proj's bias) in their epilogues, and the sum
+across ranks follows each, so every rank holds partial_0 + partial_1 + ... + residual; the first
+layer's rows come from the vocabulary-split embedding (itself a sum), and the LM head's rows of
+the vocabulary are gathered."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ferrum.kernels.config import GemvTable
+from ferrum.models.llama import DecoderLayer
+
+if TYPE_CHECKING:
+    from ferrum.models.attention.layout import KVCache
+    from ferrum.models.attention.triton_paged import TritonAttentionBatch
+    from ferrum.models.llama import LlamaForCausalLM
+
+
+class FusedDecode:
+    def __init__(self, model: LlamaForCausalLM, table: GemvTable, pdl: bool) -> None:
+        self.model = model
+        self.table = table
+        self.pdl = pdl  # programmatic dependent launch through the chain (not for its first kernel)
+
+    def logits(self, input_ids: torch.Tensor, kv_caches: list[KVCache], batch: TritonAttentionBatch,
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (float32) of decoding `input_ids` [M], as compute_logits(forward(...)); into
+        `into` [M, vocab] when given."""
+        from ferrum.kernels.gemv import gemv, qkv_rope_store
+
+        model, table, pdl = self.model, self.table, self.pdl
+        tp = model.tp
+        split, lead = tp.size > 1, tp.rank == 0  # the lead rank adds the residual and biases, once
+        if split:  # the embedding's rows are split across ranks: a sum of its own
+            h, rows = model.embed_tokens(input_ids), None
+        else:  # the first layer reads its input rows straight from the embedding table (no gather kernel)
+            h, rows = model.embed_tokens.weight, input_ids
+        for layer, cache in zip(model.layers, kv_caches):
+            assert isinstance(layer, DecoderLayer)  # (run while a graph is captured, not at its replays)
+            attn, mlp = layer.self_attn, layer.mlp
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            if attn.q_norm is None:  # rope and the cache write in the projection's epilogue
+                q = qkv_rope_store(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
+                                   batch.positions, batch.cos_table, batch.sin_table, batch.slot_mapping,
+                                   cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, table,
+                                   x_rows=rows, pdl=pdl)
+                out = batch.attend_stored(attn, q, cache)
+            else:  # per-head q/k norms need whole heads: a separate rope kernel
+                qkv = gemv(h, attn.qkv_proj.weight, table, bias=attn.qkv_proj.bias, norm_weight=norm1.weight,
+                           eps=norm1.eps, x_rows=rows, pdl=pdl)
+                out = batch.attend(attn, qkv, cache)
+            h = gemv(out, attn.o_proj.weight, table, residual=h if lead else None, residual_rows=rows, pdl=pdl)
+            rows = None
+            if split:
+                h = tp.all_reduce(h)
+            act = gemv(h, mlp.gate_up_proj.weight, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight,
+                       eps=norm2.eps, gated=True, pdl=pdl)
+            h = gemv(act, mlp.down_proj.weight, table, bias=mlp.down_proj.bias if lead else None,
+                     residual=h if lead else None, pdl=pdl)
+            if split:
+                h = tp.all_reduce(h)
+        if not split:
+            return gemv(h, model.lm_head.weight, table, norm_weight=model.norm.weight, eps=model.norm.eps,
+                        out_dtype=torch.float32, pdl=pdl, out=into)
+        part = gemv(h, model.lm_head.weight, table, norm_weight=model.norm.weight, eps=model.norm.eps,
+                    out_dtype=torch.float32, pdl=pdl)
+        logits = tp.all_gather_last(part)[..., : model.config.vocab_size]
+        return logits if into is None else into.copy_(logits)
