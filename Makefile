@@ -11,12 +11,12 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 serve: $(VENV)/.runtime $(MODEL_DIR)/config.json
 	$(BIN)/ferrum serve --config config/default.yaml
 
-# The checks, before any test runs: types (mypy's settings in pyproject.toml), lint (ruff), the import
-# layers (import-linter). The first to fail stops make with its findings.
+# The checks, before any test runs, cheapest first: the import layers (import-linter), lint (ruff), types
+# (mypy); their settings are in pyproject.toml. The first to fail stops make with its findings.
 check: $(VENV)/.dev
-	$(BIN)/mypy
-	$(BIN)/ruff check
 	$(BIN)/lint-imports
+	$(BIN)/ruff check
+	$(BIN)/mypy
 
 test: check $(VENV)/.deploy-tools $(MODEL_DIR)/config.json
 	$(BIN)/python -m pytest -q

@@ -45,7 +45,7 @@ class FusedDecode:
             h, rows = model.embed_tokens(input_ids), None
         else:  # the first layer reads its input rows straight from the embedding table (no gather kernel)
             h, rows = model.embed_tokens.weight, input_ids
-        for layer, cache in zip(model.layers, kv_caches):
+        for layer, cache in zip(model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)  # (run while a graph is captured, not at its replays)
             attn, mlp = layer.self_attn, layer.mlp
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm

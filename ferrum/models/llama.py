@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         backend's step inputs). Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cache, batch)
         return self.norm(x, residual)[0]
 

@@ -80,7 +80,7 @@ def test_chat_prompts_render_with_the_model_template(engine: LLMEngine, prompts:
 
 
 def test_greedy_one_at_a_time_matches_hf(engine: LLMEngine, prompts, hf_outputs) -> None:
-    for q, p, ref in zip(QUESTIONS, prompts, hf_outputs):
+    for q, p, ref in zip(QUESTIONS, prompts, hf_outputs, strict=True):
         (got,) = engine.generate([p], GREEDY)
         tok = engine.tokenizer
         assert got == ref, f"{q!r}: ferrum {tok.decode(got)!r} vs HF {tok.decode(ref)!r}"
@@ -93,7 +93,7 @@ def test_greedy_one_at_a_time_matches_hf(engine: LLMEngine, prompts, hf_outputs)
 
 def test_greedy_batched_matches_hf(engine: LLMEngine, prompts, hf_outputs) -> None:
     got = engine.generate(prompts, GREEDY)
-    for q, g, ref in zip(QUESTIONS, got, hf_outputs):
+    for q, g, ref in zip(QUESTIONS, got, hf_outputs, strict=True):
         tok = engine.tokenizer
         assert g == ref, f"{q!r} batched: ferrum {tok.decode(g)!r} vs HF {tok.decode(ref)!r}"
     assert engine.stats().kv_blocks_used == 0

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
@@ -21,6 +19,8 @@ from ferrum.engine.sequence import Sequence
 from tests.engines import host_device, load_test_model, make_runner
 from tests.tiny_model import FAMILIES, save_hf_model, tiny_config
 from tests.triton_interpreter import gpu_path_device
+
+transformers = pytest.importorskip("transformers")
 
 # Max abs error allowed between Ferrum's and HF's fp32 logits. Observed values are
 # around 1e-7 (5e-8 to 1e-7 on the families below); the bound leaves room for other reduction orders.
@@ -55,7 +55,7 @@ def _run(runner, blocks: BlockManager, plan: list[tuple[Sequence, int]]) -> dict
     for seq, n in plan:
         blocks.grow(seq, seq.num_computed_tokens + n)
     logits, seqs = runner.execute([ScheduledSequence(s, n) for s, n in plan])
-    return {s.request_id: row.cpu() for s, row in zip(seqs, logits)}
+    return {s.request_id: row.cpu() for s, row in zip(seqs, logits, strict=True)}
 
 
 @pytest.mark.parametrize("runner_kind", ["cpu", "triton-eager"])
@@ -137,14 +137,14 @@ def test_fused_small_batch_decode_matches_hf(pair) -> None:
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         dev = device.torch_device
         batch = runner.attention.decode_graph_inputs(
-            torch.tensor(pos, device=dev), torch.tensor([runner.layout.slot(s.block_table, p) for s, p in zip(seqs, pos)],
-                                                        device=dev),
+            torch.tensor(pos, device=dev),
+            torch.tensor([runner.layout.slot(s.block_table, p) for s, p in zip(seqs, pos, strict=True)], device=dev),
             tables.to(dev), torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev), ours.rotary,
         )
-        ids = torch.tensor([s.token_at(p) for s, p in zip(seqs, pos)], device=dev)
+        ids = torch.tensor([s.token_at(p) for s, p in zip(seqs, pos, strict=True)], device=dev)
         logits = fused.logits(ids, runner.kv_caches, batch).cpu()
         got = {}
-        for s, row in zip(seqs, logits):
+        for s, row in zip(seqs, logits, strict=True):
             s.num_computed_tokens += 1
             got[s.request_id] = row
             ref = _hf_logits(hf, s.prompt_token_ids + s.output_token_ids)[-1]

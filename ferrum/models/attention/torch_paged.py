@@ -113,7 +113,8 @@ class TorchPagedAttention:
         if decodes:
             contexts = [s.past + 1 for s in decodes]
             longest = max(contexts)
-            padded = [layout.slots(s.block_table, 0, n) + [0] * (longest - n) for s, n in zip(decodes, contexts)]
+            padded = [layout.slots(s.block_table, 0, n) + [0] * (longest - n)
+                      for s, n in zip(decodes, contexts, strict=True)]
             decode_slots = torch.tensor(padded, dtype=torch.long, device=dev)
             lengths = torch.tensor(contexts, device=dev)
             decode_mask = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
