@@ -819,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
                 env,
                 log_dir / f"ferrum-{stamp}.log",
                 f"http://127.0.0.1:{port}",
-                "/health",
+                "/ready",  # /health answers before the model is loaded
             )
             report["servers"].append(bench_server("ferrum", server, served_name, args))
         for other in args.also_ferrum:
@@ -832,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
                 {**env, "PYTHONPATH": str(root)},
                 log_dir / f"ferrum-{name}-{stamp}.log",
                 f"http://127.0.0.1:{port}",
-                "/health",
+                "/ready",  # /health answers before the model is loaded
                 cwd=root,
             )
             report["servers"].append(bench_server(f"ferrum-{name}", server, served_name, args))
