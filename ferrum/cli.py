@@ -29,6 +29,10 @@ USER_ERRORS = (
 MODEL_HELP = (
     "model location: a local folder, hf://org/name[@revision], s3://bucket/prefix or https://host/folder/"
 )
+QUANTIZATION_HELP = (
+    "quantize the linear layers' weights as they load: int8 | int4 | fp8 | none (also FERRUM_QUANTIZATION; "
+    "group_size, symmetric and skip from the config file's quantization section)"
+)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +45,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--backend", help="auto | cpu | cuda | cuda:N | mps")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--quantization", "-q", dest="quantization", metavar="METHOD", help=QUANTIZATION_HELP)
     p.add_argument("--max-model-len", dest="max_model_len", type=int)
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)

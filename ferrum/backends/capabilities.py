@@ -2,7 +2,8 @@
 
 Device strings follow one grammar everywhere in `ferrum.backends`: "cpu", "mps", "cuda" or
 "cuda:N". A bare kind in a requirement ("cuda") is served by any device of that kind; an indexed
-one ("cuda:1") only by that exact device.
+one ("cuda:1") only by that exact device. Quantization methods are named as the served model's
+`quantization.method` names them ("int8", "int4", "fp8"; ferrum.weights.quantization.scheme).
 """
 
 from __future__ import annotations
@@ -70,10 +71,15 @@ class BackendRequirements:
     requires_flash_attention: bool = False
     requires_paged_attention: bool = False
     tensor_parallel_size: int = 1  # devices the model is split across (set from the engine config)
+    quantization: tuple[str, ...] = ()  # weight quantization methods the backend must run ("int4", ...)
 
     def __post_init__(self) -> None:
         for device in self.devices:
             parse_device(device)
+        object.__setattr__(self, "quantization", tuple(self.quantization))
+        for method in self.quantization:
+            if not isinstance(method, str) or not method or method != method.strip().lower():
+                raise ValueError(f"quantization must hold lower-case method names, got {method!r}")
         for dtype in self.dtypes:
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"dtypes must hold torch.dtype values, got {dtype!r}")
@@ -84,9 +90,9 @@ class BackendRequirements:
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, object]) -> BackendRequirements:
-        """Parse a YAML-style mapping, e.g. {"devices": ["cuda"], "dtypes": ["bf16"], "min_batch_size": 8}.
+        """Parse a YAML-style mapping, e.g. {"devices": ["cuda"], "dtypes": ["bf16"], "quantization": ["int4"]}.
 
-        `devices` and `dtypes` take a list or a single string. Any unknown key or bad value raises
+        `devices`, `dtypes` and `quantization` take a list or a single string. Any unknown key or bad value raises
         ValueError naming the key.
         """
         if not isinstance(mapping, Mapping):
@@ -115,6 +121,8 @@ def _parse_requirement_value(key: str, value: object) -> object:
         return devices
     if key == "dtypes":
         return tuple(parse_dtype(name) for name in _string_list(value))
+    if key == "quantization":
+        return tuple(dict.fromkeys(name.strip().lower() for name in _string_list(value)))
     if key in ("min_batch_size", "min_sequence_length", "tensor_parallel_size"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"must be a positive integer, got {value!r}")
@@ -153,10 +161,16 @@ class BackendCapabilities:
     # across how many at most (this device and the ones after it; the CPU's ranks share its cores)
     supports_tensor_parallelism: bool = False
     max_tensor_parallel_size: int = 1
+    # weight quantization methods the backend runs ("int8", "int4", "fp8"), and, for a method it would
+    # run on other hardware, what this device lacks: {"fp8": "fp8 needs compute capability 8.9; ..."}
+    quantization: frozenset[str] = frozenset()
+    quantization_needs: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     extras: Mapping[str, object] = field(default_factory=_empty_extras, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "supported_dtypes", frozenset(self.supported_dtypes))
+        object.__setattr__(self, "quantization", frozenset(self.quantization))
+        object.__setattr__(self, "quantization_needs", MappingProxyType(dict(self.quantization_needs)))
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "extras", MappingProxyType(dict(self.extras)))
         for device in self.devices:
@@ -212,4 +226,13 @@ class BackendCapabilities:
             unmet.append(f"requires tensor parallelism over {tp} devices, not supported")
         elif tp > self.max_tensor_parallel_size:
             unmet.append(f"requires tensor parallelism over {tp} devices, can span {self.max_tensor_parallel_size}")
+        for method in requirements.quantization:
+            if method not in self.quantization:
+                unmet.append(self.quantization_refusal(method))
         return unmet
+
+    def quantization_refusal(self, method: str) -> str:
+        """Why weights quantized with `method` cannot run here (the device's shortfall where known)."""
+        if method in self.quantization_needs:
+            return f"requires quantization {method}: {self.quantization_needs[method]}"
+        return f"requires quantization {method}, runs {', '.join(sorted(self.quantization)) or 'none'}"

@@ -9,6 +9,9 @@ formula, so they stay the same from call to call:
 
 i.e. a quarter of RAM is set aside for the paged KV cache at a nominal 128 KiB per token (a
 small model's fp32 KV entries), and every slot of a full batch gets at least 1024 tokens of it.
+
+Quantized weights: int8 and int4 through torch's CPU ops; fp8 emulated (its weights dequantized for
+the matmul: correct, slow).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ REPORTED_CPU_FLAGS: tuple[str, ...] = (
 )
 
 BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")  # CPU features of native bf16 matrix products
+CPU_QUANTIZATION: frozenset[str] = frozenset({"int8", "int4", "fp8"})
 
 MEMINFO_PATH = Path("/proc/meminfo")
 CPUINFO_PATH = Path("/proc/cpuinfo")
@@ -271,6 +275,7 @@ class CPUBackend(ComputeBackend):
             free_memory_bytes=memory.available_bytes,
             supports_tensor_parallelism=True,  # ranks in processes of their own, gloo between them
             max_tensor_parallel_size=max(1, self._core_count),  # at least a core per rank
+            quantization=CPU_QUANTIZATION,
             extras={
                 "cores": self._core_count,
                 "cpu_capability": self._cpu_capability,

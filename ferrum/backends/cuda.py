@@ -20,8 +20,9 @@ What the compute capability (cc) decides:
     fp8 (e4m3fn, e5m2)     cc >= 8.9
     "flash" attention      cc >= 8.0, torch built with FlashAttention and its SDPA backend enabled
     programmatic dependent launch (pdl)   cc >= 9.0, with Triton
+    quantized weights      int8 and int4 always (Triton kernels, torch ops for large batches); fp8 at cc >= 8.9
 
-int8 is not offered: torch has no plain int8 matmul on CUDA and the engine has no int8 path.
+int8 is not offered as a dtype: torch has no plain int8 matmul on CUDA and the engine has no int8 path.
 Attention kernels besides "flash": "sdpa" (always), "triton_paged" (the engine's Triton
 paged-attention kernels; Triton imports) and "flex" (torch's flex_attention imports, and Triton,
 which it compiles to on a GPU, does too).
@@ -169,6 +170,16 @@ def cuda_dtypes(compute_capability: tuple[int, int]) -> frozenset[torch.dtype]:
     return frozenset(dtypes)
 
 
+def cuda_quantization(facts: CudaDeviceFacts) -> tuple[frozenset[str], dict[str, str]]:
+    """The weight quantization methods this GPU runs, and what it lacks for the others."""
+    cc = facts.compute_capability
+    if cc >= FP8_MIN_CC:
+        return frozenset({"int8", "int4", "fp8"}), {}
+    need = (f"fp8 needs compute capability {FP8_MIN_CC[0]}.{FP8_MIN_CC[1]}; "
+            f"{facts.device} ({facts.name}) has {cc[0]}.{cc[1]}")
+    return frozenset({"int8", "int4"}), {"fp8": need}
+
+
 def cuda_attention_kernels(facts: CudaDeviceFacts) -> tuple[str, ...]:
     """The attention kernels usable on this GPU, by the rules in this module's docstring."""
     kernels = ["sdpa"]
@@ -193,6 +204,7 @@ def cuda_capabilities(
     dtypes = cuda_dtypes(facts.compute_capability)
     kernels = cuda_attention_kernels(facts)
     max_batch_size, max_sequence_length = limits_from_memory(total_bytes)
+    quantization, quantization_needs = cuda_quantization(facts)
     return BackendCapabilities(
         supported_dtypes=dtypes,
         devices=(facts.device,),
@@ -209,6 +221,8 @@ def cuda_capabilities(
         free_memory_bytes=min(max(free_bytes, 0), total_bytes),
         supports_tensor_parallelism=True,  # NCCL between the ranks' GPUs
         max_tensor_parallel_size=max(1, span),
+        quantization=quantization,
+        quantization_needs=quantization_needs,
         extras={
             "device_name": facts.name,
             "compute_capability": facts.compute_capability,

@@ -7,7 +7,7 @@ selection and bookkeeping are tested, with stubs, on Linux.
 
 Dtypes: fp32 and fp16 always; bf16 when a tiny bf16 matmul on the device gives the right answer
 (macOS 14 and later). No fp8, no int8. Attention: torch SDPA only ("sdpa"); no flash kernel, no
-Triton, no CUDA graphs.
+Triton, no CUDA graphs. No quantized weights: none of the quantized linears has been run on MPS.
 
 Memory is unified with the host. Total is Metal's recommended working-set size
 (torch.mps.recommended_max_memory()); free is that minus what this process's Metal driver has
@@ -74,6 +74,8 @@ def mps_capabilities(facts: MpsDeviceFacts, free_bytes: int, total_bytes: int) -
         memory_alignment=MPS_MEMORY_ALIGNMENT,
         total_memory_bytes=total_bytes,
         free_memory_bytes=min(max(free_bytes, 0), total_bytes),
+        quantization=frozenset(),
+        quantization_needs={method: "quantized weights are not run on MPS" for method in ("int8", "int4", "fp8")},
         extras={"attention_kernels": ("sdpa",), "macos_version": facts.macos_version},
     )
 

@@ -29,7 +29,10 @@ def parse_backend_spec(spec: str) -> str | None:
 
 
 async def select_backend(
-    registry: BackendRegistry, spec: str, requirements: BackendRequirements | None = None
+    registry: BackendRegistry,
+    spec: str,
+    requirements: BackendRequirements | None = None,
+    quantization: str | None = None,
 ) -> tuple[ComputeBackend, str]:
     """Pick a backend and device for `spec`, initialize it on that device, and return both.
 
@@ -37,6 +40,11 @@ async def select_backend(
     registered backends of that kind which serve the device and meet the requirements, preferring
     as `find_best` does. Failing that, BackendSelectionError lists every registered backend with
     its devices, dtypes and unmet requirements.
+
+    `quantization`: the served model's weight quantization method ("int4", ...). The backend picked
+    must run it, else BackendSelectionError naming the method and the device. Unlike a method in
+    `requirements.quantization`, it does not steer "auto" to another kind (weights quantized for a GPU
+    are never served on the CPU unasked).
     """
     wanted = requirements or BackendRequirements()
     requested_device = parse_backend_spec(spec)
@@ -49,6 +57,8 @@ async def select_backend(
     else:
         backend = _pick_for_device(registry, requested_device, wanted)
         device = backend.resolve_device(requested_device)
+    if quantization is not None:
+        _check_quantization(backend, device, quantization)
     try:
         await backend.initialize(device)
     except Exception as error:
@@ -71,6 +81,18 @@ def _pick_for_device(registry: BackendRegistry, device: str, wanted: BackendRequ
         headline = f"{requested} it does not meet the requirements ({_summary(wanted)})"
         raise _selection_error(registry, wanted, headline)
     return min(meeting, key=preference_key)
+
+
+def _check_quantization(backend: ComputeBackend, device: str, method: str) -> None:
+    capabilities = backend.capabilities()
+    if method in capabilities.quantization:
+        return
+    runs = ", ".join(sorted(capabilities.quantization)) or "none"
+    why = capabilities.quantization_needs.get(method, f"backend {backend.name} runs {runs}")
+    raise BackendSelectionError(
+        f"quantization {method} cannot run on {device}: {why}. Quantization methods {device} runs: {runs}; "
+        f"choose one of them, no quantization, or another backend (--backend)."
+    )
 
 
 def _device_for_requirements(backend: ComputeBackend, wanted: BackendRequirements) -> str:
@@ -102,8 +124,8 @@ def _summary(wanted: BackendRequirements) -> str:
             continue
         if requirement_field.name == "dtypes":
             parts.append(f"dtypes {dtype_names(value)}")
-        elif requirement_field.name == "devices":
-            parts.append(f"devices {', '.join(value)}")
+        elif requirement_field.name in ("devices", "quantization"):
+            parts.append(f"{requirement_field.name} {', '.join(value)}")
         elif isinstance(value, bool):
             parts.append(requirement_field.name.removeprefix("requires_").replace("_", " "))
         else:

@@ -6,6 +6,8 @@
                    that reading the next chunk from disk or the network overlaps the upload of the
                    last, and several threads read at once
 
+A tensor already on the device (quantized there as it loaded) is copied on the device.
+
 The weight loader says where a tensor's bytes come from with a `read(buffer, offset)` callable that
 fills `buffer` with the source's bytes [offset, offset + len(buffer)); a writer calls it once per
 staging chunk. Writers are thread-safe; `finish()` waits for every upload and frees the staging.
@@ -42,7 +44,8 @@ class DeviceWriter(Protocol):
         ...
 
     def write_tensor(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """Copies a host tensor of `target`'s shape and dtype into it."""
+        """Copies a tensor of `target`'s shape and dtype into it: from the host, or one already on
+        a device (quantized there as it loaded): then copied on that device."""
         ...
 
     def finish(self) -> None:
@@ -98,6 +101,7 @@ class PinnedWriter:
         self._count = buffers
         self._stream: torch.cuda.Stream | None = None
         self._free: queue.SimpleQueue[tuple[torch.Tensor, torch.cuda.Event]] | None = None
+        self._copied_on_device = False  # write_tensor copied a source already on a device
         self._lock = threading.Lock()
 
     def _setup(self) -> queue.SimpleQueue[tuple[torch.Tensor, torch.cuda.Event]]:
@@ -127,14 +131,21 @@ class PinnedWriter:
                 free.put((buffer, done))
 
     def write_tensor(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        self.write(target, _reader_of(source))
+        if source.device.type == "cpu":
+            self.write(target, _reader_of(source))
+            return
+        target.copy_(source)  # on the device, in its current stream's order (after the work that made it)
+        self._copied_on_device = True
 
     def finish(self) -> None:
         with self._lock:
             stream, free = self._stream, self._free
             self._stream = self._free = None
+            on_device, self._copied_on_device = self._copied_on_device, False
         if stream is not None:
             stream.synchronize()
+        if on_device:
+            torch.cuda.synchronize(self._device)
         del free  # the pinned buffers go back to torch's host allocator
 
 

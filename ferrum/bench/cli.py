@@ -93,6 +93,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--model", required=True, help="model location, as for `ferrum serve --model`")
     off.add_argument("--backend", default="auto", help="auto | cpu | cuda | cuda:N | mps (default auto)")
     off.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (default auto)")
+    off.add_argument("--quantization", "-q", metavar="METHOD",
+                     help="quantize the linear layers' weights as they load: int8 | int4 (group 128) | fp8 | "
+                          "none (default none)")
     off.add_argument("--max-num-seqs", type=int, metavar="N", help="most sequences in one step")
     off.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one step")
     off.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
@@ -140,12 +143,15 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
 def _offline(args: argparse.Namespace) -> int:
     from ferrum.bench.offline import OfflineOptions, run_offline
     from ferrum.bench.report import offline_json, offline_table, write_json
+    from ferrum.config.quantization import quantization_config
 
     engine: dict[str, Any] = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     if args.enforce_eager:
         engine["enforce_eager"] = True
     if args.no_prefix_caching:
         engine["enable_prefix_caching"] = False
+    if args.quantization is not None:
+        engine["quantization"] = quantization_config({"method": args.quantization})
     result = run_offline(OfflineOptions(args.model, _workload(args), args.backend, engine))
     print(offline_table(result), flush=True)
     if args.output_json:

@@ -150,6 +150,7 @@ def offline_table(result: OfflineResult) -> str:
         _line("Device", result.device),
         _line("Device name", result.device_name),
         _line("Dtype", result.dtype),
+        _line("Quantization", _quantization_label(result.engine.get("quantization"))),
         _line("Requests", result.num_requests),
         _line("Shared prefix (tokens)", result.workload.prefix_len),
         _line("Elapsed (s)", result.elapsed_s),
@@ -162,6 +163,14 @@ def offline_table(result: OfflineResult) -> str:
         "=" * _WIDTH,
     ]
     return "\n".join(lines)
+
+
+def _quantization_label(settings: dict[str, Any] | None) -> str:
+    """e.g. "int4 g128", "int8", "none" (from the engine settings' `quantization`)."""
+    if not settings:
+        return "none"
+    method = str(settings["method"])
+    return f"{method} g{settings['group_size']}" if method == "int4" else method
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -8,8 +8,10 @@ The YAML file's sections:
     host: 127.0.0.1
     port: 8000
     backend: auto                       # auto | cpu | cuda | cuda:N | mps
-    requirements: {dtypes: [bfloat16]}  # what the chosen backend must offer
+    requirements: {dtypes: [bfloat16]}  # what the chosen backend must offer (also quantization: [int4])
     engine: {max_num_seqs: 64, ...}     # EngineConfig's fields, and engine_process: auto | true | false
+    quantization: {method: int4, group_size: 128, symmetric: false, skip: [lm_head]}  # or `quantization: int8`;
+                                        # also engine.quantization (ferrum.config.quantization)
     weights: {cache_dir: ..., ...}      # how remote models are fetched and cached (WeightLoaderConfig)
     api: {keys: [...], ...}             # ferrum.config.server_settings.ApiConfig
     chat: {tool_call_parser: auto, reasoning_parser: qwen3}  # ferrum.config.server_settings.ChatConfig
@@ -21,9 +23,10 @@ The YAML file's sections:
 Environment variables: `FERRUM_<KEY>` sets a top-level key (`FERRUM_PORT=9000`), and
 `FERRUM_<SECTION>__<KEY>` a key of a section (`FERRUM_ENGINE__MAX_NUM_SEQS=16`,
 `FERRUM_LIMITS__OVERLOAD_STATUS=503`); names are case-insensitive, values are read as YAML
-scalars or lists (`16`, `true`, `[a, b]`). `FERRUM_API_KEY` is `api.keys`, several keys separated
-by commas; `FERRUM_LOG_LEVEL` is `logging.level`; `FERRUM_CACHE` is `weights.cache_dir` (the
-weights cache's folder; default ~/.cache/ferrum). Another `FERRUM_*` name is an error naming it. The
+scalars or lists (`16`, `true`, `[a, b]`). `FERRUM_QUANTIZATION` is `quantization.method` (`int4`,
+`none`). `FERRUM_API_KEY` is `api.keys`, several keys separated by commas; `FERRUM_LOG_LEVEL` is
+`logging.level`; `FERRUM_CACHE` is `weights.cache_dir` (the weights cache's folder; default
+~/.cache/ferrum). Another `FERRUM_*` name is an error naming it. The
 environment is read when the configuration is loaded, never at import.
 """
 
@@ -39,6 +42,7 @@ from typing import Any, Literal
 import yaml
 
 from ferrum.backends.capabilities import BackendRequirements
+from ferrum.config.quantization import QUANTIZATION_KEYS, quantization_config
 from ferrum.config.server_settings import (
     ApiConfig,
     ChatConfig,
@@ -49,6 +53,7 @@ from ferrum.config.server_settings import (
 )
 from ferrum.engine.config import EngineConfig
 from ferrum.weights.locations.uri import ModelLocationError, model_display_name, parse_model_location
+from ferrum.weights.quantization.scheme import QuantizationConfigError, parse_method
 from ferrum.weights.spec.loader_config import MiB, WeightLoaderConfig
 
 
@@ -105,12 +110,14 @@ _SECTIONS: dict[str, set[str]] = {
     "chat": {f.name for f in dataclasses.fields(ChatConfig)},
     "limits": {f.name for f in dataclasses.fields(LimitsConfig)},
     "logging": {f.name for f in dataclasses.fields(LoggingConfig)},
+    "quantization": set(QUANTIZATION_KEYS),  # lands in the engine config's `quantization`
 }
 _ALIASES = {"log_level": ("logging", "level")}  # older top-level spellings, still accepted
 
 # command-line flags (argparse dests) that set a key of a section; any other flag is a top-level key
 FLAG_KEYS: dict[str, tuple[str, str]] = {
     **{key: ("engine", key) for key in _ENGINE_KEYS},
+    "quantization": ("quantization", "method"),
     "cache_dir": ("weights", "cache_dir"),
     "api_keys": ("api", "keys"),
     "api_key_file": ("api", "key_file"),
@@ -161,6 +168,23 @@ def weights_config(raw: Any) -> WeightLoaderConfig:
         raise ConfigError(f"invalid weights config: {exc}") from None
 
 
+def _fold_quantization(raw: dict[str, Any], where: str) -> None:
+    """One layer's quantization as the `quantization` section, in place: `engine.quantization` moved
+    there, a bare method (`quantization: int4`, `none`, null) made `{method: ...}`."""
+    engine = raw.get("engine")
+    if isinstance(engine, Mapping) and "quantization" in engine:
+        if "quantization" in raw:
+            raise ConfigError(f"quantization is set twice in {where}: as quantization and as engine.quantization")
+        engine = dict(engine)
+        raw["quantization"] = engine.pop("quantization")
+        raw["engine"] = engine
+    if "quantization" in raw and not isinstance(raw["quantization"], Mapping):
+        value = raw["quantization"]
+        if not (value is None or isinstance(value, (str, bool))):
+            raise ConfigError(f"quantization: expected a method name or a mapping (in {where}), got {value!r}")
+        raw["quantization"] = {"method": value}
+
+
 def _check_keys(section: str, raw: Mapping[str, Any], valid: set[str]) -> None:
     unknown = sorted(str(k) for k in set(raw) - valid)
     if unknown:
@@ -183,6 +207,7 @@ def _file_layer(path: str | Path | None) -> dict[str, Any]:
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config file {p}: expected a mapping at the top level")
     raw = dict(loaded or {})
+    _fold_quantization(raw, f"config file {p}")
     for section in _SECTIONS:
         if raw.get(section) is None:
             raw.pop(section, None)
@@ -217,6 +242,9 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
             keys = [k.strip() for k in text.split(",") if k.strip()]
             raw.setdefault("api", {})["keys"] = keys
             continue
+        if key == "quantization":  # FERRUM_QUANTIZATION: the method (int8, int4, fp8, none)
+            raw.setdefault("quantization", {})["method"] = text.strip()
+            continue
         if key in _ALIASES:
             section, sub = _ALIASES[key]
             raw.setdefault(section, {})[sub] = _env_value(name, text)
@@ -237,6 +265,7 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
                 f"{', '.join(sorted(_SECTIONS))}"
             )
         raw[key] = text if key in ("model", "served_model_name", "host", "backend") else _env_value(name, text)
+    _fold_quantization(raw, "the environment")
     return raw
 
 
@@ -282,6 +311,9 @@ def load_config(
 
     engine = dict(raw.pop("engine", {}))
     engine_process = engine_process_mode(engine.pop("engine_process", "auto"))
+    quantization = _quantization(raw.pop("quantization", {}))
+    if quantization is not None:
+        engine["quantization"] = quantization
     if not raw.get("model"):
         raise ConfigError("no model given: set `model:` in the config file, FERRUM_MODEL, or pass --model PATH")
     if not isinstance(raw["model"], Mapping):
@@ -302,7 +334,7 @@ def load_config(
                 **{k: float(raw.pop(k)) for k in ("shutdown_timeout_s", "failed_start_linger_s") if k in raw}
             ),
         )
-        raw["requirements"] = BackendRequirements.from_mapping(raw.get("requirements") or {})
+        raw["requirements"] = _requirements(raw.get("requirements") or {})
         raw["port"] = int(raw.get("port", 8000))
         config = ServerConfig(**raw, engine=engine, engine_process=engine_process, weights=weights, server=server)
         config.engine_config()  # validates the engine section now, not after start-up
@@ -310,6 +342,25 @@ def load_config(
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid config: {exc}") from None
     return config
+
+
+def _quantization(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merged `quantization` section, checked, as EngineConfig.from_mapping takes it; None: off."""
+    try:
+        config = quantization_config(raw)
+    except QuantizationConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    return None if config is None else dataclasses.asdict(config)
+
+
+def _requirements(raw: Mapping[str, Any]) -> BackendRequirements:
+    requirements = BackendRequirements.from_mapping(raw)
+    for method in requirements.quantization:
+        try:
+            parse_method(method)
+        except QuantizationConfigError as exc:
+            raise ConfigError(f"requirements.quantization: {exc}") from None
+    return requirements
 
 
 def _api(raw: Mapping[str, Any]) -> ApiConfig:

@@ -87,8 +87,10 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks holding `seq`'s leading full blocks, in order, for a sequence that
         holds no blocks yet. At least its last token is left out (it must run to give logits),
-        so no block the sequence will write into is ever among them."""
-        if self._cache is None or seq.block_table or seq.num_computed_tokens:
+        so no block the sequence will write into is ever among them. None for a sequence that still
+        scores its prompt (prompt logprobs need every prompt position computed, as in vLLM); the
+        blocks it computes are offered to the cache as anyone's."""
+        if self._cache is None or seq.block_table or seq.num_computed_tokens or seq.scores_prompt:
             return []
         shareable = (seq.num_tokens - 1) // self.block_size
         found: list[int] = []

@@ -74,10 +74,11 @@ def create_engine(
     config = EngineConfig(**settings)
     weights = weights or WeightLoaderConfig()
     wanted = replace(requirements or BackendRequirements(), tensor_parallel_size=config.tensor_parallel_size)
+    method = config.quantization.method if config.quantization is not None else None
 
     async def select() -> tuple[ComputeBackend, str, ModelFiles]:
         registry = await create_default_registry()
-        chosen, device = await select_backend(registry, backend, wanted)
+        chosen, device = await select_backend(registry, backend, wanted, method)
         files = await resolve_model(model, weights)
         return chosen, device, files
 

@@ -7,6 +7,7 @@ device (batch limits, the dtype `auto` means) is resolved against that `Device` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from ferrum.backends.device import Device
 from ferrum.dtypes import serving_dtype
 from ferrum.kernels.config import KernelConfig
+from ferrum.weights.quantization.scheme import QuantizationConfig
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class EngineConfig:
     # ranks the model is split across (tensor parallelism): one process and device per rank
     tensor_parallel_size: int = 1
     kernels: KernelConfig = field(default_factory=KernelConfig)  # GPUs: the Triton kernels' settings
+    # the linear layers' weights quantized as they load (None: served in the dtype)
+    quantization: QuantizationConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -50,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if not isinstance(self.kernels, KernelConfig):
             object.__setattr__(self, "kernels", KernelConfig.from_mapping(self.kernels))
+        if isinstance(self.quantization, Mapping):  # e.g. create_engine(..., quantization={"method": "int4"})
+            object.__setattr__(self, "quantization", QuantizationConfig(**self.quantization))
 
     @classmethod
     def from_mapping(cls, raw: dict[str, Any]) -> EngineConfig:

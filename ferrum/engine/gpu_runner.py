@@ -5,8 +5,10 @@ Decode steps replay CUDA graphs (ferrum.engine.cuda_graphs), which also run gree
 steps (prefills, chunks, mixed batches) run eagerly: their decode rows through the decode kernel,
 their prompts through the prefill kernel, the step padded to a token-count bucket that start-up
 has already run once (a new GEMM shape costs cuBLAS a kernel choice and a module load mid-serving).
-Logits stay on the device for sampling. Without CUDA graphs (`enforce_eager`, or a device without
-them: Triton's interpreter in tests) every step runs eagerly and there are no bursts.
+Logits stay on the device for sampling. A step that scores prompt tokens (a request asking for prompt
+logprobs; never a decode-only step) runs eagerly like any prefill, its scores read back at its end.
+Without CUDA graphs (`enforce_eager`, or a device without them: Triton's interpreter in tests) every
+step runs eagerly and there are no bursts.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from ferrum.backends.device import Device
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.cuda_graphs import DecodeGraphs, GraphBurst, graph_batch_sizes
-from ferrum.engine.runner import GreedyBurst, advance, pack_step
+from ferrum.engine.runner import GreedyBurst, advance, pack_step, score_prompts
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
@@ -68,7 +70,7 @@ class GPUModelRunner:
         self.max_burst = 0
         if device.cuda_graphs and not config.enforce_eager:
             kernels = config.kernels
-            fused = FusedDecode(model, kernels.gemv, attention.pdl) if kernels.fused_decode_rows else None
+            fused = FusedDecode(model, kernels, attention.pdl) if kernels.fused_decode_rows else None
             max_num_seqs = config.seqs_per_step
             self.graphs = DecodeGraphs(
                 model, self.kv_caches, layout, attention, fused, kernels.fused_decode_rows, max_num_seqs,
@@ -107,17 +109,20 @@ class GPUModelRunner:
     ) -> tuple[torch.Tensor, list[Sequence]]:
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         # pad the step to a bucket of token counts: a handful of GEMM shapes, all met at start-up
-        step, sample_rows, sample_seqs = pack_step(
+        plan = pack_step(
             scheduled, self.layout, pad_to=max(pad_to, eager_bucket(num_tokens)), pad_slot=self.trash_slot
         )
-        dev = self.device
+        step, dev = plan.step, self.device
         batch = self.attention.step_inputs(step, self.model.rotary)
         ids = step.input_ids + [0] * (step.num_rows - len(step.input_ids))
         hidden = self.model(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), self.kv_caches, batch)
-        if not sample_rows:
-            return torch.empty(0, self.model.config.vocab_size, device=dev), []
-        rows = torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True)
-        return self.model.compute_logits(hidden.index_select(0, rows)), sample_seqs
+        logits = torch.empty(0, self.model.config.vocab_size, device=dev)
+        if plan.sample_rows:
+            rows = torch.tensor(plan.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if plan.prompt_rows:  # requests asking for prompt logprobs: scored here, synchronously
+            score_prompts(hidden, self.model.compute_logits, plan.prompt_rows)
+        return logits, plan.sample_seqs
 
     # -- greedy bursts -------------------------------------------------------------------------
     def launch_greedy(self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None) -> GreedyBurst:

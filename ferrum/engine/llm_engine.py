@@ -249,6 +249,7 @@ class LLMEngine:
         masks = self.guides.start_masks([s.seq for s in scheduled if s.completes_pending])
         logits, seqs = self.runner.execute(scheduled)
         self.scheduler.register_computed(s.seq for s in scheduled)
+        self.outputs.decode_prompt_scores(s.seq for s in scheduled if s.seq.prompt_scores)
         if seqs:
             self.outputs.append(seqs, sample(logits, seqs, masks.for_rows(seqs) if masks is not None else None))
             self._generation_tokens += len(seqs)

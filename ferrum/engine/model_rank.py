@@ -99,7 +99,7 @@ class ModelRank:
 
         try:
             return load_model(self.model_config, files.weights, self.device, self.dtype, layer_ops(self.device),
-                              loader, progress, tp=self.tp)
+                              loader, progress, tp=self.tp, quantization=self.config.quantization)
         finally:
             run_sync(loader.aclose())
 

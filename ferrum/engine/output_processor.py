@@ -1,8 +1,10 @@
-"""After sampling: append tokens, advance grammars, detokenize, check stop conditions, build deltas."""
+"""After sampling: append tokens, advance grammars, detokenize, check stop conditions, build deltas (with the
+prompt logprobs, once, for requests that ask)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from ferrum.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from ferrum.engine.sampler import SampleResult
@@ -17,6 +19,25 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+
+    def decode_prompt_scores(self, seqs: Iterable[Sequence]) -> None:
+        """Turns the prompt scores the runner left on these sequences into TokenLogprobs."""
+        names: dict[int, str] = {}  # a prompt's top tokens repeat: each decoded once
+
+        def text(token_id: int) -> str:
+            name = names.get(token_id)
+            if name is None:
+                name = names[token_id] = self.tokenizer.id_to_token_text(token_id)
+            return name
+
+        for seq in seqs:
+            for scores in seq.prompt_scores:
+                for token, logprob, rank, top_ids, top_values in zip(
+                    scores.token_ids, scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs, strict=True
+                ):
+                    top = tuple(TopLogprob(i, text(i), v) for i, v in zip(top_ids, top_values, strict=True))
+                    seq.prompt_logprobs.append(TokenLogprob(token, text(token), logprob, top, rank))
+            seq.prompt_scores.clear()
 
     def append(self, seqs: list[Sequence], result: SampleResult) -> None:
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
@@ -92,6 +113,10 @@ class OutputProcessor:
             return None
         logprobs = tuple(seq.pending_logprobs) if seq.params.logprobs is not None else None
         seq.pending_logprobs = []
+        prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent and not seq.scores_prompt:
+            prompt_logprobs = (None, *seq.prompt_logprobs)
+            seq.prompt_logprobs_sent = True
         seq.num_text_sent = text_end
         seq.num_tokens_sent = len(seq.output_token_ids)
         queue_time = None
@@ -108,4 +133,5 @@ class OutputProcessor:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             queue_time_s=queue_time,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -23,6 +23,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[TopLogprob, ...]  # empty unless the request asked for top logprobs
+    rank: int | None = None  # prompt logprobs: the token's rank in its distribution (1: the most likely)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
     queue_time_s: float | None = None  # on the first output after it left the waiting queue: time spent there
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
+    # context), on one output only (the first once the whole prompt is computed)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
@@ -59,4 +63,5 @@ def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
         queue_time_s=next((out.queue_time_s for out in outputs if out.queue_time_s is not None), None),
+        prompt_logprobs=next((out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None), None),
     )

@@ -5,17 +5,20 @@
 
 `ferrum.engine.model_rank.runner_for` picks one by the attention backend's type, which
 `select_attention` picked once from the `Device`. A runner owns the model's KV cache and turns a
-scheduled step into logits; one that can (`max_burst > 0`) also runs greedy decode iterations back to
-back on the device.
+scheduled step into logits (and, for requests that ask, prompt logprobs: `score_prompts`); one that
+can (`max_burst > 0`) also runs greedy decode iterations back to back on the device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ferrum.engine.prompt_logprobs import PromptRows, score_prompt_rows
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.models.attention.layout import KVCacheLayout
@@ -36,7 +39,8 @@ class ModelRunner(Protocol):
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one forward pass and moves every scheduled sequence's computed tokens on. Returns
         float32 logits [B, V] (on any device; the work may still run there) for the sequences that
-        get a new token this step, in order."""
+        get a new token this step, in order. Sequences that ask for prompt logprobs get the scores
+        of the prompt tokens this step computes (`score_prompts`)."""
         ...
 
     def launch_greedy(
@@ -57,11 +61,21 @@ class ModelRunner(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """A step packed for the model: its tokens (decodes first, then prefills; see PackedStep), the rows
+    whose logits are sampled and their sequences (those that finish their pending tokens this step),
+    and the rows that score prompt tokens (only for sequences that ask for prompt logprobs)."""
+
+    step: PackedStep
+    sample_rows: list[int]
+    sample_seqs: list[Sequence]
+    prompt_rows: list[tuple[Sequence, PromptRows]]
+
+
 def pack_step(
     scheduled: SequenceOf[ScheduledSequence], layout: KVCacheLayout, *, pad_to: int = 0, pad_slot: int = 0
-) -> tuple[PackedStep, list[int], list[Sequence]]:
-    """The step's tokens packed (decodes first, then prefills; see PackedStep), the rows whose
-    logits are sampled and their sequences (those that finish their pending tokens this step)."""
+) -> StepPlan:
     ordered = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
     num_decode = sum(1 for s in ordered if s.is_decode)
     ids: list[int] = []
@@ -70,9 +84,16 @@ def pack_step(
     rows: list[SequenceRows] = []
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
+    prompt_rows: list[tuple[Sequence, PromptRows]] = []
     for s in ordered:
         seq, past, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
         rows.append(SequenceRows(len(ids), n, past, seq.block_table))
+        if seq.scores_prompt:  # positions [first, end) score the prompt tokens after them
+            first, end = max(past, seq.num_prompt_scored), min(past + n, seq.num_prompt_tokens - 1)
+            if first < end:
+                top_k = seq.params.prompt_logprobs or 0
+                scored = seq.prompt_token_ids[first + 1 : end + 1]
+                prompt_rows.append((seq, PromptRows(len(ids) + first - past, first + 1, scored, top_k)))
         ids.extend(seq.tokens(past, past + n))
         positions.extend(range(past, past + n))
         slots.extend(layout.slots(seq.block_table, past, past + n))
@@ -80,7 +101,18 @@ def pack_step(
             sample_rows.append(len(ids) - 1)
             sample_seqs.append(seq)
     step = PackedStep(ids, positions, slots, tuple(rows), num_decode, max(pad_to, len(ids)), pad_slot)
-    return step, sample_rows, sample_seqs
+    return StepPlan(step, sample_rows, sample_seqs, prompt_rows)
+
+
+def score_prompts(
+    hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    prompt_rows: SequenceOf[tuple[Sequence, PromptRows]],
+) -> None:
+    """Scores the planned prompt rows (after the step's sampled logits, in plan order: under tensor
+    parallelism every rank makes the same head calls) and hands the scores to their sequences."""
+    for seq, rows in prompt_rows:
+        seq.prompt_scores.append(score_prompt_rows(hidden, compute_logits, rows))
+        seq.num_prompt_scored = rows.start + len(rows.token_ids) - 1
 
 
 def advance(scheduled: SequenceOf[ScheduledSequence]) -> None:

@@ -43,6 +43,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: chosen token only; N: also the top N
+    # None: off; 0: each prompt token's own logprob (the first has none); N: also the top N at each position.
+    # The prefill then computes logits at every prompt position, and skips the prefix cache (as vLLM).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, -100 to 100)
@@ -88,6 +91,11 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
             "logprobs",
             f"must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}",
+        )
+        check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"must be between 0 and {self.MAX_LOGPROBS}, got {self.prompt_logprobs}",
         )
         check(len(self.stop) <= 16, "stop", f"may hold at most 16 strings, got {len(self.stop)}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "strings must be non-empty")

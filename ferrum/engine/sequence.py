@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrum.engine.outputs import FinishReason, TokenLogprob
+from ferrum.engine.prompt_logprobs import PromptScores
 from ferrum.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,6 +50,13 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     decoder: IncrementalDecoder | None = None
     guide: Guide | None = None  # the grammar's state when the request asked for structured output
+    # prompt logprobs (SamplingParams.prompt_logprobs): the prompt tokens scored so far (they are never
+    # scored twice, not even when a preempted sequence is recomputed), the runner's scores not yet
+    # decoded, the decoded ones (prompt tokens 1, 2, ...), and whether they went out
+    num_prompt_scored: int = 0
+    prompt_scores: list[PromptScores] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +81,11 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Asks for prompt logprobs and not every prompt token is scored yet."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_scored < len(self.prompt_token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

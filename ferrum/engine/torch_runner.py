@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ferrum.backends.device import Device
-from ferrum.engine.runner import GreedyBurst, advance, pack_step
+from ferrum.engine.runner import GreedyBurst, advance, pack_step, score_prompts
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.models.attention.layout import KVCacheLayout
@@ -33,15 +33,18 @@ class TorchModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        step, sample_rows, sample_seqs = pack_step(scheduled, self.layout)
-        batch = self.attention.step_inputs(step, self.model.rotary)
-        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        plan = pack_step(scheduled, self.layout)
+        batch = self.attention.step_inputs(plan.step, self.model.rotary)
+        ids = torch.tensor(plan.step.input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, self.kv_caches, batch)
         advance(scheduled)
-        if not sample_rows:
-            return torch.empty(0, self.model.config.vocab_size), []
-        rows = torch.tensor(sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]).cpu(), sample_seqs
+        logits = torch.empty(0, self.model.config.vocab_size)
+        if plan.sample_rows:
+            rows = torch.tensor(plan.sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows]).cpu()
+        if plan.prompt_rows:
+            score_prompts(hidden, self.model.compute_logits, plan.prompt_rows)
+        return logits, plan.sample_seqs
 
     def launch_greedy(self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None) -> GreedyBurst:
         raise NotImplementedError("TorchModelRunner runs no greedy bursts (max_burst is 0)")

@@ -8,8 +8,8 @@ Llama-3.2-1B and Llama-3.1-8B shapes replayed with and without each setting.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class GemvTable:
     k_slice: int = 2048
     qkv_two_slices_from: int = 2048
 
+    @classmethod
+    def sliced(cls, features_per_program: int, k_slice: int, num_warps: int = 4) -> GemvTable:
+        """A table that reads K in k_slice-wide slices (all of K where it is narrower), with or
+        without a fused norm."""
+        return cls(features_per_program, num_warps, k_slice, k_slice, k_slice, k_slice)
+
     def __post_init__(self) -> None:
         for item in fields(self):
             value = getattr(self, item.name)
@@ -49,7 +55,11 @@ class KernelConfig:
     attention (the splits fill the GPU at small batches).
     fused_decode_rows: decode batches of up to this many rows run the fused matrix-vector chain
     (0 turns it off: cuBLAS projections and separate norm / activation kernels).
-    gemv: the fused projections' slicing.
+    gemv: the fused projections' slicing, for weights in the activations' dtype; gemv_int8,
+    gemv_fp8, gemv_int4: for quantized weights (gemv_table picks by kind). Their defaults are the
+    best of scripts/quant_gemv_bench.py's candidates on one H100 at the Llama-3.1-8B shapes
+    (4096 x 4096 and 4096 x 14336, batch 1): int4 8 features a program in 1024-input slices,
+    int8 and fp8 4 features in 2048-input slices.
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
     (ferrum.engine.parallel.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md).
@@ -63,6 +73,9 @@ class KernelConfig:
     max_decode_splits: int = 32
     fused_decode_rows: int = 4
     gemv: GemvTable = field(default_factory=GemvTable)
+    gemv_int8: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 2048))
+    gemv_fp8: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 2048))
+    gemv_int4: GemvTable = field(default_factory=lambda: GemvTable.sliced(8, 1024))
     one_shot_all_reduce_kb: int = 512
     one_shot_push: bool = True
 
@@ -77,8 +90,15 @@ class KernelConfig:
             raise ValueError(f"kernels.one_shot_all_reduce_kb must be in 0..65536, got {self.one_shot_all_reduce_kb!r}")
         if not isinstance(self.one_shot_push, bool):
             raise ValueError(f"kernels.one_shot_push must be true or false, got {self.one_shot_push!r}")
-        if not isinstance(self.gemv, GemvTable):
-            raise ValueError(f"kernels.gemv must be a GemvTable, got {self.gemv!r}")
+        for name in _TABLES:
+            if not isinstance(getattr(self, name), GemvTable):
+                raise ValueError(f"kernels.{name} must be a GemvTable, got {getattr(self, name)!r}")
+
+    def gemv_table(self, kind: Literal["int8", "fp8", "int4"] | None) -> GemvTable:
+        """The fused projections' table for a weight stored as `kind` (None: in the activations' dtype)."""
+        if kind is None:
+            return self.gemv
+        return {"int8": self.gemv_int8, "fp8": self.gemv_fp8, "int4": self.gemv_int4}[kind]
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | KernelConfig | None) -> KernelConfig:
@@ -92,13 +112,19 @@ class KernelConfig:
             raise ValueError(f"engine.kernels must be a mapping, got {raw!r}")
         values = dict(raw)
         _check_keys("kernels", values, cls)
-        gemv = values.get("gemv")
-        if gemv is not None and not isinstance(gemv, GemvTable):
-            if not isinstance(gemv, Mapping):
-                raise ValueError(f"engine.kernels.gemv must be a mapping, got {gemv!r}")
-            _check_keys("kernels.gemv", gemv, GemvTable)
-            values["gemv"] = GemvTable(**gemv)
+        for name in _TABLES:
+            table = values.get(name)
+            if table is None or isinstance(table, GemvTable):
+                continue
+            if not isinstance(table, Mapping):
+                raise ValueError(f"engine.kernels.{name} must be a mapping, got {table!r}")
+            _check_keys(f"kernels.{name}", table, GemvTable)
+            # a quantized kind's keys override its own defaults, not the bf16 table's
+            values[name] = replace(getattr(cls(), name), **table)
         return cls(**values)
+
+
+_TABLES = ("gemv", "gemv_int8", "gemv_fp8", "gemv_int4")  # KernelConfig's GemvTable fields
 
 
 def _check_keys(where: str, values: Mapping[str, Any], kind: type) -> None:

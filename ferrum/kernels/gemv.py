@@ -18,6 +18,19 @@ program owns a few output features (GemvTable). With programmatic dependent laun
 its first weight slice, then waits for the kernel before and only then reads the activations: the
 slicing keeps enough programs resident for all of them to have that slice in flight while the
 kernel before finishes.
+
+The weight is a tensor in the activations' dtype or a `QuantWeight` (the same prologues and
+epilogues for every kind; the product is float32 throughout):
+
+    int8, fp8  the [BLOCK_N, BLOCK_K] tile of q read and converted to float32; the per-channel
+               scale multiplies the accumulator once, after the K loop
+    int4       the packed bytes read as int32 words (eight inputs each), unpacked with masks into
+               floats without a conversion instruction (a nibble OR-ed into the mantissa of 2^e is
+               2^e + q: one logic op and one add an input); each group's partial product
+               x_g . (q_g - 8) is scaled once, and its zero enters as zero * sum(x_g)
+
+A quantized weight reads 2x (int8, fp8) or 4x (int4) fewer bytes a row, so its table
+(KernelConfig.gemv_table(kind)) may slice K wider or give a program more features.
 """
 
 from __future__ import annotations
@@ -30,8 +43,17 @@ import triton.language as tl
 
 from ferrum.kernels.config import GemvTable
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
+from ferrum.kernels.quant_weight import QuantWeight
 
 MAX_ROWS = 16  # the most rows one launch takes (the engine's fused path uses up to KernelConfig.fused_decode_rows)
+
+# the kernels' QUANT constant: how the weight is stored and read
+PLAIN = 0  # the activations' dtype, [BLOCK_N, BLOCK_K] tiles
+PER_CHANNEL = 1  # fp8 (or int8 with K not a multiple of 4): tiles converted to float32, a scale per row
+INT4 = 2  # int32 words of 8 inputs, read as 8 planes; a scale and zero per group
+INT8 = 3  # int32 words of 4 inputs, read as 4 planes; a scale per row
+PLANES = {PLAIN: 1, PER_CHANNEL: 1, INT4: 8, INT8: 4}  # inputs a word
+MAGIC = 0x4B000000  # the float 2^23: a small integer OR-ed into its mantissa is 2^23 + it
 
 
 @dataclass(frozen=True)
@@ -43,21 +65,193 @@ class GemvSlicing:
     num_warps: int
 
 
+@dataclass(frozen=True)
+class KernelWeight:
+    """A weight as the kernels take it: `data` holds the tiles (int4, int8: the stored bytes viewed
+    as int32 words), `scale` and `zero` their factors (`data` itself where there are none), with
+    the row strides of `data` and of the scales, in elements."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    stride_wn: int
+    stride_sn: int
+    quant: int  # PLAIN, PER_CHANNEL, INT4 or INT8
+    group: int  # int4's inputs per scale; 1 otherwise
+    out_rows: int
+    in_features: int
+
+    @property
+    def planes(self) -> int:
+        """Inputs a word (the kernels' PLANES): the narrowest K slice; K slices are multiples of it."""
+        return PLANES[self.quant]
+
+    def check_slice(self, block_k: int) -> None:
+        if block_k % self.planes:
+            raise ValueError(f"quantized GEMV: a K slice of {block_k} inputs is not whole words of {self.planes}; "
+                             "widen the table's k_slice")
+
+
+def kernel_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
+    """`weight` as the GEMV kernels read it; ValueError naming what is off in a QuantWeight's layout."""
+    if isinstance(weight, torch.Tensor):
+        assert weight.dim() == 2 and weight.stride(1) == 1, (weight.shape, weight.stride())
+        return KernelWeight(weight, weight, weight, weight.stride(0), 0, PLAIN, 1, weight.shape[0], weight.shape[1])
+    q, scale, n = weight.qweight, weight.scale, weight.out_features
+    if q.dim() != 2 or q.stride(1) != 1:
+        raise ValueError(f"{weight.kind} weight: qweight must be 2-D with unit stride along K, got "
+                         f"{tuple(q.shape)} strides {q.stride()}")
+    if weight.kind in ("int8", "fp8"):
+        stored = torch.int8 if weight.kind == "int8" else torch.float8_e4m3fn
+        if q.dtype != stored or scale.dtype != torch.float32 or tuple(scale.shape) != (n,) or scale.stride(0) != 1:
+            raise ValueError(f"{weight.kind} weight: expected qweight {stored} [N, K] and a contiguous float32 scale "
+                             f"[N]; got qweight {q.dtype} {tuple(q.shape)}, scale {scale.dtype} {tuple(scale.shape)}")
+        if weight.kind == "int8" and weight.in_features % 4 == 0 and q.stride(0) % 4 == 0:
+            words = q.view(torch.int32)  # four inputs a word
+            return KernelWeight(words, scale, scale, words.stride(0), 1, INT8, 1, n, weight.in_features)
+        return KernelWeight(q, scale, scale, q.stride(0), 1, PER_CHANNEL, 1, n, weight.in_features)
+    if weight.kind != "int4":
+        raise ValueError(f"GEMV: unknown quantized weight kind {weight.kind!r}")
+    k, g, zero = weight.in_features, weight.group_size, weight.zero
+    if q.dtype != torch.uint8 or zero is None or g < 16 or g & (g - 1) or k % g:
+        raise ValueError(f"int4 weight: expected uint8 qweight [N, K/2], a zero, and a power-of-two group size >= 16 "
+                         f"dividing K; got qweight {q.dtype} {tuple(q.shape)}, "
+                         f"zero {'missing' if zero is None else 'set'}, group size {g}")
+    if (tuple(scale.shape) != (n, k // g) or tuple(zero.shape) != (n, k // g) or scale.stride(1) != 1
+            or zero.stride() != scale.stride() or zero.dtype != scale.dtype):
+        raise ValueError(f"int4 weight: scale and zero must be [N, K/group] = [{n}, {k // g}] with unit stride along "
+                         f"the groups and the same strides; got {tuple(scale.shape)} {scale.stride()} and "
+                         f"{tuple(zero.shape)} {zero.stride()}")
+    words = q.view(torch.int32)  # K is a multiple of 16: a row is whole words
+    return KernelWeight(words, scale, zero, words.stride(0), scale.stride(0), INT4, g, n, k)
+
+
+@triton.jit
+def _load_weights(w_rows: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, BLOCK_K: tl.constexpr,
+                  WHOLE_K: tl.constexpr, PLANES: tl.constexpr) -> tl.tensor:
+    """The slice of inputs k0..k0+BLOCK_K of the weight rows at w_rows: [BLOCK_N, BLOCK_K] as stored
+    (PLANES > 1: [BLOCK_N, BLOCK_K / PLANES] int32 words); masked along K where the slice is all of K."""
+    kw = k0 // PLANES + tl.arange(0, BLOCK_K // PLANES)
+    if WHOLE_K:
+        wmask = nmask[:, None] & (kw < K // PLANES)[None, :]
+    else:
+        wmask = nmask[:, None]
+    if PLANES > 1:
+        w = tl.load(w_rows + kw[None, :], mask=wmask, other=0)
+    else:
+        w = tl.load(w_rows + kw[None, :], mask=wmask, other=0.0)
+    return w
+
+
+@triton.jit
+def _plane(words: tl.tensor, hi: tl.tensor, magic: tl.tensor, i: tl.constexpr, PLANES: tl.constexpr) -> tl.tensor:
+    """Input i of each word as float32: int4 (PLANES 8) q - 8; int8 (PLANES 4, words ^ 0x80808080,
+    offset binary) q. Its bits OR-ed into the mantissa of 2^e (magic = 2^23's bits, e = 23 - their
+    offset in the half word) make the float 2^e + bits exactly: one logic op and one add an input,
+    no conversion instruction (magic comes in a register, so that the OR and the mask are one op)."""
+    BITS: tl.constexpr = 32 // PLANES
+    sh: tl.constexpr = BITS * (i % (PLANES // 2))
+    mask: tl.constexpr = ((1 << BITS) - 1) << sh
+    off: tl.constexpr = (1 << (23 - sh)) + (8 if PLANES == 8 else 128)
+    if i < PLANES // 2:
+        v = (words & mask) | (magic - (sh << 23))
+    else:
+        v = (hi & mask) | (magic - (sh << 23))
+    return v.to(tl.float32, bitcast=True) - off
+
+
+@triton.jit
+def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_rows: tl.tensor, z_rows: tl.tensor,
+                    nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, magic: tl.tensor, GROUP: tl.constexpr,
+                    PLANES: tl.constexpr, WHOLE_K: tl.constexpr) -> tl.tensor:
+    """acc [ROWS, BLOCK_N] + x @ W.T for words w [BLOCK_N, KW] of PLANES inputs each and xf [ROWS, KW,
+    PLANES] (float32, input PLANES * j + i at [:, j, i]): the product of plane i of the words with
+    plane i of x, summed over the planes. int4: each word's sum times its group's scale, plus the
+    zero times the sum of its x (int8: the per-channel scale comes after the K loop)."""
+    p = tl.arange(0, PLANES)
+    if PLANES == 8:
+        hi = w >> 16
+    else:
+        w = w ^ -2139062144  # 0x80808080: each byte's q + 128
+        hi = w >> 16
+    part = tl.zeros([xf.shape[0], w.shape[0], w.shape[1]], tl.float32)
+    for i in tl.static_range(PLANES):
+        x_i = tl.sum(tl.where(p[None, None, :] == i, xf, 0.0), axis=2)  # in-thread: the compiler picks the register
+        part += x_i[:, None, :] * _plane(w, hi, magic, i, PLANES)[None, :, :]
+    if PLANES == 8:
+        g = (k0 + 8 * tl.arange(0, w.shape[1])) // GROUP  # each word's group
+        if WHOLE_K:
+            gmask = nmask[:, None] & (g < K // GROUP)[None, :]
+        else:
+            gmask = nmask[:, None] & (g >= 0)[None, :]
+        s = tl.load(s_rows[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
+        z = tl.load(z_rows[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
+        acc += tl.sum(part * s[None, :, :] + tl.sum(xf, axis=2)[:, None, :] * z[None, :, :], axis=2)
+    else:
+        acc += tl.sum(part, axis=2)
+    return acc
+
+
+@triton.jit
+def _planes_tile(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW: tl.tensor,
+                 w_rows: tl.tensor, w_rows2: tl.tensor, s_rows: tl.tensor, s_rows2: tl.tensor, z_rows: tl.tensor,
+                 z_rows2: tl.tensor, xrows: tl.tensor, rmask: tl.tensor, nmask: tl.tensor, k0: tl.tensor,
+                 K: tl.tensor, eps: tl.tensor, stride_xm: tl.tensor, magic: tl.tensor, BLOCK_K: tl.constexpr,
+                 NORM: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr,
+                 WHOLE_K: tl.constexpr = False, w: tl.tensor | None = None,
+                 w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """_gemv_tile for weights read as planes (int4, int8): x read as [ROWS, BLOCK_K / PLANES, PLANES]
+    (16 or 8 contiguous bytes a thread), the norm as there; ss [ROWS, BLOCK_K / PLANES]."""
+    k = k0 + PLANES * tl.arange(0, BLOCK_K // PLANES)[:, None] + tl.arange(0, PLANES)[None, :]
+    if WHOLE_K:
+        kmask = k < K
+        xmask = rmask[:, None, None] & kmask[None, :, :]
+    else:
+        xmask = rmask[:, None, None]
+    x = tl.load(X + xrows[:, None, None] * stride_xm + k[None, :, :], mask=xmask, other=0.0)
+    xf = x.to(tl.float32)
+    if NORM:
+        if WHOLE_K:  # the whole row at hand: HF's order of operations exactly
+            rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, axis=2), axis=1) / K + eps)
+            normed = (xf * rstd[:, None, None]).to(x.dtype).to(tl.float32)
+            nw = tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)
+        else:  # the norm's weight goes in now, the 1/rms factor after the product
+            ss += tl.sum(xf * xf, axis=2)
+            normed = xf
+            nw = tl.load(NW + k).to(tl.float32)
+        xf = (nw[None, :, :] * normed).to(x.dtype).to(tl.float32)
+    if w is None:
+        w = _load_weights(w_rows, nmask, k0, K, BLOCK_K, WHOLE_K, PLANES)
+    acc = _planes_product(acc, xf, w, s_rows, z_rows, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K)
+    if GATED:
+        if w2 is None:
+            w2 = _load_weights(w_rows2, nmask, k0, K, BLOCK_K, WHOLE_K, PLANES)
+        acc2 = _planes_product(acc2, xf, w2, s_rows2, z_rows2, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K)
+    return acc, acc2, ss
+
+
+@triton.jit
+def _product(acc: tl.tensor, x: tl.tensor, w: tl.tensor) -> tl.tensor:
+    """acc [ROWS, BLOCK_N] + x [ROWS, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T, a float32 multiply-reduce."""
+    acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
 @triton.jit
 def _gemv_tile(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW: tl.tensor,
                w_rows: tl.tensor, w_rows2: tl.tensor, xrows: tl.tensor, rmask: tl.tensor, nmask: tl.tensor,
-               k: tl.tensor, K: tl.tensor, eps: tl.tensor, stride_xm: tl.tensor, NORM: tl.constexpr,
-               GATED: tl.constexpr, WHOLE_K: tl.constexpr = False, w: tl.tensor | None = None,
+               k0: tl.tensor, K: tl.tensor, eps: tl.tensor, stride_xm: tl.tensor, BLOCK_K: tl.constexpr,
+               NORM: tl.constexpr, GATED: tl.constexpr, WHOLE_K: tl.constexpr = False, w: tl.tensor | None = None,
                w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """One BLOCK_K slice of the product (WHOLE_K: the slice is all of K, masked where K is not a
-    power of two; w, w2: the slice of the weights, when already loaded)."""
+    """The slice of inputs k0..k0+BLOCK_K of the product, weights read as [BLOCK_N, BLOCK_K] tiles
+    (WHOLE_K: the slice is all of K, masked where K is not a power of two; w, w2: the slice of the
+    weights, when already loaded)."""
+    k = k0 + tl.arange(0, BLOCK_K)
     if WHOLE_K:
         kmask = k < K
         xmask = rmask[:, None] & kmask[None, :]
-        wmask = nmask[:, None] & kmask[None, :]
     else:
         xmask = rmask[:, None]
-        wmask = nmask[:, None]
     x = tl.load(X + xrows[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
     if NORM:
         xf = x.to(tl.float32)
@@ -69,20 +263,31 @@ def _gemv_tile(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW:
             ss += xf * xf  # summed across K once, after the loop
             x = (tl.load(NW + k).to(tl.float32)[None, :] * xf).to(x.dtype)
     if w is None:
-        w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0)
+        w = _load_weights(w_rows, nmask, k0, K, BLOCK_K, WHOLE_K, 1)
     acc = _product(acc, x, w)
     if GATED:
         if w2 is None:
-            w2 = tl.load(w_rows2 + k[None, :], mask=wmask, other=0.0)
+            w2 = _load_weights(w_rows2, nmask, k0, K, BLOCK_K, WHOLE_K, 1)
         acc2 = _product(acc2, x, w2)
     return acc, acc2, ss
 
 
 @triton.jit
-def _product(acc: tl.tensor, x: tl.tensor, w: tl.tensor) -> tl.tensor:
-    """acc [ROWS, BLOCK_N] + x [ROWS, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T, a float32 multiply-reduce."""
-    acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    return acc
+def _tile(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW: tl.tensor,
+          w_rows: tl.tensor, w_rows2: tl.tensor, s_rows: tl.tensor, s_rows2: tl.tensor, z_rows: tl.tensor,
+          z_rows2: tl.tensor, xrows: tl.tensor, rmask: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor,
+          eps: tl.tensor, stride_xm: tl.tensor, magic: tl.tensor, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+          GATED: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr, WHOLE_K: tl.constexpr = False,
+          w: tl.tensor | None = None, w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """One K slice of the product, by how the weight is read (PLANES: inputs a word, 1: tiles)."""
+    if PLANES > 1:
+        acc, acc2, ss = _planes_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
+                                     rmask, nmask, k0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP, PLANES,
+                                     WHOLE_K, w, w2)
+    else:
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k0, K, eps, stride_xm,
+                                   BLOCK_K, NORM, GATED, WHOLE_K, w, w2)
+    return acc, acc2, ss
 
 
 @triton.jit
@@ -102,56 +307,76 @@ def _row_offsets(IDX: tl.tensor, rows: tl.tensor, rmask: tl.tensor, X_GATHER: tl
 
 
 @triton.jit
-def _first_weights(w_rows: tl.tensor, w_rows2: tl.tensor, nmask: tl.tensor, kk: tl.tensor, K: tl.tensor,
-                   GATED: tl.constexpr, PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+def _first_weights(w_rows: tl.tensor, w_rows2: tl.tensor, nmask: tl.tensor, K: tl.tensor, BLOCK_K: tl.constexpr,
+                   GATED: tl.constexpr, PDL: tl.constexpr, PLANES: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     """The weights of a program's first K slice, loaded before pdl_wait: they do not depend on the
     kernel before."""
-    wmask = nmask[:, None] & (kk < K)[None, :]
-    w = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0)
+    w = _load_weights(w_rows, nmask, 0, K, BLOCK_K, True, PLANES)
     w2 = w
     if GATED:
-        w2 = tl.load(w_rows2 + kk[None, :], mask=wmask, other=0.0)
+        w2 = _load_weights(w_rows2, nmask, 0, K, BLOCK_K, True, PLANES)
     pdl_wait(PDL)
     return w, w2
 
 
 @triton.jit
-def _gemv_kernel(X: tl.tensor, W: tl.tensor, B: tl.tensor, R: tl.tensor, NW: tl.tensor, OUT: tl.tensor,
-                 IDX: tl.tensor, M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
-                 stride_wn: tl.tensor, stride_rm: tl.tensor, stride_om: tl.tensor, eps: tl.tensor,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _channel_scales(acc: tl.tensor, acc2: tl.tensor, s_rows: tl.tensor, s_rows2: tl.tensor, nmask: tl.tensor,
+                    GATED: tl.constexpr, QUANT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """int8 / fp8: the per-output-channel scales, once the K loop is done."""
+    if QUANT == 1 or QUANT == 3:
+        acc = acc * tl.load(s_rows, mask=nmask, other=0.0)[None, :]
+        if GATED:
+            acc2 = acc2 * tl.load(s_rows2, mask=nmask, other=0.0)[None, :]
+    return acc, acc2
+
+
+@triton.jit
+def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, R: tl.tensor, NW: tl.tensor,
+                 OUT: tl.tensor, IDX: tl.tensor, M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
+                 stride_wn: tl.tensor, stride_sn: tl.tensor, stride_rm: tl.tensor, stride_om: tl.tensor,
+                 eps: tl.tensor, magic: tl.tensor, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                 WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0,
-                 X_GATHER: tl.constexpr = False, R_GATHER: tl.constexpr = False) -> None:
+                 WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False,
+                 R_GATHER: tl.constexpr = False, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1,
+                 PLANES: tl.constexpr = 1) -> None:
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
-    (the embedding table, for the first layer: no separate gather kernel; see STEP_START)."""
+    (the embedding table, for the first layer: no separate gather kernel; see STEP_START).
+    QUANT: W's storage (PLAIN; PER_CHANNEL, INT8: S the rows' scales; INT4: S and Z the groups'
+    scales and zeros, GROUP inputs each); PLANES: inputs a word of W (INT4 8, INT8 4; 1: tiles);
+    magic: MAGIC (in a register)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     rmask = rows < M
     cols = tl.arange(0, BLOCK_N)
     n = pid * BLOCK_N + cols
+    n2 = n + N  # the up rows of a gate/up weight
     nmask = n < N
-    kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     acc2 = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    ss = tl.zeros([ROWS, BLOCK_K // PLANES], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
-    w_rows2 = W + (n + N)[:, None].to(tl.int64) * stride_wn
+    w_rows2 = W + n2[:, None].to(tl.int64) * stride_wn
+    s_rows, s_rows2 = S + n * stride_sn, S + n2 * stride_sn
+    z_rows, z_rows2 = Z + n * stride_sn, Z + n2 * stride_sn
     xrows, rrows = _row_offsets(IDX, rows, rmask, X_GATHER, R_GATHER)
     k_begin = 0
     if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
-        w, w2 = _first_weights(w_rows, w_rows2, nmask, kk, K, GATED, PDL)
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, kk, K, eps,
-                                   stride_xm, NORM, GATED, WHOLE_K, w, w2)
+        w, w2 = _first_weights(w_rows, w_rows2, nmask, K, BLOCK_K, GATED, PDL, PLANES)
+        acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
+                                   rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP,
+                                   PLANES, WHOLE_K, w, w2)
         k_begin += BLOCK_K
     elif WHOLE_K:  # one slice: the norm is applied before the product, as HF applies it
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, kk, K, eps, stride_xm,
-                                   NORM, GATED, True)
+        acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
+                                   rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP,
+                                   PLANES, True)
     if not WHOLE_K:
         for k0 in range(k_begin, K, BLOCK_K):
-            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k0 + kk, K, eps,
-                                       stride_xm, NORM, GATED)
+            acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2,
+                                       xrows, rmask, nmask, k0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP,
+                                       PLANES)
+    acc, acc2 = _channel_scales(acc, acc2, s_rows, s_rows2, nmask, GATED, QUANT)
     if NORM and not WHOLE_K:
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
         acc = acc * rstd[:, None]
@@ -172,31 +397,33 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, B: tl.tensor, R: tl.tensor, NW: tl.
              mask=rmask[:, None] & nmask[None, :])
 
 
-def slicing(k: int, rows: int, table: GemvTable, norm: bool = False) -> GemvSlicing:
+def slicing(k: int, rows: int, table: GemvTable, norm: bool = False, min_k: int = 1) -> GemvSlicing:
     """The tiling of a projection over K inputs for `rows` rows, by `table` (see GemvTable: at one
     row, the whole of K in one slice up to its limit with or without a fused norm, else k_slice-wide
     slices; for 2-4 rows the slices shrink with the rows, so that the rows x features x slice
-    products stay in registers)."""
+    products stay in registers). min_k: the narrowest slice (int4: a word of 8 inputs; K a multiple
+    of it)."""
     if rows > 1:
-        block_k = table.k_slice // triton.next_power_of_2(rows)
+        block_k = max(table.k_slice // triton.next_power_of_2(rows), min_k)
         while k % block_k:
             block_k //= 2
         return GemvSlicing(table.features_per_program, max(block_k, 1), table.num_warps)
     whole_limit = table.whole_k_with_norm if norm else table.whole_k_without_norm
     if k <= whole_limit or (k <= table.whole_k_with_norm and k % table.k_slice):
         return GemvSlicing(table.features_per_program, triton.next_power_of_2(k), table.num_warps)
-    block_k = table.k_slice
+    block_k = max(table.k_slice, min_k)
     while k % block_k:
         block_k //= 2
     return GemvSlicing(table.features_per_program, max(block_k, 1), table.num_warps)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, table: GemvTable, *, bias: torch.Tensor | None = None,
+def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, *, bias: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
          residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
          x_rows: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
          pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] with M <= 16; weight: [N, K] (or [2N, K] gate then up when gated).
+    """x: [M, K] with M <= 16; weight: [N, K] (or [2N, K] gate then up when gated), a tensor in
+    x's dtype or a QuantWeight (then `table` is its kind's: KernelConfig.gemv_table).
     Returns [M, N]: x (RMS-normed first when norm_weight is given) times weight.T, plus bias,
     then silu(gate) * up when gated, then + residual. x_rows / residual_rows (int64 [M], the same
     tensor when both are given): x / residual are tables and these rows of them are the M rows.
@@ -206,11 +433,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, table: GemvTable, *, bias: torch
     assert x_rows is None or residual_rows is None or x_rows is residual_rows
     m = index.shape[0] if index is not None else x.shape[0]
     k = x.shape[1]
-    rows_w, k_w = weight.shape
-    assert k == k_w, (x.shape, weight.shape)
-    assert weight.stride(1) == 1 and x.stride(1) == 1 and m <= MAX_ROWS
-    n = rows_w // 2 if gated else rows_w
-    cfg = slicing(k, m, table, norm=norm_weight is not None)
+    kw = kernel_weight(weight)
+    assert k == kw.in_features, (x.shape, kw.out_rows, kw.in_features)
+    assert x.stride(1) == 1 and m <= MAX_ROWS
+    n = kw.out_rows // 2 if gated else kw.out_rows
+    cfg = slicing(k, m, table, norm=norm_weight is not None, min_k=kw.planes)
+    kw.check_slice(cfg.block_k)
     whole_k = cfg.block_k >= k
     assert whole_k or k % cfg.block_k == 0, f"K={k} must be a multiple of {cfg.block_k}"
     if out is None:
@@ -218,44 +446,49 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, table: GemvTable, *, bias: torch
     assert out.shape == (m, n) and out.stride(1) == 1, (out.shape, m, n)
     pdl = pdl and x_rows is None
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else x, residual if residual is not None else x,
+        x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, out, index if index is not None else x,
-        m, n, k, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+        m, n, k, x.stride(0), kw.stride_wn, kw.stride_sn, residual.stride(0) if residual is not None else 0,
+        out.stride(0), eps, MAGIC,
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         WHOLE_K=whole_k, PDL=pdl_mode(pdl), X_GATHER=x_rows is not None, R_GATHER=residual_rows is not None,
+        QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes,
         num_warps=cfg.num_warps, num_stages=2, **pdl_launch(pdl),
     )
     return out
 
 
 @triton.jit
-def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, B: tl.tensor, NW: tl.tensor, POS: tl.tensor,
-                     COS: tl.tensor, SIN: tl.tensor, SLOTS: tl.tensor, QOUT: tl.tensor, KC: tl.tensor,
+def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, NW: tl.tensor,
+                     POS: tl.tensor, COS: tl.tensor, SIN: tl.tensor, SLOTS: tl.tensor, QOUT: tl.tensor, KC: tl.tensor,
                      VC: tl.tensor, IDX: tl.tensor, M: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
-                     stride_wn: tl.tensor, stride_cs: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor,
-                     stride_kc: tl.tensor, stride_kh: tl.tensor, eps: tl.tensor,
-                     H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                     stride_wn: tl.tensor, stride_sn: tl.tensor, stride_cs: tl.tensor, stride_qt: tl.tensor,
+                     stride_qh: tl.tensor, stride_kc: tl.tensor, stride_kh: tl.tensor, eps: tl.tensor,
+                     magic: tl.tensor, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-                     WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False) -> None:
+                     WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False,
+                     QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, PLANES: tl.constexpr = 1) -> None:
     """The q/k/v projection with rope and the KV-cache write as its epilogue: each program owns
     BLOCK_H dims of the first half of one head and the matching dims of the second half, the
-    pairs the rotation mixes."""
+    pairs the rotation mixes. QUANT, GROUP, PLANES, magic: W's storage, as in _gemv_kernel."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     per_head: tl.constexpr = (D // 2) // BLOCK_H
     head = pid // per_head
     d = (pid % per_head) * BLOCK_H + tl.arange(0, BLOCK_H)
     n = head * D + d
+    n2 = n + D // 2
     rows = tl.arange(0, ROWS)
     rmask = rows < M
     nmask = d < D // 2
-    kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([ROWS, BLOCK_H], tl.float32)
     acc2 = tl.zeros([ROWS, BLOCK_H], tl.float32)
-    ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    ss = tl.zeros([ROWS, BLOCK_K // PLANES], tl.float32)
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
-    w_rows2 = W + (n + D // 2)[:, None].to(tl.int64) * stride_wn
+    w_rows2 = W + n2[:, None].to(tl.int64) * stride_wn
+    s_rows, s_rows2 = S + n * stride_sn, S + n2 * stride_sn
+    z_rows, z_rows2 = Z + n * stride_sn, Z + n2 * stride_sn
     # the step's positions, slots (and ids) are set before it starts (see _decode_kernel): read
     # before the wait
     xrows, _ = _row_offsets(IDX, rows, rmask, X_GATHER, False)
@@ -265,24 +498,28 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, B: tl.tensor, NW: tl.tensor, PO
     s = tl.load(SIN + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
     k_begin = 0
     if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
-        w, w2 = _first_weights(w_rows, w_rows2, nmask, kk, K, True, PDL)
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, kk, K, eps, stride_xm,
-                                   NORM, True, WHOLE_K, w, w2)
+        w, w2 = _first_weights(w_rows, w_rows2, nmask, K, BLOCK_K, True, PDL, PLANES)
+        acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
+                                   rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, True, GROUP,
+                                   PLANES, WHOLE_K, w, w2)
         k_begin = BLOCK_K
     elif WHOLE_K:
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, kk, K, eps, stride_xm,
-                                   NORM, True, True)
+        acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
+                                   rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, True, GROUP,
+                                   PLANES, True)
     if not WHOLE_K:
         for k0 in range(k_begin, K, BLOCK_K):
-            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k0 + kk, K, eps,
-                                       stride_xm, NORM, True)
+            acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2,
+                                       xrows, rmask, nmask, k0, K, eps, stride_xm, magic, BLOCK_K, NORM, True, GROUP,
+                                       PLANES)
+    acc, acc2 = _channel_scales(acc, acc2, s_rows, s_rows2, nmask, True, QUANT)
     if NORM and not WHOLE_K:
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
         acc = acc * rstd[:, None]
         acc2 = acc2 * rstd[:, None]
     if BIAS:
         acc += tl.load(B + n).to(tl.float32)[None, :]
-        acc2 += tl.load(B + n + D // 2).to(tl.float32)[None, :]
+        acc2 += tl.load(B + n2).to(tl.float32)[None, :]
     x1 = acc.to(act_ty).to(tl.float32)
     x2 = acc2.to(act_ty).to(tl.float32)
     if head < H + KV:
@@ -309,43 +546,47 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, B: tl.tensor, NW: tl.tensor, PO
 # node waits for the work before it anyway.)
 
 
-def qkv_block_k(k: int, rows: int, table: GemvTable) -> int:
+def qkv_block_k(k: int, rows: int, table: GemvTable, min_k: int = 1) -> int:
     """K slice of the q/k/v kernel. A program holds four weight rows (the rotation's pairs): at one
     row from K = table.qkv_two_slices_from on, two slices keep twice the programs resident, so that
     all of them load their first slice while the kernel before runs (a 1B step 15 us shorter on an
     H100 than with one slice; the norm's 1/rms then comes after the product)."""
-    block_k = slicing(k, rows, table).block_k
+    block_k = slicing(k, rows, table, min_k=min_k).block_k
     return min(block_k, k // 2) if rows == 1 and k >= table.qkv_two_slices_from else block_k
 
 
-def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None,
                    norm_weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, table: GemvTable,
                    x_rows: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """RMSNorm (optional) -> q/k/v projection -> rope on q and k -> k and v into their cache
-    slots, in one kernel for a few decode rows. Returns q: [M, H, D]. x_rows (int64 [M]): x is a
-    table (the embedding) and these are the rows (then launched without PDL: see STEP_START)."""
+    slots, in one kernel for a few decode rows. Returns q: [M, H, D]. weight: a tensor or a
+    QuantWeight (then `table` is its kind's). x_rows (int64 [M]): x is a table (the embedding) and
+    these are the rows (then launched without PDL: see STEP_START)."""
     m = x_rows.shape[0] if x_rows is not None else x.shape[0]
     k = x.shape[1]
-    assert m <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1
+    kw = kernel_weight(weight)
+    assert m <= MAX_ROWS and x.stride(1) == 1 and kw.in_features == k
+    assert kw.out_rows == (num_heads + 2 * num_kv_heads) * head_dim, (kw.out_rows, num_heads, num_kv_heads, head_dim)
     rows = triton.next_power_of_2(m)
     block_h = 1  # two rows per program (dim i and i + D/2), as the plain projections
-    block_k = qkv_block_k(k, m, table)
+    block_k = qkv_block_k(k, m, table, kw.planes)
     whole_k = block_k >= k
     while not whole_k and k % block_k:
         block_k //= 2
+    kw.check_slice(block_k)
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2) // block_h,)
     pdl = pdl and x_rows is None
     _qkv_rope_kernel[grid](
-        x, weight, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
+        x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         positions, cos, sin, slots, q, k_cache, v_cache, x_rows if x_rows is not None else x, m, k,
-        x.stride(0), weight.stride(0), cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), eps,
+        x.stride(0), kw.stride_wn, kw.stride_sn, cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), eps, MAGIC,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl_mode(pdl),
-        X_GATHER=x_rows is not None,
+        X_GATHER=x_rows is not None, QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes,
         num_warps=4, num_stages=2,
         **pdl_launch(pdl),
     )

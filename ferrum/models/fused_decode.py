@@ -9,15 +9,19 @@ Under tensor parallelism (a rank's shard of the model) o_proj's and down_proj's 
 partial sums: rank 0 alone adds the residual (and down_proj's bias) in their epilogues, and the sum
 across ranks follows each, so every rank holds partial_0 + partial_1 + ... + residual; the first
 layer's rows come from the vocabulary-split embedding (itself a sum), and the LM head's rows of
-the vocabulary are gathered."""
+the vocabulary are gathered. A quantized projection hands the kernels its storage (`gemv_weight`),
+sliced by its kind's table (KernelConfig.gemv_table)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from ferrum.kernels.config import GemvTable
+from ferrum.kernels.config import GemvTable, KernelConfig
+from ferrum.kernels.quant_weight import QuantWeight
+from ferrum.models.layers.linear import gemv_weight
 from ferrum.models.llama import DecoderLayer
 
 if TYPE_CHECKING:
@@ -27,10 +31,17 @@ if TYPE_CHECKING:
 
 
 class FusedDecode:
-    def __init__(self, model: LlamaForCausalLM, table: GemvTable, pdl: bool) -> None:
+    """`kernels`: the GEMV tables (each projection sliced by its weight's kind's table)."""
+
+    def __init__(self, model: LlamaForCausalLM, kernels: KernelConfig, pdl: bool) -> None:
         self.model = model
-        self.table = table
+        self.kernels = kernels
         self.pdl = pdl  # programmatic dependent launch through the chain (not for its first kernel)
+
+    def weight(self, linear: nn.Module) -> tuple[torch.Tensor | QuantWeight, GemvTable]:
+        """What the kernels read of a projection (its weight, or its quantized storage), and its table."""
+        weight = gemv_weight(linear)
+        return weight, self.kernels.gemv_table(weight.kind if isinstance(weight, QuantWeight) else None)
 
     def logits(self, input_ids: torch.Tensor, kv_caches: list[KVCache], batch: TritonAttentionBatch,
                into: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,7 +49,7 @@ class FusedDecode:
         `into` [M, vocab] when given."""
         from ferrum.kernels.gemv import gemv, qkv_rope_store
 
-        model, table, pdl = self.model, self.table, self.pdl
+        model, pdl = self.model, self.pdl
         tp = model.tp
         split, lead = tp.size > 1, tp.rank == 0  # the lead rank adds the residual and biases, once
         if split:  # the embedding's rows are split across ranks: a sum of its own
@@ -49,30 +60,33 @@ class FusedDecode:
             assert isinstance(layer, DecoderLayer)  # (run while a graph is captured, not at its replays)
             attn, mlp = layer.self_attn, layer.mlp
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            w, table = self.weight(attn.qkv_proj)
             if attn.q_norm is None:  # rope and the cache write in the projection's epilogue
-                q = qkv_rope_store(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight, norm1.eps,
+                q = qkv_rope_store(h, w, attn.qkv_proj.bias, norm1.weight, norm1.eps,
                                    batch.positions, batch.cos_table, batch.sin_table, batch.slot_mapping,
                                    cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, table,
                                    x_rows=rows, pdl=pdl)
                 out = batch.attend_stored(attn, q, cache)
             else:  # per-head q/k norms need whole heads: a separate rope kernel
-                qkv = gemv(h, attn.qkv_proj.weight, table, bias=attn.qkv_proj.bias, norm_weight=norm1.weight,
-                           eps=norm1.eps, x_rows=rows, pdl=pdl)
+                qkv = gemv(h, w, table, bias=attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps,
+                           x_rows=rows, pdl=pdl)
                 out = batch.attend(attn, qkv, cache)
-            h = gemv(out, attn.o_proj.weight, table, residual=h if lead else None, residual_rows=rows, pdl=pdl)
+            w, table = self.weight(attn.o_proj)
+            h = gemv(out, w, table, residual=h if lead else None, residual_rows=rows, pdl=pdl)
             rows = None
             if split:
                 h = tp.all_reduce(h)
-            act = gemv(h, mlp.gate_up_proj.weight, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight,
-                       eps=norm2.eps, gated=True, pdl=pdl)
-            h = gemv(act, mlp.down_proj.weight, table, bias=mlp.down_proj.bias if lead else None,
-                     residual=h if lead else None, pdl=pdl)
+            w, table = self.weight(mlp.gate_up_proj)
+            act = gemv(h, w, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight, eps=norm2.eps, gated=True,
+                       pdl=pdl)
+            w, table = self.weight(mlp.down_proj)
+            h = gemv(act, w, table, bias=mlp.down_proj.bias if lead else None, residual=h if lead else None, pdl=pdl)
             if split:
                 h = tp.all_reduce(h)
+        w, table = self.weight(model.lm_head)
         if not split:
-            return gemv(h, model.lm_head.weight, table, norm_weight=model.norm.weight, eps=model.norm.eps,
-                        out_dtype=torch.float32, pdl=pdl, out=into)
-        part = gemv(h, model.lm_head.weight, table, norm_weight=model.norm.weight, eps=model.norm.eps,
-                    out_dtype=torch.float32, pdl=pdl)
+            return gemv(h, w, table, norm_weight=model.norm.weight, eps=model.norm.eps, out_dtype=torch.float32,
+                        pdl=pdl, out=into)
+        part = gemv(h, w, table, norm_weight=model.norm.weight, eps=model.norm.eps, out_dtype=torch.float32, pdl=pdl)
         logits = tp.all_gather_last(part)[..., : model.config.vocab_size]
         return logits if into is None else into.copy_(logits)

@@ -2,8 +2,10 @@
 
 One model class; the family members differ only by flags in ModelConfig. The model says which
 checkpoint tensors fill which of its parameters (`weight_bindings`): q/k/v and gate/up are fused
-into one projection each, so their checkpoint tensors fill row ranges of one parameter. The loader
-(ferrum.models.loader) turns that into the WeightLoader's TensorSpecs.
+into one projection each, so their checkpoint tensors fill row ranges of one parameter. Every linear
+layer is made by one `LinearFactory` from the served model's quantization (a quantized layer's
+"parameter" is its quantized storage). The loader (ferrum.models.loader) turns that into the
+WeightLoader's TensorSpecs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ferrum.models.attention.layer import Attention, AttentionInputs
 from ferrum.models.attention.layout import KVCache
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import GatedMLP, LayerOps, RMSNorm, RotaryEmbedding, torch_ops
+from ferrum.models.layers.linear import LinearFactory, check_skip
 from ferrum.models.layers.parallel import (
     ParallelLMHead,
     RowParallelLinear,
@@ -25,6 +28,8 @@ from ferrum.models.layers.parallel import (
     TensorParallel,
     VocabParallelEmbedding,
 )
+from ferrum.models.layers.quantized_linear import QuantizedLinear
+from ferrum.weights.quantization.tensor import QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -32,20 +37,22 @@ class WeightBinding:
     """A checkpoint tensor and the parameter rows it fills."""
 
     checkpoint_name: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
-    parameter: str  # e.g. "layers.0.self_attn.qkv_proj.weight"
+    parameter: str  # e.g. "layers.0.self_attn.qkv_proj.weight" (a quantized layer's: its storage)
     rows: tuple[int, int] | None = None  # the rows [start, end) of the parameter; None: all of it
     shard: Shard | None = None  # under tensor parallelism: the part of the checkpoint tensor this rank reads
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel) -> None:
+    """`prefix`: the layer's path in the model ("layers.3")."""
+
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel, linears: LinearFactory,
+                 prefix: str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops, tp)
+        self.self_attn = Attention(config, ops, tp, linears, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops)
-        if tp.size > 1:
-            self.mlp.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops, linears,
+                            f"{prefix}.mlp", tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, batch: AttentionInputs
@@ -56,6 +63,8 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+
+LINEAR_LAYERS = (nn.Linear, RowParallelLinear, ParallelLMHead, QuantizedLinear)
 
 # checkpoint projection -> (our fused projection, its shard)
 FUSED_PROJECTIONS = {
@@ -69,30 +78,58 @@ FUSED_PROJECTIONS = {
 
 class LlamaForCausalLM(nn.Module):
     """`config` is the whole model's; with `tp` (tensor parallelism) this is one rank's shard of
-    it: its heads, MLP columns and vocabulary rows (ferrum.models.layers.parallel.ShardPlan)."""
+    it: its heads, MLP columns and vocabulary rows (ferrum.models.layers.parallel.ShardPlan).
+    `linears` makes its linear layers (quantized where the served model's quantization says so; a
+    tied lm_head is the embedding and never quantized)."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps | None = None, tp: TensorParallel | None = None,
+                 linears: LinearFactory | None = None) -> None:
         super().__init__()
         ops = ops or torch_ops()
         tp = tp or TensorParallel.single()
+        linears = linears or LinearFactory()
         self.config = config
         self.tp = tp
         self.shard = ShardPlan(config, tp.rank, tp.size)
         rank_config = self.shard.rank_config()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding
-        self.lm_head: nn.Linear | ParallelLMHead
+        self.lm_head: nn.Linear | ParallelLMHead | QuantizedLinear
+        rows = self.shard.vocab_rows
         if tp.size == 1:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
-            rows = self.shard.vocab_rows
             self.embed_tokens = VocabParallelEmbedding(rows, self.shard.vocab_start, config.hidden_size, tp)
-            self.lm_head = ParallelLMHead(rows, config.hidden_size, config.vocab_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(rank_config, ops, tp) for _ in range(config.num_layers))
+        if config.tie_word_embeddings:
+            self.lm_head = LinearFactory().lm_head(rows, config.hidden_size, config.vocab_size, tp)
+        else:
+            self.lm_head = linears.lm_head(rows, config.hidden_size, config.vocab_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(rank_config, ops, tp, linears, f"layers.{i}")
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.tie_embeddings()
+        if linears.quantization is not None:
+            check_skip(linears.quantization, [name for name, module in self.named_modules()
+                                              if isinstance(module, LINEAR_LAYERS)])
+
+    def tie_embeddings(self) -> None:
+        """The LM head reads the embedding's weight (tie_word_embeddings)."""
+        assert not isinstance(self.lm_head, QuantizedLinear)
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def quantized_layers(self) -> dict[str, QuantizedLinear]:
+        """The quantized linear layers, by module path."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, QuantizedLinear)}
+
+    def weight_destinations(self) -> dict[str, torch.Tensor | QuantizedTensor]:
+        """Everything the checkpoint fills, by name: the parameters, and each quantized layer's
+        storage as "<layer>.weight" (a tied lm_head's weight appears once, as the embedding's)."""
+        destinations: dict[str, torch.Tensor | QuantizedTensor] = {
+            name: p.data for name, p in self.named_parameters()}
+        for name, layer in self.quantized_layers().items():
+            destinations[f"{name}.weight"] = layer.storage()
+        return destinations
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache], batch: AttentionInputs) -> torch.Tensor:
         """input_ids: [T] (their positions and the cache slots are in `batch`, the attention
@@ -119,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         tied lm_head is the embedding, so neither is listed."""
         bindings: list[WeightBinding] = []
         by_fused = {(fused, shard): name for name, (fused, shard) in FUSED_PROJECTIONS.items()}
-        for parameter, tensor in self.named_parameters():  # a tied lm_head.weight appears once, as the embedding
+        for parameter, tensor in self.weight_destinations().items():
             parts = parameter.split(".")
             checkpoint = parameter if parameter.startswith("lm_head.") else f"model.{parameter}"
             if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj"):

@@ -2,10 +2,13 @@
 
 The model says which checkpoint tensor fills which parameter rows (`weight_bindings`); here that
 becomes one `TensorSpec` per checkpoint tensor (cast to the serving dtype where the checkpoint
-differs), checked against the checkpoint's header (read alone, locally or by two ranged reads of
-a remote file), and `WeightLoader.load_tensors` fills the parameters in place on the `Device` from
-whatever source the weights are in: a local file (read straight into the device's staging), or an
-S3 object or URL streamed as its bytes arrive while the verified cache is written alongside.
+differs, and quantized, tensor by tensor, for a quantized layer: the full-precision model is never
+allocated, a quantized layer holds only its storage), checked against the checkpoint's header
+(read alone, locally or by two ranged reads of a remote file), and `WeightLoader.load` fills the
+parameters (and quantized storage) in place on the `Device` from whatever source the weights are
+in: a local file (read straight into the device's staging), or an S3 object or URL streamed as its
+bytes arrive while the verified cache is written alongside. Quantized layers are prepared for their
+kernels once the weights are in (the CPU's int4 repack).
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ import torch
 from ferrum.backends.device import Device
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import LayerOps, RotaryEmbedding
+from ferrum.models.layers.linear import LinearFactory
 from ferrum.models.layers.parallel import TensorParallel
 from ferrum.models.llama import LlamaForCausalLM, WeightBinding, ignored_checkpoint_tensor
+from ferrum.models.load_memory import PeakHostMemory
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
+from ferrum.weights.quantization.scheme import QuantizationConfig
+from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.sources import WeightSource
 from ferrum.weights.spec.tensors import TensorSpec, WeightMetadata
-from ferrum.weights.spec.transforms import Cast, Slice
+from ferrum.weights.spec.transforms import Cast, Quantize, Slice, TensorTransformation
 
 log = logging.getLogger(__name__)
 
@@ -44,38 +51,47 @@ class WeightsError(WeightError, ValueError):
 
 @dataclass(frozen=True)
 class WeightLoadReport:
-    """The model's weights: where they came from (a source kind: file, url, s3, hf), how many bytes,
-    how long from the first read to the last byte on the device (for the server's readiness answer
-    and its metrics)."""
+    """The model's weights: where they came from (a source kind: file, url, s3, hf), how many bytes
+    as stored (quantized layers quantized), how long from the first read to the last byte on the
+    device (for the server's readiness answer and its metrics), and the memory loading took."""
 
     source: str
     nbytes: int
     seconds: float
     bytes_read: int = 0  # of the checkpoint: a tensor-parallel rank reads only its shards where it can
+    peak_host_bytes: int = 0  # the process's resident set at its highest while building and loading
+    peak_device_bytes: int = 0  # a device with memory of its own: its allocator's peak (reserved) while loading
+    quantization: str | None = None  # the quantization the weights were loaded in, described; None: unquantized
 
 
 def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: LayerOps,
-                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+                tp: TensorParallel | None = None, quantization: QuantizationConfig | None = None) -> LlamaForCausalLM:
     """The model's parameters (one rank's shard of them under `tp`) allocated on `device` in `dtype`
-    (uninitialised), its rotary tables computed there in float32."""
+    (uninitialised; a quantized layer's storage in its own dtypes), its rotary tables computed there
+    in float32. QuantizationConfigError for a quantization the model or the device cannot take."""
+    linears = LinearFactory.for_device(device, dtype, quantization)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops, tp)
+        model = LlamaForCausalLM(config, ops, tp, linears)
     model = model.to(dtype).to_empty(device=device.torch_device)  # allocated once, in the target dtype
     if config.tie_word_embeddings:  # to_empty gives every module a parameter of its own
-        model.lm_head.weight = model.embed_tokens.weight
+        model.tie_embeddings()
     if model.shard.sharded:  # the last rank's vocabulary rows past the end: never filled, never read
         with torch.no_grad():
             model.embed_tokens.weight.zero_()
             if not config.tie_word_embeddings:
-                model.lm_head.weight.zero_()
+                head = model.weight_destinations()["lm_head.weight"]
+                for part in head.parts.values() if isinstance(head, QuantizedTensor) else (head,):
+                    part.zero_()
     model.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings).to(device.torch_device)
     return model.eval()
 
 
 def weight_plan(
-    model: LlamaForCausalLM, metadata: WeightMetadata, weights: WeightSource, dtype: torch.dtype
-) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
-    """One TensorSpec per checkpoint tensor the model needs and the parameter rows it fills.
+    model: LlamaForCausalLM, metadata: WeightMetadata, weights: WeightSource, dtype: torch.dtype,
+    quantize_on: str = "cpu",
+) -> tuple[list[TensorSpec], dict[str, torch.Tensor | QuantizedTensor]]:
+    """One TensorSpec per checkpoint tensor the model needs and the parameter rows it fills (for a
+    quantized layer: the rows of its storage, the spec ending in Quantize, computed on `quantize_on`).
     WeightsError (naming `weights`) for a tensor the model does not have, one whose shape is not
     what config.json implies, or tensors missing from the checkpoint."""
     where = weights.display
@@ -86,11 +102,11 @@ def weight_plan(
     missing = [name for name in bindings if name not in metadata.tensors]
     if missing:
         raise WeightsError(where, f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:5])}")
-    params = dict(model.named_parameters())
+    destinations = model.weight_destinations()
     specs: list[TensorSpec] = []
-    into: dict[str, torch.Tensor] = {}
+    into: dict[str, torch.Tensor | QuantizedTensor] = {}
     for name, binding in bindings.items():
-        target = _target(params[binding.parameter], binding)
+        target = _target(destinations[binding.parameter], binding)
         shape, stored = metadata.tensors[name]
         shard = binding.shard
         read_shape = list(shape)
@@ -99,19 +115,33 @@ def weight_plan(
         if tuple(read_shape) != tuple(target.shape):
             implied = tuple(target.shape) if shard is None else f"{tuple(target.shape)} for this rank's shard"
             raise WeightsError(where, f"tensor {name!r} has shape {tuple(shape)}, config.json implies {implied}")
-        slices = (Slice(shard.dim, shard.start, shard.end),) if shard is not None else ()
-        specs.append(TensorSpec(
-            name, tuple(target.shape), dtype,
-            source=_with_tensor(weights, name),
-            transformations=slices + ((Cast(dtype),) if stored != dtype else ()),
-        ))
+        steps: tuple[TensorTransformation, ...] = () if shard is None else (Slice(shard.dim, shard.start, shard.end),)
+        steps += (Cast(dtype),) if stored != dtype else ()
+        if isinstance(target, QuantizedTensor):
+            steps += (Quantize(target.scheme, compute_device=quantize_on),)
+        specs.append(TensorSpec(name, tuple(target.shape), dtype, source=_with_tensor(weights, name),
+                                transformations=steps))
         into[name] = target
     return specs, into
 
 
-def _target(param: torch.Tensor, binding: WeightBinding) -> torch.Tensor:
-    data = param.data
-    return data if binding.rows is None else data[binding.rows[0] : binding.rows[1]]
+def _target(destination: torch.Tensor | QuantizedTensor, binding: WeightBinding) -> torch.Tensor | QuantizedTensor:
+    if binding.rows is None:
+        return destination
+    start, end = binding.rows
+    return destination.rows(start, end) if isinstance(destination, QuantizedTensor) else destination[start:end]
+
+
+def quantize_on(device: Device) -> str:
+    """Where quantized layers' weights are quantized as they load: on a CUDA device itself, else the CPU."""
+    return device.name if device.kind == "cuda" else "cpu"
+
+
+def prepare_weights(model: LlamaForCausalLM) -> None:
+    """Once the weights are in: every quantized layer into its kernels' layout (the CPU's int4 repack)."""
+    with torch.no_grad():
+        for layer in model.quantized_layers().values():
+            layer.prepare()
 
 
 def _with_tensor(source: WeightSource, tensor: str) -> WeightSource:
@@ -130,9 +160,9 @@ async def load_weights(
     called (from worker threads) as tensors land."""
     metadata = await loader.get_metadata(weights)
     dtype = model.embed_tokens.weight.dtype
-    specs, into = weight_plan(model, metadata, weights, dtype)
-    await loader.load_tensors(specs, into=into, device=device, progress=progress)
-    return sum(t.numel() * t.element_size() for t in into.values())
+    specs, into = weight_plan(model, metadata, weights, dtype, quantize_on(device))
+    await loader.load(specs, into=into, device=device, progress=progress)
+    return sum(t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size() for t in into.values())
 
 
 def load_model(
@@ -144,10 +174,12 @@ def load_model(
     loader: WeightLoader,
     progress: Callable[[int, int], None] | None = None,
     tp: TensorParallel | None = None,
+    quantization: QuantizationConfig | None = None,
 ) -> tuple[LlamaForCausalLM, WeightLoadReport]:
-    """build_model, then load_weights, from synchronous code (the engine's constructor). A remote
-    checkpoint starts downloading first (`WeightLoader.fetching`), so its bytes arrive while the
-    model is built on this thread. Returns the model and how its weights were loaded."""
+    """build_model, then load_weights, from synchronous code (the engine's constructor), then the
+    quantized layers prepared. A remote checkpoint starts downloading first (`WeightLoader.fetching`),
+    so its bytes arrive while the model is built on this thread. Returns the model and how its
+    weights were loaded (bytes as stored, the peak host and device memory while loading)."""
     started = time.perf_counter()
     built: concurrent.futures.Future[LlamaForCausalLM] = concurrent.futures.Future()
     reading = started
@@ -161,7 +193,7 @@ def load_model(
 
     def build() -> LlamaForCausalLM:
         try:
-            model = build_model(config, device, dtype, ops, tp)
+            model = build_model(config, device, dtype, ops, tp, quantization)
             device.runtime.synchronize()
         except BaseException as exc:
             built.set_exception(exc)
@@ -169,13 +201,22 @@ def load_model(
         built.set_result(model)
         return model
 
-    model, nbytes = run_beside(fill(), build)
-    device.runtime.synchronize()
+    if device.dedicated_memory:
+        device.runtime.reset_peak_memory()
+    with PeakHostMemory() as host:
+        model, nbytes = run_beside(fill(), build)
+        prepare_weights(model)
+        device.runtime.synchronize()
     done = time.perf_counter()
-    log.info("loaded %.2f GB of weights from %s to %s in %.2fs (%.2f GB/s; model set-up before them %.2fs)",
-             nbytes / 1e9, weights.display, device.name, done - reading, nbytes / 1e9 / max(done - reading, 1e-9),
-             reading - started)
-    return model, WeightLoadReport(weights.kind, nbytes, done - reading, loader.bytes_read)
+    peak_device = device.runtime.peak_memory_held() if device.dedicated_memory else 0
+    described = quantization.describe() if quantization is not None else None
+    log.info("loaded %.2f GB of weights%s from %s to %s in %.2fs (%.2f GB/s; model set-up before them %.2fs); "
+             "peak memory while loading: host %.2f GB%s",
+             nbytes / 1e9, f" ({described})" if described else "", weights.display, device.name, done - reading,
+             nbytes / 1e9 / max(done - reading, 1e-9), reading - started, host.peak / 1e9,
+             f", {device.name} {peak_device / 1e9:.2f} GB" if device.dedicated_memory else "")
+    return model, WeightLoadReport(weights.kind, nbytes, done - reading, loader.bytes_read, host.peak, peak_device,
+                                   described)
 
 
 def run_beside(coroutine: Coroutine[Any, Any, T], work: Callable[[], R]) -> tuple[R, T]:

@@ -39,14 +39,16 @@ from pydantic import BaseModel
 from ferrum.config.server_settings import ServerSettings
 from ferrum.engine.async_engine import EngineClient
 from ferrum.engine.limits import PromptTooLongError
+from ferrum.engine.outputs import RequestOutput
 from ferrum.server.admission import Admission, Ticket
 from ferrum.server.auth import ApiKeyMiddleware
 from ferrum.server.body import parse_body
 from ferrum.server.body_limit import BodyLimitMiddleware
 from ferrum.server.chat_output import ChatOutput, ChatPlan, plan_chat
+from ferrum.server.completion_output import CompletionOutput
 from ferrum.server.errors import APIError, ErrorResponse, bad_request, install_error_handlers
 from ferrum.server.jobs import ChoiceResult, Job, collect, engine_error, run_jobs, unless_disconnected
-from ferrum.server.logprobs import chat_logprobs, completion_logprobs
+from ferrum.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from ferrum.server.logs import RequestLogMiddleware, log_request, mark_logged
 from ferrum.server.metrics import ServerMetrics
 from ferrum.server.protocol import (
@@ -64,6 +66,7 @@ from ferrum.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ModelQuantization,
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
@@ -75,6 +78,7 @@ from ferrum.server.sse import SSEResponse, named_sse_events, sse_events
 from ferrum.server.state import ServerState
 from ferrum.server.ui import install_chat_page
 from ferrum.tokenizer import ChatTemplateError
+from ferrum.weights.quantization.scheme import QuantizationConfig
 
 BackendCards = Callable[[], list[dict[str, Any]]]
 
@@ -93,11 +97,13 @@ class Server:
         settings: ServerSettings,
         state: ServerState,
         backends: BackendCards | None = None,
+        quantization: QuantizationConfig | None = None,
     ) -> None:
         self.model_name = served_model_name
         self.settings = settings
         self.state = state
         self.backends = backends or (lambda: [])
+        self.quantization = model_quantization(quantization)
         self.engine: EngineClient | None = None
         self.metrics = ServerMetrics(served_model_name)
         self.metrics.state = state
@@ -278,21 +284,17 @@ class Server:
         response_id = f"cmpl-{request.state.request_id}"
         jobs = self.make_jobs(engine, req, response_id, prompt_ids, "prompt")
         ticket, release = self.admit(request, req, response_id, jobs, arrived, "completions", req.prompt)
+        output = CompletionOutput(req, engine.tokenizer, prompt_texts)
         if req.stream:
-            chunks = self._completion_chunks(engine, req, response_id, jobs, prompt_texts, ticket)
+            chunks = self._completion_chunks(engine, req, response_id, jobs, output, ticket)
             return SSEResponse(sse_events(chunks, "prompt"), on_close=lambda: release(200))
         results = await self.run_to_end(request, engine, jobs, ticket, release, "prompt")
         if results is None:
             return Response(status_code=499)
-        choices = []
-        for job, r in zip(jobs, results, strict=True):
-            echo = prompt_texts[job.prompt_index] if req.echo else ""
-            lp = completion_logprobs(r.logprobs, 0) if r.logprobs is not None else None
-            choices.append(
-                CompletionChoice(
-                    index=job.index, text=echo + r.text, logprobs=lp, finish_reason=r.finish_reason
-                )
-            )
+        if req.scores_only:  # the engine's one token is not part of the answer
+            for r in results:
+                r.num_output_tokens = 0
+        choices = [output.choice(job, r) for job, r in zip(jobs, results, strict=True)]
         body = CompletionResponse(
             id=response_id, model=self.model_name, choices=choices, usage=self._usage(jobs, results)
         )
@@ -304,9 +306,11 @@ class Server:
         req: CompletionRequest,
         response_id: str,
         jobs: list[Job],
-        prompt_texts: list[str],
+        output: CompletionOutput,
         ticket: Ticket,
     ) -> AsyncGenerator[BaseModel, None]:
+        """The chunks: an echoed prompt first (with its logprobs, once the engine has them: with its first
+        output), then the completion's pieces; a scoring request (max_tokens 0) sends no completion."""
         created = int(time.time())
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
@@ -314,14 +318,25 @@ class Server:
                 id=response_id, created=created, model=self.model_name, choices=choices, usage=usage
             )
 
-        if req.echo:
+        def echo(job: Job, out: RequestOutput | None) -> CompletionChunk:
+            logprobs = output.echoed(job, out.prompt_logprobs) if out is not None else None
+            return chunk([CompletionChoice(index=job.index, text=output.prompt_texts[job.prompt_index],
+                                           logprobs=logprobs)])
+
+        if req.echo and not output.echoes_logprobs:
             for job in jobs:
-                yield chunk([CompletionChoice(index=job.index, text=prompt_texts[job.prompt_index])])
-        offsets = [0] * len(jobs)
+                yield echo(job, None)
+        offsets = [output.completion_offset(job) for job in jobs]
         prompt_tokens = [len(job.prompt_ids) for job in jobs]
         output_tokens = [0] * len(jobs)
         async with aclosing(run_jobs(engine, jobs, self.metrics, ticket)) as outputs:
             async for job, out in outputs:
+                if output.echoes_logprobs and out.prompt_logprobs is not None:
+                    yield echo(job, out)
+                if req.scores_only:
+                    if out.finished:
+                        yield chunk([CompletionChoice(index=job.index, text="", finish_reason="length")])
+                    continue
                 output_tokens[job.index] = out.num_output_tokens
                 lp = None
                 if out.new_logprobs is not None:
@@ -400,8 +415,12 @@ class Server:
                 logprobs=chat_logprobs(r.logprobs) if r.logprobs is not None else None,
                 finish_reason=finish_reason,
             ))
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and results[0].prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(results[0].prompt_logprobs, req.prompt_logprobs)
         body = ChatCompletionResponse(
-            id=response_id, model=self.model_name, choices=choices, usage=self._usage(jobs, results)
+            id=response_id, model=self.model_name, choices=choices, usage=self._usage(jobs, results),
+            prompt_logprobs=prompt_logprobs,
         )
         if shape is not None:
             return JSONResponse(shape.response(body))
@@ -491,6 +510,7 @@ class Server:
             created=self.created,
             root=self.model_name,
             max_model_len=engine.max_model_len,
+            quantization=self.quantization,
         )
 
 
@@ -530,6 +550,15 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return build
 
 
+def model_quantization(config: QuantizationConfig | None) -> ModelQuantization | None:
+    """The served model's quantization as /v1/models shows it (symmetric resolved to the method's own)."""
+    if config is None:
+        return None
+    grouped = config.scheme.grouped
+    return ModelQuantization(method=config.method, group_size=config.group_size if grouped else None,
+                             symmetric=bool(config.symmetric) if grouped else True, skip=list(config.skip))
+
+
 def backend_card(backend: Any, selected: bool) -> dict[str, Any]:
     """A registered backend as JSON: name, kind, version, whether it serves this model, its
     probed capabilities and status."""
@@ -550,6 +579,8 @@ def backend_card(backend: Any, selected: bool) -> dict[str, Any]:
             "paged_attention": caps.paged_attention,
             "flash_attention": caps.flash_attention,
             "cuda_graphs": caps.cuda_graphs,
+            "quantization": sorted(caps.quantization),
+            "quantization_needs": dict(caps.quantization_needs),
             "total_memory_bytes": caps.total_memory_bytes,
             "free_memory_bytes": caps.free_memory_bytes,
             "extras": {str(k): str(v) for k, v in caps.extras.items()},
@@ -564,15 +595,17 @@ def create_app(
     settings: ServerSettings | None = None,
     state: ServerState | None = None,
     backends: BackendCards | None = None,
+    quantization: QuantizationConfig | None = None,
 ) -> FastAPI:
     """The app. With an engine and no state, it serves at once (tests, embedding); `ferrum serve`
-    passes the state and attaches the engine once loaded (`app.state.server.attach`)."""
+    passes the state and attaches the engine once loaded (`app.state.server.attach`). `quantization`:
+    the served model's, as /v1/models shows it."""
     settings = settings or ServerSettings()
     if state is None:
         state = ServerState()
         if engine is not None:
             state.set_ready()
-    server = Server(served_model_name, settings, state, backends)
+    server = Server(served_model_name, settings, state, backends, quantization)
     if engine is not None:
         server.attach(engine)
     app = FastAPI(title="Ferrum", summary="OpenAI-compatible LLM inference server", version=ferrum_version(),

@@ -45,6 +45,7 @@ class ChoiceResult:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # when the job asked for them
 
 
 async def _next_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -139,6 +140,8 @@ async def collect(
             r.num_output_tokens = out.num_output_tokens
             if r.logprobs is not None and out.new_logprobs:
                 r.logprobs.extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                r.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 r.finish_reason = out.finish_reason
     return results

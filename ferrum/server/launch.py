@@ -127,8 +127,10 @@ async def build_engine(
 
 async def choose_backend(config: ServerConfig) -> tuple[ComputeBackend, str]:
     registry = await create_default_registry()
-    wanted = replace(config.requirements, tensor_parallel_size=config.engine_config().tensor_parallel_size)
-    backend, device_name = await select_backend(registry, config.backend, wanted)
+    engine = config.engine_config()
+    wanted = replace(config.requirements, tensor_parallel_size=engine.tensor_parallel_size)
+    method = engine.quantization.method if engine.quantization is not None else None
+    backend, device_name = await select_backend(registry, config.backend, wanted, method)
     log.info("backend %s (%s) on %s", backend.name, backend.version(), device_name)
     return backend, device_name
 

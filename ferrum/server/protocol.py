@@ -137,6 +137,8 @@ class SamplingFields(BaseModel):
                                   "with a request_timeout error (default: the server's limits.request_timeout_s)")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="Ferrum (as vLLM): waiting requests with "
                           "a lower value are admitted first")
+    prompt_logprobs: int | None = Field(None, description="vLLM: the logprob of every prompt token (null for the "
+                                        "first), with the N most likely tokens at each position; not with stream")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -211,8 +213,14 @@ class SamplingFields(BaseModel):
     def requested_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many top tokens the engine scores at each prompt position (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
     def common_unsupported(self) -> tuple[str, str] | None:
         """(message, param) for a feature the server does not have, else None."""
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs is not supported with stream (as in vLLM)", "prompt_logprobs"
         if self.best_of is not None and self.best_of != self.n:
             return (
                 f"best_of must equal n (got best_of={self.best_of}, n={self.n}); best_of > n is unsupported",
@@ -243,6 +251,7 @@ class SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             **values,
@@ -257,6 +266,9 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
+    """`echo` with `logprobs` also gives the prompt tokens' logprobs (the first is null), ahead of the
+    completion's; with `max_tokens` 0 (allowed with echo or prompt_logprobs) the prompt is only scored."""
+
     prompt: Prompt
     echo: bool = False
     suffix: str | None = None
@@ -292,14 +304,31 @@ class CompletionRequest(SamplingFields):
             return [[x for x in p if isinstance(x, int)]]
         return [x for x in p if isinstance(x, list)]
 
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo or prompt_logprobs: the prompt is scored and nothing generated (the
+        engine runs one token, which is left out, as in vLLM)."""
+        return self.max_tokens == 0 and (self.echo or self.prompt_logprobs is not None)
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.scores_only else self.max_tokens
+
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs N scores the prompt with the top N; prompt_logprobs asks for its own N."""
+        asked = self.prompt_logprobs
+        if not self.echo or self.logprobs is None:
+            return asked
+        if asked is None:
+            return self.logprobs
+        # both: the larger, unless prompt_logprobs is out of range (SamplingParams then says so)
+        return max(asked, self.logprobs) if 0 <= asked <= SamplingParams.MAX_LOGPROBS else asked
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix is not None:
             return "suffix is not supported", "suffix"
-        if self.echo and self.logprobs is not None:
-            return "echo together with logprobs is not supported (prompt logprobs are not computed)", "echo"
         return self.common_unsupported()
 
 
@@ -560,11 +589,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's logprob at a prompt position, its rank (1: the most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token (null for the first), token id -> its Logprob, for the
+# prompt's own token and the top N
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -622,6 +665,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda v: v is None)  # vLLM's
 
 
 class DeltaFunction(BaseModel):
@@ -693,6 +737,15 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ModelQuantization(BaseModel):
+    """How the served model's linear layers' weights are stored (quantized as they loaded)."""
+
+    method: str  # int8 | int4 | fp8
+    group_size: int | None  # int4: inputs per scale; null for int8 and fp8 (one scale per output channel)
+    symmetric: bool
+    skip: list[str]  # linear layers kept in the serving dtype
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -701,6 +754,7 @@ class ModelCard(BaseModel):
     root: str
     parent: str | None = None
     max_model_len: int
+    quantization: ModelQuantization | None = None  # null: weights served unquantized
 
 
 class ModelList(BaseModel):

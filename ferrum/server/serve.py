@@ -103,7 +103,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     def backends() -> list[dict[str, object]]:
         return [backend_card(b, b is backend) for b in registry_backends]
 
-    app = create_app(None, config.model_name, settings, state, backends)
+    app = create_app(None, config.model_name, settings, state, backends, config.engine_config().quantization)
     server: Server = app.state.server
     stop = stop or asyncio.Event()
     api = settings.api

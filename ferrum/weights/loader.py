@@ -2,9 +2,10 @@
 
     async with WeightLoader(config) as loader:
         tensors = await loader.load_tensors(specs)        # {spec.name: tensor}
+        loaded = await loader.load(specs)                 # the same, a QuantizedTensor for a spec ending in Quantize
 
-How a group of specs of one stored object is served (`load_tensors` groups them so that each object
-is opened / fetched once, and works on all groups at once):
+How a group of specs of one stored object is served (`load` groups them so that each object is
+opened / fetched once, and works on all groups at once):
 
     File        memory-mapped in a thread (readers.open_local); a folder means its model.safetensors
                 (or its index); an `*.index.json` sends each tensor to its shard
@@ -26,7 +27,9 @@ destination (a model's parameter, or rows of one) as soon as its bytes are there
 device's writer (ferrum.backends.transfer: pinned staging on CUDA, the destination's own memory
 on the CPU): stored bytes that need no transformation are read directly into it (pread from a
 local file, or from the download's file as its bytes arrive), others are made, transformed and
-checked first.
+checked first. A spec ending in Quantize is always made first (read, sliced, cast, quantized: on
+the CPU or on Quantize's compute device) and its QuantizedTensor's parts written into the parts of
+its destination, a QuantizedTensor of storage views.
 Destinations are written by several threads at once.
 """
 
@@ -41,7 +44,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar, cast
 
 import torch
 
@@ -70,6 +73,7 @@ from ferrum.weights.formats.readers import (
 )
 from ferrum.weights.formats.safetensors_header import SafetensorsHeader, header_length, parse_header
 from ferrum.weights.locations.model_files import local_weights
+from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.loader_config import WeightLoaderConfig
 from ferrum.weights.spec.sources import (
     S3,
@@ -97,10 +101,11 @@ __all__ = ["WeightLoader"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Tensors = dict[str, torch.Tensor]
+Loaded: TypeAlias = torch.Tensor | QuantizedTensor  # a spec ending in Quantize makes a QuantizedTensor
+Tensors = dict[str, Loaded]
 
 _READABLE = frozenset({WeightFormat.SAFETENSORS, WeightFormat.PYTORCH, WeightFormat.NUMPY, WeightFormat.RAW})
-_TRANSFORMATIONS = frozenset({"Transpose", "Reshape", "Cast", "Scale", "Slice"})
+_TRANSFORMATIONS = frozenset({"Transpose", "Reshape", "Cast", "Scale", "Slice", "Quantize"})
 
 
 async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
@@ -122,30 +127,63 @@ async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _finish(reader: OpenedWeights, spec: TensorSpec) -> torch.Tensor:
+def _finish(reader: OpenedWeights, spec: TensorSpec) -> Loaded:
     """The spec's tensor from an opened object: read, transform, check, move. Blocking."""
-    tensor = reader.tensor(spec.stored_name, spec)
-    return _transformed(tensor, spec, where=reader.name)
+    return _moved(_made(reader.tensor(spec.stored_name, spec), spec, where=reader.name), spec)
 
 
-def _transformed(tensor: torch.Tensor, spec: TensorSpec, *, where: str) -> torch.Tensor:
-    tensor = apply_transformations(tensor, spec.transformations, where=where, name=spec.name)
+def _made(tensor: torch.Tensor, spec: TensorSpec, *, where: str) -> Loaded:
+    """Transformed (a QuantizedTensor where the spec ends in Quantize) and checked against the spec."""
+    made = apply_transformations(tensor, spec.transformations, where=where, name=spec.name)
     check_result(
-        tensor, spec.shape, spec.dtype, where=where, name=spec.name, transformations=spec.transformations
+        made, spec.shape, spec.dtype, where=where, name=spec.name, transformations=spec.transformations
     )
-    return tensor if spec.device == "cpu" else tensor.to(spec.device)
+    return made
+
+
+def _moved(made: Loaded, spec: TensorSpec) -> Loaded:
+    """On `spec.device` (for a result returned, not written into a destination)."""
+    return made if spec.device == "cpu" and spec.quantize is None else made.to(spec.device)
 
 
 def _is_plain(spec: TensorSpec) -> bool:
     return not spec.transformations and spec.device == "cpu"
 
 
+def _nbytes(target: Loaded) -> int:
+    return target.nbytes if isinstance(target, QuantizedTensor) else target.numel() * target.element_size()
+
+
+def _described(target: Loaded) -> str:
+    if isinstance(target, QuantizedTensor):
+        return f"a QuantizedTensor {target.shape} {target.dtype} in {target.scheme.describe()}"
+    return f"{tuple(target.shape)} {target.dtype}{'' if target.is_contiguous() else ' (not contiguous)'}"
+
+
+def _destination_problem(target: Loaded, spec: TensorSpec) -> str | None:
+    """Why `target` cannot take the spec's result (None: it can)."""
+    quantize = spec.quantize
+    if quantize is None:
+        fits = (isinstance(target, torch.Tensor) and tuple(target.shape) == spec.shape
+                and target.dtype == spec.dtype and target.is_contiguous())
+        return None if fits else f"the spec says {spec.shape} {spec.dtype}"
+    expected = f"the spec says a QuantizedTensor {spec.shape} {spec.dtype} in {quantize.scheme.describe()}"
+    if not isinstance(target, QuantizedTensor):
+        return expected
+    problems = target.layout_problems()
+    problems += [f"part {name!r} is not contiguous" for name, p in target.parts.items() if not p.is_contiguous()]
+    if problems or target.scheme != quantize.scheme or target.shape != spec.shape or target.dtype != spec.dtype:
+        return expected + (f" ({'; '.join(problems)})" if problems else "")
+    return None
+
+
 class _Sink:
-    """Where `load_tensors(into=...)` puts each tensor: its destination, through the device's writer."""
+    """Where `load(into=...)` puts each tensor: its destination, through the device's writer.
+    A spec ending in Quantize goes into a QuantizedTensor of destinations, part by part."""
 
     def __init__(
         self,
-        into: Mapping[str, torch.Tensor],
+        into: Mapping[str, Loaded],
         writer: DeviceWriter,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -153,7 +191,7 @@ class _Sink:
         self.writer = writer
         self._progress = progress
         self._done = 0
-        self._total = sum(t.numel() * t.element_size() for t in into.values())
+        self._total = sum(_nbytes(t) for t in into.values())
         self._lock = threading.Lock()
         self.bytes_read = 0  # of the sources: a whole tensor, or only a slice read as such
 
@@ -161,10 +199,10 @@ class _Sink:
         with self._lock:
             self.bytes_read += nbytes
 
-    def _landed(self, target: torch.Tensor) -> torch.Tensor:
+    def _landed(self, target: Loaded) -> Loaded:
         if self._progress is not None:
             with self._lock:
-                self._done += target.numel() * target.element_size()
+                self._done += _nbytes(target)
                 done = self._done
             self._progress(done, self._total)
         return target
@@ -172,22 +210,27 @@ class _Sink:
     def check(self, spec: TensorSpec) -> None:
         target = self.into.get(spec.name)
         if target is None:
-            raise ValueError(f"load_tensors: no destination for {spec.name!r} in `into`")
-        if tuple(target.shape) != spec.shape or target.dtype != spec.dtype or not target.is_contiguous():
-            raise ValueError(
-                f"load_tensors: the destination of {spec.name!r} is {tuple(target.shape)} {target.dtype}"
-                f"{'' if target.is_contiguous() else ' (not contiguous)'}, the spec says {spec.shape} {spec.dtype}"
-            )
+            raise ValueError(f"load: no destination for {spec.name!r} in `into`")
+        problem = _destination_problem(target, spec)
+        if problem is not None:
+            raise ValueError(f"load: the destination of {spec.name!r} is {_described(target)}, {problem}")
 
-    def put_tensor(self, spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
-        """A made (transformed, checked) host tensor into its destination."""
+    def put(self, spec: TensorSpec, made: Loaded) -> Loaded:
+        """A made (transformed, checked) tensor or QuantizedTensor into its destination."""
         target = self.into[spec.name]
-        self.writer.write_tensor(target, tensor)
+        if isinstance(made, QuantizedTensor):
+            assert isinstance(target, QuantizedTensor)  # check() matched it to the spec
+            for name, part in made.parts.items():
+                self.writer.write_tensor(target.parts[name], part)
+        else:
+            assert isinstance(target, torch.Tensor)
+            self.writer.write_tensor(target, made)
         return self._landed(target)
 
-    def put_stored(self, spec: TensorSpec, stored: StoredBytes, where: str) -> torch.Tensor:
+    def put_stored(self, spec: TensorSpec, stored: StoredBytes, where: str) -> Loaded:
         """Stored bytes straight into the destination, for a spec without transformations."""
         target = self.into[spec.name]
+        assert isinstance(target, torch.Tensor)  # a spec without transformations is never quantized
         if stored.dtype != spec.dtype or tuple(stored.shape) != spec.shape:
             raise SpecMismatchError(
                 where, f"tensor {spec.name!r}: shape {spec.shape} and dtype {spec.dtype} expected, "
@@ -197,10 +240,11 @@ class _Sink:
         return self._landed(target)
 
 
-def _finish_into(reader: OpenedWeights, spec: TensorSpec, sink: _Sink) -> torch.Tensor:
+def _finish_into(reader: OpenedWeights, spec: TensorSpec, sink: _Sink) -> Loaded:
     """The spec's tensor into its destination: its stored bytes directly when it needs no
     transformation (or only a leading Slice: then only the slice's bytes are read, as a tensor-
-    parallel rank reads its shard) and the format has them, else made and checked first. Blocking."""
+    parallel rank reads its shard, and the rest, a Quantize included, is applied to those) and
+    the format has them, else made and checked first. Blocking."""
     steps = spec.transformations
     leading = steps[0] if steps and isinstance(steps[0], Slice) and steps[0].step == 1 else None
     if not steps or leading is not None:
@@ -215,10 +259,10 @@ def _finish_into(reader: OpenedWeights, spec: TensorSpec, sink: _Sink) -> torch.
             host = torch.empty(stored.shape, dtype=stored.dtype)
             if host.numel():
                 stored.read(host.reshape(-1).view(torch.uint8).numpy().data, 0)
-            return sink.put_tensor(spec, _transformed(host, replace(spec, transformations=rest), where=reader.name))
-    tensor = _finish(reader, spec)
+            return sink.put(spec, _made(host, replace(spec, transformations=rest), where=reader.name))
+    made = _made(reader.tensor(spec.stored_name, spec), spec, where=reader.name)
     sink.read_from_source(_stored_nbytes(reader, spec))
-    return sink.put_tensor(spec, tensor)
+    return sink.put(spec, made)
 
 
 def _sliced(stored: StoredBytes, step: Slice, where: str, name: str) -> StoredBytes:
@@ -261,7 +305,7 @@ class WeightLoader:
     release the downloader's temporary directory when the cache is disabled."""
 
     def __init__(self, config: WeightLoaderConfig | None = None) -> None:
-        self.bytes_read = 0  # source bytes `load_tensors(into=...)` has read so far (a slice counts alone)
+        self.bytes_read = 0  # source bytes `load(into=...)` has read so far (a slice counts alone)
         self.config = config or WeightLoaderConfig()
         self._downloader: Downloader | None = None
 
@@ -303,14 +347,37 @@ class WeightLoader:
         into: Mapping[str, torch.Tensor] | None = None,
         device: Device | None = None,
         progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """`load` for specs that make plain tensors; a spec ending in Quantize is refused (ValueError
+        naming it): `load` gives its QuantizedTensor."""
+        specs = list(specs)
+        for spec in specs:
+            if spec.quantize is not None:
+                raise ValueError(
+                    f"load_tensors: {spec.name!r} ends in {spec.quantize!r}, which makes a QuantizedTensor: "
+                    "use WeightLoader.load"
+                )
+        loaded = await self.load(specs, into=into, device=device, progress=progress)
+        return cast(dict[str, torch.Tensor], loaded)  # no spec quantizes: every value is a tensor
+
+    async def load(
+        self,
+        specs: Iterable[TensorSpec],
+        *,
+        into: Mapping[str, Loaded] | None = None,
+        device: Device | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Tensors:
-        """{spec.name: tensor} for all `specs` (names must be unique), in the order given. Every
-        transformation is checked for support before any I/O (Quantize is refused then).
+        """{spec.name: tensor} for all `specs` (names must be unique), in the order given; a spec
+        ending in Quantize gives a QuantizedTensor. Every transformation is checked for support
+        before any I/O.
 
         `into` (with `device`, where the destinations live): spec name -> a contiguous tensor of the
-        spec's shape and dtype, filled in place (see the module docstring); the destinations are
-        returned, every upload finished. `progress(done_bytes, total_bytes)` is called (from worker
-        threads) as each destination is written."""
+        spec's shape and dtype (for a spec ending in Quantize: a QuantizedTensor of its scheme, shape
+        and dtype, every part contiguous, e.g. rows of a module's parts), filled in place (see the
+        module docstring); the destinations are returned, every upload finished.
+        `progress(done_bytes, total_bytes)` is called (from worker threads) as each destination is
+        written, counting the destinations' bytes."""
         by_name = specs_by_name(specs)
         for spec in by_name.values():
             for step in spec.transformations:
@@ -318,7 +385,7 @@ class WeightLoader:
         sink = None
         if into is not None:
             if device is None:
-                raise ValueError("load_tensors: `into` needs the device its tensors are on")
+                raise ValueError("load: `into` needs the device its tensors are on")
             from ferrum.backends.transfer import device_writer
 
             sink = _Sink(into, device_writer(device), progress)
@@ -406,7 +473,7 @@ class WeightLoader:
     async def fetching(self, source: WeightSource) -> AsyncIterator[None]:
         """Start downloading `source` now (a remote file, or every shard of a remote index) into
         the cache, without waiting: bytes arrive while the caller prepares (builds the model), and
-        `load_tensors` inside the block joins these downloads. Leaving the block lets go of them
+        `load` inside the block joins these downloads. Leaving the block lets go of them
         (one nobody else joined is cancelled, its partial kept). Nothing for local, Hub or memory
         sources."""
         source = object_of(source)
@@ -600,7 +667,7 @@ class WeightLoader:
                         raise TensorNotFoundError(source.display, f"no tensor {spec.stored_name!r}")
                 reader_name = source.display
 
-                async def one(spec: TensorSpec) -> torch.Tensor:
+                async def one(spec: TensorSpec) -> Loaded:
                     start, end = header.file_range(spec.stored_name)
                     if sink is not None and not spec.transformations:  # file -> destination, one copy
                         await arrived(start, end)
@@ -714,17 +781,20 @@ def _merged_metadata(index: str, shards: dict[str, str], metas: Sequence[WeightM
     return WeightMetadata.of(tensors, metas[0].format, {"shards": str(len(metas))})
 
 
-def _streamed_tensor(data: bytes, header: SafetensorsHeader, spec: TensorSpec, name: str) -> torch.Tensor:
+def _streamed_made(data: bytes, header: SafetensorsHeader, spec: TensorSpec, name: str) -> Loaded:
     """The tensor of `data` (its bytes, just downloaded), transformed and checked. Blocking."""
     entry = header.tensors[spec.stored_name]
-    return _transformed(tensor_from_bytes(data, entry, name=name), spec, where=name)
+    return _made(tensor_from_bytes(data, entry, name=name), spec, where=name)
 
 
-def _streamed_into(
-    data: bytes, header: SafetensorsHeader, spec: TensorSpec, name: str, sink: _Sink
-) -> torch.Tensor:
+def _streamed_tensor(data: bytes, header: SafetensorsHeader, spec: TensorSpec, name: str) -> Loaded:
+    """The same, on the spec's device. Blocking."""
+    return _moved(_streamed_made(data, header, spec, name), spec)
+
+
+def _streamed_into(data: bytes, header: SafetensorsHeader, spec: TensorSpec, name: str, sink: _Sink) -> Loaded:
     """Downloaded bytes, transformed and checked, into the spec's destination. Blocking."""
-    return sink.put_tensor(spec, _streamed_tensor(data, header, spec, name))
+    return sink.put(spec, _streamed_made(data, header, spec, name))
 
 
 class _GrowingFile:

@@ -1327,3 +1327,72 @@ async def test_cpu_backend_runs_release_hooks_too(restore_torch_threads: None) -
     backend.add_release_hook("cpu", lambda: released.append("model"))
     await backend.shutdown()
     assert released == ["model"] and not backend.status().ready
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization: the methods each backend runs, requirements that narrow the choice, and the
+# served model's method checked against the device picked
+# ---------------------------------------------------------------------------------------------
+
+
+def test_each_backend_reports_the_quantization_methods_it_runs() -> None:
+    assert CPUBackend().capabilities().quantization == {"int8", "int4", "fp8"}
+    mps, _ = stub_mps()
+    assert mps.capabilities().quantization == frozenset()
+    ampere, _ = stub_gpu((8, 0), index=1)
+    capabilities = ampere.capabilities()
+    assert capabilities.quantization == {"int8", "int4"}
+    assert capabilities.quantization_needs == {
+        "fp8": "fp8 needs compute capability 8.9; cuda:1 (Stub GPU sm80) has 8.0"
+    }
+    for cc in ((8, 9), (9, 0)):
+        gpu, _ = stub_gpu(cc)
+        assert gpu.capabilities().quantization == {"int8", "int4", "fp8"} and not gpu.capabilities().quantization_needs
+
+
+def test_quantization_requirements_parse_and_name_the_shortfall() -> None:
+    assert BackendRequirements.from_mapping({"quantization": "INT4"}).quantization == ("int4",)
+    assert BackendRequirements.from_mapping({"quantization": ["int8", "fp8", "int8"]}).quantization == ("int8", "fp8")
+    with pytest.raises(ValueError, match="'quantization'"):
+        BackendRequirements.from_mapping({"quantization": [4]})
+    ampere, _ = stub_gpu((8, 0))
+    assert ampere.capabilities().unmet_requirements(BackendRequirements(quantization=("int4", "fp8"))) == [
+        "requires quantization fp8: fp8 needs compute capability 8.9; cuda:0 (Stub GPU sm80) has 8.0"
+    ]
+    only_int8 = dataclasses.replace(cpu_profile(), quantization=frozenset({"int8"}))
+    assert only_int8.unmet_requirements(BackendRequirements(quantization=("int4",))) == [
+        "requires quantization int4, runs int8"
+    ]
+
+
+async def test_a_quantization_requirement_narrows_the_choice() -> None:
+    ampere, _ = stub_gpu((8, 0))
+    cpu = FixedProfileBackend("cpu", "cpu", dataclasses.replace(cpu_profile(), quantization=frozenset({"int8"})))
+    registry = await registry_of(cpu, ampere)
+    assert await registry.find_best(BackendRequirements(quantization=("int4",))) is ampere
+    assert await registry.find_best(BackendRequirements(quantization=("fp8",))) is None
+    with pytest.raises(BackendSelectionError) as caught:
+        await select_backend(registry, "auto", BackendRequirements(quantization=("fp8",)))
+    message = str(caught.value)
+    assert message.startswith("no registered backend meets the requirements (quantization fp8)")
+    assert "unmet: requires quantization fp8: fp8 needs compute capability 8.9; cuda:0 (Stub GPU sm80)" in message
+    assert "unmet: requires quantization fp8, runs int8" in message
+
+
+async def test_the_served_method_must_run_on_the_device_picked() -> None:
+    ampere, runtime = stub_gpu((8, 0))
+    cpu = CPUBackend()  # runs fp8 (emulated), but auto does not fall back to it for the GPU's sake
+    registry = await registry_of(cpu, ampere)
+    with pytest.raises(BackendSelectionError) as caught:
+        await select_backend(registry, "auto", None, quantization="fp8")
+    assert str(caught.value).startswith(
+        "quantization fp8 cannot run on cuda:0: fp8 needs compute capability 8.9; cuda:0 (Stub GPU sm80) has 8.0. "
+        "Quantization methods cuda:0 runs: int4, int8"
+    )
+    assert not ampere.status().initialized
+    backend, device = await select_backend(registry, "auto", None, quantization="int4")
+    assert (backend, device) == (ampere, "cuda:0")
+    mps, _ = stub_mps()
+    registry = await registry_of(mps)
+    with pytest.raises(BackendSelectionError, match="quantization int8 cannot run on mps: quantized weights are not"):
+        await select_backend(registry, "mps", None, quantization="int8")

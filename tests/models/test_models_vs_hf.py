@@ -119,10 +119,10 @@ def test_fused_small_batch_decode_matches_hf(pair) -> None:
     hf, folder = pair
     ours, device = _ours(folder, "triton-eager")
     runner = make_runner(ours, device, 64, 8, enforce_eager=True)
-    from ferrum.kernels.config import GemvTable
+    from ferrum.kernels.config import KernelConfig
     from ferrum.models.fused_decode import FusedDecode
 
-    fused = FusedDecode(ours, GemvTable(), pdl=False)
+    fused = FusedDecode(ours, KernelConfig(), pdl=False)
     blocks = BlockManager(num_blocks=64, block_size=8)
     g = torch.Generator().manual_seed(5)
     seqs = [_seq(i, torch.randint(0, 512, (n,), generator=g).tolist()) for i, n in enumerate((21, 9))]

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ferrum.cli import build_parser
+from ferrum.cli import build_parser, main
 from ferrum.config.loader import ConfigError, load_config
 from ferrum.config.server_settings import LimitsConfig
+from ferrum.weights.quantization.scheme import QuantizationConfig
 
 
 def flags(*argv: str) -> dict[str, object]:
@@ -167,3 +168,72 @@ def test_the_environment_is_read_when_loading_not_at_import(monkeypatch: pytest.
     assert load_config(None, {"model": "m"}).port == 9300
     monkeypatch.setenv("FERRUM_PORT", "9400")
     assert load_config(None, {"model": "m"}).port == 9400
+
+
+QUANTIZED_FILE = """
+model: m
+quantization: {method: int8, group_size: 64, skip: [lm_head, down_proj]}
+"""
+
+
+def test_quantization_from_file_then_environment_then_flag(tmp_path: Path) -> None:
+    path = write(tmp_path, QUANTIZED_FILE)
+    assert load_config(None, {"model": "m"}, environ={}).engine_config().quantization is None
+    from_file = load_config(path, {}, environ={}).engine_config().quantization
+    assert from_file == QuantizationConfig("int8", group_size=64, skip=("lm_head", "down_proj"))
+    env = {"FERRUM_QUANTIZATION": "int4", "FERRUM_QUANTIZATION__SYMMETRIC": "true"}
+    from_env = load_config(path, {}, environ=env).engine_config().quantization
+    assert from_env == QuantizationConfig("int4", group_size=64, symmetric=True, skip=("lm_head", "down_proj"))
+    from_flag = load_config(path, flags("--quantization", "fp8"), environ={"FERRUM_QUANTIZATION": "int4"})
+    assert from_flag.engine_config().quantization == QuantizationConfig("fp8", 64, skip=("lm_head", "down_proj"))
+    assert load_config(path, flags("--quantization", "none"), environ=env).engine_config().quantization is None
+    assert load_config(path, {}, environ={"FERRUM_QUANTIZATION": "NONE"}).engine_config().quantization is None
+
+
+@pytest.mark.parametrize("text", ["model: m\nquantization: int4\n", "model: m\nengine: {quantization: int4}\n",
+                                  "model: m\nengine: {quantization: {method: int4}}\n"])
+def test_quantization_method_alone_or_under_engine(tmp_path: Path, text: str) -> None:
+    assert load_config(write(tmp_path, text), {}, environ={}).engine_config().quantization == QuantizationConfig("int4")
+
+
+@pytest.mark.parametrize("given, fragment", [
+    (["--quantization", "bitsandbytes"], "quantization method 'bitsandbytes': bitsandbytes' formats are not supported"),
+    (["--quantization", "nf4"], "NF4 (bitsandbytes) is not supported"),
+    (["--quantization", "int3"], "unknown quantization method 'int3'; valid methods: int8, int4, fp8"),
+])
+def test_refused_and_unknown_methods_are_named(given: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, flags("--model", "m", *given), environ={})
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("model: m\nquantization: {method: int4, group_size: 100}\n", "int4 group_size must be a power of two"),
+    ("model: m\nquantization: {method: int4, groups: 64}\n", "unknown quantization key(s): groups"),
+    ("model: m\nquantization: {group_size: 64}\n", "group_size given without a method"),
+    ("model: m\nquantization: {method: int8, symmetric: false}\n", "symmetric: false is for int4"),
+    ("model: m\nquantization: {method: int4, symmetric: maybe}\n", "quantization.symmetric must be true or false"),
+    ("model: m\nquantization: [int4]\n", "quantization: expected a method name or a mapping"),
+    ("model: m\nquantization: int4\nengine: {quantization: int8}\n", "quantization is set twice"),
+    ("model: m\nrequirements: {quantization: [bnb]}\n", "requirements.quantization: quantization method 'bnb'"),
+])
+def test_bad_quantization_settings_are_named(tmp_path: Path, text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), {}, environ={})
+    assert fragment in str(info.value)
+
+
+def test_a_quantization_requirement_is_read(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "model: m\nrequirements: {quantization: INT4}\n"), {}, environ={})
+    assert config.requirements.quantization == ("int4",)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--model", "m"], ["bench", "offline", "--model", "m"]])
+def test_a_refused_method_exits_2_without_a_traceback(argv: list[str], capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FERRUM_QUANTIZATION", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--quantization", "bitsandbytes"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: quantization method 'bitsandbytes'" in err and "Traceback" not in err

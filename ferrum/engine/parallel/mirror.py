@@ -18,13 +18,19 @@ from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 
 # A sequence as a worker's runner needs it: id, tokens computed, total tokens, the tokens from the
-# first uncomputed one on, the block table.
-Snapshot = tuple[str, int, int, list[int], list[int]]
+# first uncomputed one on, the block table, and while it scores its prompt (prompt logprobs): top k,
+# prompt tokens, prompt tokens scored (the worker's runner then makes the same head calls).
+Scoring = tuple[int, int, int]
+Snapshot = tuple[str, int, int, list[int], list[int], Scoring | None]
 
 
 def snapshot(seq: Sequence) -> Snapshot:
     start = seq.num_computed_tokens
-    return (seq.request_id, start, seq.num_tokens, seq.tokens(start, seq.num_tokens), list(seq.block_table))
+    scoring = None
+    if seq.scores_prompt:
+        scoring = (seq.params.prompt_logprobs or 0, seq.num_prompt_tokens, seq.num_prompt_scored)
+    return (seq.request_id, start, seq.num_tokens, seq.tokens(start, seq.num_tokens), list(seq.block_table),
+            scoring)
 
 
 _MIRROR_PARAMS = SamplingParams(max_tokens=1)
@@ -32,11 +38,17 @@ _MIRROR_PARAMS = SamplingParams(max_tokens=1)
 
 def mirror(snap: Snapshot) -> Sequence:
     """A stand-in Sequence on a worker: right counts, block table and uncomputed tokens (the
-    computed ones are in the KV cache and never read again)."""
-    request_id, computed, total, tokens, block_table = snap
+    computed ones are in the KV cache and never read again), and the prompt scoring still to do."""
+    request_id, computed, total, tokens, block_table, scoring = snap
     prompt = [0] * computed + tokens
     prompt += [0] * (total - len(prompt))
-    seq = Sequence(request_id, prompt, _MIRROR_PARAMS, 0.0)
+    if scoring is None:
+        seq = Sequence(request_id, prompt, _MIRROR_PARAMS, 0.0)
+    else:
+        top_k, num_prompt, scored = scoring
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k)
+        seq = Sequence(request_id, prompt[:num_prompt], params, 0.0, output_token_ids=prompt[num_prompt:])
+        seq.num_prompt_scored = scored
     seq.num_computed_tokens = computed
     seq.block_table = block_table
     return seq

@@ -12,7 +12,9 @@ from torch import nn
 from ferrum.models.attention.layout import KVCache
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import LayerOps, RMSNorm
+from ferrum.models.layers.linear import LinearFactory
 from ferrum.models.layers.parallel import RowParallelLinear, TensorParallel
+from ferrum.models.layers.quantized_linear import QuantizedLinear
 
 
 class AttentionInputs(Protocol):
@@ -24,18 +26,22 @@ class AttentionInputs(Protocol):
 
 
 class Attention(nn.Module):
-    """`config` is this rank's (its share of the heads under tensor parallelism)."""
+    """`config` is this rank's (its share of the heads under tensor parallelism); `prefix` is the
+    module's path in the model ("layers.3.self_attn"), which names its projections' quantization."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel, linears: LinearFactory | None = None,
+                 prefix: str = "self_attn") -> None:
         super().__init__()
+        linears = linears or LinearFactory()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj: nn.Linear | RowParallelLinear = (
-            nn.Linear(self.q_size, config.hidden_size, bias=False) if tp.size == 1
-            else RowParallelLinear(self.q_size, config.hidden_size, False, tp))
+        self.qkv_proj = linears.linear(f"{prefix}.qkv_proj", config.hidden_size, self.q_size + 2 * self.kv_size,
+                                       config.attention_bias)
+        self.o_proj: nn.Linear | RowParallelLinear | QuantizedLinear = (
+            linears.linear(f"{prefix}.o_proj", self.q_size, config.hidden_size, False) if tp.size == 1
+            else linears.row_parallel(f"{prefix}.o_proj", self.q_size, config.hidden_size, False, tp))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
 

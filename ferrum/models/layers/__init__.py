@@ -6,6 +6,8 @@ never per call from where a tensor happens to live.
     norm.py           RMSNorm (with the residual add)
     rotary.py         rotary embedding tables and the rotation
     mlp.py            the gated MLP (gate and up fused in one projection)
+    linear.py         LinearFactory: every linear layer, plain or quantized, from its path
+    quantized_linear.py   QuantizedLinear: int8 / int4 / fp8 storage and its kernels (CPU ops, GPU)
     packed_linear.py  CPU: linears with oneDNN-prepacked bf16 weights
     greedy.py         GPU: the decode graphs' argmax and next inputs, on the device
 """

@@ -12,7 +12,7 @@ import torch
 
 from ferrum.weights.spec.dtypes import as_dtype, as_shape
 from ferrum.weights.spec.sources import SOURCE_TYPES, PicklableMappings, WeightFormat, WeightSource
-from ferrum.weights.spec.transforms import TensorTransformation
+from ferrum.weights.spec.transforms import Quantize, TensorTransformation, check_order, final_quantize
 
 __all__ = ["TensorInfo", "TensorSpec", "WeightLoaderCapabilities", "WeightMetadata", "specs_by_name"]
 
@@ -20,7 +20,10 @@ __all__ = ["TensorInfo", "TensorSpec", "WeightLoaderCapabilities", "WeightMetada
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor to load: read `source` (the tensor `source.tensor_name or name` in it), apply
-    `transformations` in order, check the result has exactly `shape` and `dtype`, move it to `device`."""
+    `transformations` in order, check the result has exactly `shape` and `dtype`, move it to `device`.
+    Transformations ending in `Quantize` make a QuantizedTensor: `shape` is then the logical [N, K]
+    and `dtype` the full-precision dtype it is made from (TransformError at construction when
+    Quantize is not last or the shape / dtype cannot be quantized)."""
 
     name: str
     shape: tuple[int, ...]
@@ -52,8 +55,17 @@ class TensorSpec:
                 if not isinstance(t, TensorTransformation):
                     raise TypeError(f"TensorSpec {self.name!r}: {t!r} is not a TensorTransformation")
             object.__setattr__(self, "transformations", transformations)
+            check_order(transformations, where=self.source.display, name=self.name)
+            quantize = final_quantize(transformations)
+            if quantize is not None:
+                quantize.check_spec(self.shape, self.dtype, where=self.source.display, name=self.name)
         elif type(self.transformations) is not tuple:
             object.__setattr__(self, "transformations", ())
+
+    @property
+    def quantize(self) -> Quantize | None:
+        """The Quantize that ends the transformations (the spec makes a QuantizedTensor), if any."""
+        return final_quantize(self.transformations)
 
     @property
     def stored_name(self) -> str:

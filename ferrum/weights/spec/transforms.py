@@ -5,10 +5,14 @@
     Cast(dtype)
     Scale(factor)                   floating / complex tensors only (Cast first for integers)
     Slice(dim, start, end=None, step=1)   Python slice semantics along one dim, step >= 1
-    Quantize(method)                refused: quantization is not yet supported
+    Quantize(scheme, compute_device="cpu")   the last step only: a floating [N, K] tensor becomes a
+                                    QuantizedTensor (packed values, scales, zeros), computed on
+                                    `compute_device` (the model's GPU, where it has one)
 
 Transformations never write into their input (which may be a read-only or shared memory map). A
-pipeline that did anything ends with `.contiguous()` (a no-op when already contiguous).
+pipeline that did anything ends with `.contiguous()` (a no-op when already contiguous); one that ends
+in Quantize yields the QuantizedTensor instead, its shape and dtype the logical [N, K] and the
+full-precision dtype it was made from.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from ferrum.weights.errors import SpecMismatchError, TransformError, UnsupportedError
+from ferrum.weights.quantization.arith import quantize
+from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantScheme
+from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.dtypes import as_dtype, as_shape, dtype_name
 
 __all__ = [
@@ -32,7 +39,9 @@ __all__ = [
     "TensorTransformation",
     "Transpose",
     "apply_transformations",
+    "check_order",
     "check_result",
+    "final_quantize",
 ]
 
 
@@ -166,28 +175,90 @@ class Slice(TensorTransformation):
 
 @dataclass(frozen=True)
 class Quantize(TensorTransformation):
-    method: str
+    """The last step of a spec: its floating [N, K] tensor in `scheme`'s stored layout, quantized in
+    float32 on `compute_device` (the tensor is moved there first; the parts stay there)."""
+
+    scheme: QuantScheme
+    compute_device: str = "cpu"
+
+    def __repr__(self) -> str:
+        on = f", on {self.compute_device}" if self.compute_device != "cpu" else ""
+        return f"Quantize({self.scheme.describe()}{on})"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scheme, QuantScheme):
+            raise TypeError(f"Quantize: scheme must be a QuantScheme, got {self.scheme!r}")
+        if self.compute_device != "cpu":
+            object.__setattr__(self, "compute_device", str(torch.device(self.compute_device)))
 
     def ensure_supported(self, *, where: str, name: str) -> None:
-        raise UnsupportedError(
-            where, f"tensor {name!r}: quantization is not yet supported (Quantize method {self.method!r})"
-        )
+        if torch.device(self.compute_device).type == "cuda" and not torch.cuda.is_available():
+            raise UnsupportedError(
+                where, f"tensor {name!r}: {self!r}: quantizing on {self.compute_device} needs CUDA, which is not here"
+            )
+
+    def check_spec(self, shape: tuple[int, ...], dtype: torch.dtype, *, where: str, name: str) -> None:
+        """TransformError unless a spec of `shape` and `dtype` (the logical weight) can be quantized."""
+        if len(shape) != 2 or not dtype.is_floating_point:
+            raise TransformError(
+                where, f"tensor {name!r}: {self!r} makes a floating [N, K] weight; the spec says "
+                f"{shape} {dtype_name(dtype)}"
+            )
+        self._check_in_features(shape[1], where=where, name=name)
 
     def apply(self, tensor: torch.Tensor, *, where: str, name: str) -> torch.Tensor:
-        self.ensure_supported(where=where, name=name)
-        return tensor
+        raise TransformError(where, f"tensor {name!r}: {self!r} must be the last transformation")
+
+    def quantize(self, tensor: torch.Tensor, *, where: str, name: str) -> QuantizedTensor:
+        if tensor.dim() != 2 or not tensor.is_floating_point():
+            raise TransformError(
+                where, f"tensor {name!r}: {self!r}: needs a floating [N, K] tensor, got "
+                f"{tuple(tensor.shape)} {dtype_name(tensor.dtype)}"
+            )
+        self._check_in_features(tensor.shape[1], where=where, name=name)
+        if self.compute_device != "cpu":
+            tensor = tensor.to(self.compute_device)
+        return quantize(tensor, self.scheme)
+
+    def _check_in_features(self, k: int, *, where: str, name: str) -> None:
+        try:
+            self.scheme.check_in_features(k, f"tensor {name!r}")
+        except QuantizationConfigError as exc:
+            raise TransformError(where, str(exc)) from None
+
+
+def final_quantize(transformations: Sequence[TensorTransformation]) -> Quantize | None:
+    """The Quantize that ends `transformations`, if one does."""
+    last = transformations[-1] if transformations else None
+    return last if isinstance(last, Quantize) else None
+
+
+def check_order(transformations: Sequence[TensorTransformation], *, where: str, name: str) -> None:
+    """TransformError when a Quantize is anywhere but last (it yields a QuantizedTensor, which no
+    further transformation takes)."""
+    for step in transformations[:-1]:
+        if isinstance(step, Quantize):
+            raise TransformError(
+                where, f"tensor {name!r}: {step!r} must be the last transformation, "
+                f"not before {transformations[-1]!r}"
+            )
 
 
 def apply_transformations(
     tensor: torch.Tensor, transformations: Sequence[TensorTransformation], *, where: str, name: str
-) -> torch.Tensor:
-    for step in transformations:
+) -> torch.Tensor | QuantizedTensor:
+    """The tensor after every step; a QuantizedTensor when the last step is a Quantize."""
+    final = final_quantize(transformations)
+    steps = transformations[:-1] if final is not None else transformations
+    for step in steps:
         tensor = step.apply(tensor, where=where, name=name)
-    return tensor.contiguous() if transformations else tensor
+    if final is not None:
+        return final.quantize(tensor, where=where, name=name)
+    return tensor.contiguous() if steps else tensor
 
 
 def check_result(
-    tensor: torch.Tensor,
+    tensor: torch.Tensor | QuantizedTensor,
     shape: tuple[int, ...],
     dtype: torch.dtype,
     *,
@@ -195,9 +266,11 @@ def check_result(
     name: str,
     transformations: Sequence[TensorTransformation] = (),
 ) -> None:
-    """SpecMismatchError naming the tensor, the expected and the actual shape / dtype."""
+    """SpecMismatchError naming the tensor, the expected and the actual shape / dtype (of a
+    QuantizedTensor: its logical shape and dtype, and its parts against its scheme's layout)."""
     actual_shape = tuple(tensor.shape)
-    if actual_shape == tuple(shape) and tensor.dtype == dtype:
+    layout = tensor.layout_problems() if isinstance(tensor, QuantizedTensor) else []
+    if actual_shape == tuple(shape) and tensor.dtype == dtype and not layout:
         return
     after = f" after {', '.join(map(repr, transformations))}" if transformations else ""
     problems = []
@@ -205,4 +278,5 @@ def check_result(
         problems.append(f"shape {tuple(shape)} expected, got {actual_shape}")
     if tensor.dtype != dtype:
         problems.append(f"dtype {dtype_name(dtype)} expected, got {dtype_name(tensor.dtype)}")
+    problems += layout
     raise SpecMismatchError(where, f"tensor {name!r}{after}: {'; '.join(problems)}")

@@ -22,7 +22,6 @@ from ferrum.weights import (
     File,
     HuggingFace,
     Memory,
-    Quantize,
     RawLayout,
     Reshape,
     Scale,
@@ -526,16 +525,6 @@ async def test_spec_mismatch_message(tmp_path: Path) -> None:
     )
     with pytest.raises(SpecMismatchError, match=r"tensor 'w': shape \(24,\) expected, got \(2, 3, 4\)$"):
         await load_with(tmp_path, W, (24,), torch.float32)
-
-
-async def test_quantize_refused_before_any_io() -> None:
-    with pytest.raises(
-        UnsupportedError, match=r"tensor 'w': quantization is not yet supported \(Quantize method 'int8'\)"
-    ):
-        async with WeightLoader() as loader:
-            await loader.load_tensor(
-                spec((2, 3, 4), torch.float32, Quantize("int8"))
-            )  # the file does not exist
 
 
 def test_transformation_values_checked() -> None:

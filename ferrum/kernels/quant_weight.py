@@ -1,0 +1,34 @@
+"""`QuantWeight`: a quantized linear weight as the kernels read it (no triton import).
+
+    int8   qweight int8 [N, K], scale float32 [N]:               w = q * scale
+    fp8    qweight float8_e4m3fn [N, K], scale float32 [N]:      w = q * scale
+    int4   qweight uint8 [N, K/2] (input 2j in byte j's low nibble, 2j + 1 in its high nibble),
+           scale and zero [N, K/group_size] in the activations' dtype:  w = (q - 8) * scale + zero
+
+(the layout of ferrum.weights.quantization's QuantizedTensor, which the models' quantized linear
+layers hold and hand to the kernels as this.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    kind: Literal["int8", "fp8", "int4"]
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None  # int4 only
+    group_size: int = 0  # int4 only
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.qweight.shape[1]) * (2 if self.kind == "int4" else 1)

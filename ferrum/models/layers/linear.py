@@ -1,0 +1,113 @@
+"""The one factory of a model's linear layers (`LinearFactory`), and what the fused decode's GEMV
+kernels read of a linear layer (`gemv_weight`).
+
+A layer is made from its module path ("layers.3.self_attn.qkv_proj", "lm_head") and the served
+model's QuantizationConfig: a plain nn.Linear (RowParallelLinear, ParallelLMHead under tensor
+parallelism) where the layer is not quantized, else a QuantizedLinear of its QuantScheme computing
+through the kernels chosen once for the Device (`quant_kernels`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from ferrum.backends.device import Device
+from ferrum.kernels.quant_weight import QuantWeight
+from ferrum.models.layers.parallel import ParallelLMHead, RowParallelLinear, TensorParallel
+from ferrum.models.layers.quantized_linear import QuantizedLinear, QuantKernels
+from ferrum.weights.quantization.scheme import QuantizationConfig, QuantizationConfigError, QuantScheme
+
+__all__ = ["LinearFactory", "check_skip", "gemv_weight", "quant_kernels"]
+
+
+def quant_kernels(device: Device) -> QuantKernels:
+    """How quantized layers compute on `device`: its Triton/CUDA kernels where Triton compiles for
+    it, torch's CPU ops on the CPU, dequantized weights elsewhere."""
+    if device.triton:
+        return "kernels"
+    return "cpu" if device.kind == "cpu" else "dequantize"
+
+
+def _gather_vocab(tp: TensorParallel, vocab_size: int, logits: torch.Tensor) -> torch.Tensor:
+    return tp.all_gather_last(logits)[..., :vocab_size]
+
+
+@dataclass(frozen=True)
+class LinearFactory:
+    """Makes every linear layer of a model. `dtype`: the model's (int4's scales and zeros, biases)."""
+
+    quantization: QuantizationConfig | None = None
+    dtype: torch.dtype = torch.float32
+    kernels: QuantKernels = "cpu"
+
+    @classmethod
+    def for_device(cls, device: Device, dtype: torch.dtype, quantization: QuantizationConfig | None) -> LinearFactory:
+        """QuantizationConfigError where the device cannot run the method (fp8 on CUDA before 8.9)."""
+        if quantization is not None and quantization.method == "fp8" and device.kind == "cuda" and not device.fp8:
+            cc = device.compute_capability or (0, 0)
+            raise QuantizationConfigError(
+                f"quantization fp8 needs compute capability 8.9 or later; {device.name} ({device.description}) "
+                f"has {cc[0]}.{cc[1]}: use int8 or int4"
+            )
+        return cls(quantization, dtype, quant_kernels(device))
+
+    def scheme_for(self, path: str) -> QuantScheme | None:
+        return None if self.quantization is None else self.quantization.scheme_for(path)
+
+    def linear(self, path: str, in_features: int, out_features: int, bias: bool) -> nn.Linear | QuantizedLinear:
+        scheme = self.scheme_for(path)
+        if scheme is None:
+            return nn.Linear(in_features, out_features, bias=bias)
+        scheme.check_in_features(in_features, path)
+        return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype)
+
+    def row_parallel(self, path: str, in_features: int, out_features: int, bias: bool,
+                     tp: TensorParallel) -> RowParallelLinear | QuantizedLinear:
+        """A layer whose input features (`in_features`: this rank's share) are split across ranks:
+        its int4 groups must not straddle two ranks."""
+        scheme = self.scheme_for(path)
+        if scheme is None:
+            return RowParallelLinear(in_features, out_features, bias, tp)
+        scheme.check_in_features(in_features, f"{path} (this rank's share of {in_features * tp.size} input "
+                                              f"features split over tensor_parallel_size={tp.size})")
+        return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype, tp.all_reduce)
+
+    def lm_head(self, rows: int, hidden: int, vocab_size: int,
+                tp: TensorParallel) -> nn.Linear | ParallelLMHead | QuantizedLinear:
+        """The output head (untied): `rows` of the vocabulary on this rank, gathered under tensor parallelism."""
+        scheme = self.scheme_for("lm_head")
+        if scheme is None:
+            return nn.Linear(hidden, vocab_size, bias=False) if tp.size == 1 else ParallelLMHead(
+                rows, hidden, vocab_size, tp)
+        scheme.check_in_features(hidden, "lm_head")
+        combine = None if tp.size == 1 else partial(_gather_vocab, tp, vocab_size)
+        return QuantizedLinear(hidden, rows, False, scheme, self.kernels, self.dtype, combine)
+
+
+def check_skip(quantization: QuantizationConfig, layers: Iterable[str]) -> None:
+    """QuantizationConfigError naming a `skip` entry that matches none of the model's linear layers."""
+    names = list(layers)
+    for entry in quantization.skip:
+        if not any(name == entry or name.endswith("." + entry) for name in names):
+            examples = sorted({name.split(".")[-1] for name in names})
+            path = next((name for name in names if "." in name), names[0])
+            raise QuantizationConfigError(
+                f"quantization skip entry {entry!r} names none of the model's linear layers; they are named "
+                f"{', '.join(examples)}, e.g. {path!r} (q/k/v and gate/up are fused into qkv_proj and "
+                "gate_up_proj; embeddings are never quantized)"
+            )
+
+
+def gemv_weight(linear: nn.Module) -> torch.Tensor | QuantWeight:
+    """What the GEMV kernels read of a linear layer: its quantized storage, or its weight."""
+    if isinstance(linear, QuantizedLinear):
+        return linear.kernel_weight()
+    weight = linear.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(linear).__name__} has no weight tensor for the GEMV kernels")
+    return weight

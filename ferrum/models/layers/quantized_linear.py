@@ -1,0 +1,196 @@
+"""`QuantizedLinear`: a linear layer whose weight is stored quantized (int8, int4, fp8), and the
+ways it computes, one `LinearMethod` per (kernels, method), chosen once when the layer is built:
+
+    kernels     the device's Triton/CUDA kernels (ferrum.kernels.quant_matmul): any GPU batch
+    cpu         torch's CPU ops: int8 through _weight_int8pack_mm; int4 through
+                _weight_int4pack_mm_for_cpu after a one-time repack into its layout (prepare());
+                fp8 by dequantizing for each matmul (correct, slow)
+    dequantize  every method by dequantizing for each matmul (devices with neither)
+
+The layer owns its storage: the parts of a `QuantizedTensor` registered as buffers in their own
+dtypes (model.to(dtype) moves them and never casts them). `storage()` is the weight loader's
+destination, `prepare()` runs once after loading (vLLM's process_weights_after_loading),
+`kernel_weight()` is the storage as the GPU kernels read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, Self, TypeAlias
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrum.kernels.quant_weight import QuantWeight
+from ferrum.weights.quantization.arith import dequantize, unpack_int4
+from ferrum.weights.quantization.scheme import QuantScheme
+from ferrum.weights.quantization.tensor import QuantizedTensor, part_layout
+
+QuantKernels: TypeAlias = Literal["kernels", "cpu", "dequantize"]
+Combine: TypeAlias = Callable[[torch.Tensor], torch.Tensor]  # the product's collective (tensor parallelism)
+
+_INT4_CPU_ROWS = 16  # the CPU's int4 layout packs rows in blocks of 16 (64 per conversion chunk)
+_INT4_CPU_CHUNK = 4096  # rows repacked at a time: bounds the int32 temporary
+
+
+class LinearMethod:
+    """How a QuantizedLinear multiplies: x [T, K] -> x @ W^T [T, N] (no bias)."""
+
+    def prepare(self, layer: QuantizedLinear) -> None:
+        """Once, after the weights are loaded: any repacking the method needs."""
+
+    def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self, layer: QuantizedLinear) -> torch.Tensor:
+        return dequantize(layer.storage())
+
+
+class DequantizeMethod(LinearMethod):
+    def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize(layer.storage(), x.dtype))
+
+
+class KernelsMethod(LinearMethod):
+    def __init__(self) -> None:
+        from ferrum.kernels.quant_matmul import quant_matmul
+
+        self.quant_matmul = quant_matmul
+
+    def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_matmul(x, layer.kernel_weight())
+
+
+class CpuInt8Method(LinearMethod):
+    """torch._weight_int8pack_mm: int8 weights [N, K], scales in x's dtype."""
+
+    def prepare(self, layer: QuantizedLinear) -> None:
+        layer.register_buffer("scale_x", layer.scale.to(layer.dtype), persistent=False)
+
+    def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, layer.qweight, layer.scale_x)
+
+
+class CpuInt4Method(LinearMethod):
+    """torch._weight_int4pack_mm_for_cpu, whose dequantization is ours, (q - 8) * scale + zero, on
+    its own layout: the packed weight [N', K/2] (N' the rows rounded up to 16) and the scales and
+    zeros interleaved [K/g, N', 2]. prepare() repacks the storage into it, in place of the parts."""
+
+    def prepare(self, layer: QuantizedLinear) -> None:
+        n, k = layer.shape
+        padded = -(-n // _INT4_CPU_ROWS) * _INT4_CPU_ROWS
+        packed = torch.empty((padded, k // 2), dtype=torch.uint8)
+        values = unpack_int4(layer.qweight)  # uint8 [N, K]
+        for start in range(0, padded, _INT4_CPU_CHUNK):
+            end = min(start + _INT4_CPU_CHUNK, padded)
+            chunk = torch.full((end - start, k), 8, dtype=torch.int32)  # padding rows: (8 - 8) * 0 + 0
+            real = values[start:min(end, n)]
+            chunk[: real.shape[0]] = real
+            packed[start:end] = torch._convert_weight_to_int4pack_for_cpu(chunk, 2)
+        scales_and_zeros = torch.zeros((k // layer.scheme.group_size, padded, 2), dtype=layer.dtype)
+        scales_and_zeros[:, :n, 0] = layer.scale.t()
+        scales_and_zeros[:, :n, 1] = layer.zero.t()
+        for name in ("qweight", "scale", "zero"):
+            delattr(layer, name)
+        layer.register_buffer("packed", packed)
+        layer.register_buffer("scales_and_zeros", scales_and_zeros)
+        layer.repacked = True
+
+    def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x, layer.packed, layer.scheme.group_size, layer.scales_and_zeros)
+        return y if y.shape[-1] == layer.out_features else y[..., : layer.out_features]
+
+    def dequantized(self, layer: QuantizedLinear) -> torch.Tensor:
+        if not layer.repacked:
+            return super().dequantized(layer)
+        eye = torch.eye(layer.in_features, dtype=layer.dtype)  # the kernel's own dequantization, row by row
+        return self.matmul(layer, eye).t().contiguous()
+
+
+def linear_method(kernels: QuantKernels, scheme: QuantScheme) -> LinearMethod:
+    if kernels == "kernels":
+        return KernelsMethod()
+    if kernels == "cpu" and scheme.method == "int8":
+        return CpuInt8Method()
+    if kernels == "cpu" and scheme.method == "int4":
+        return CpuInt4Method()
+    return DequantizeMethod()
+
+
+class QuantizedLinear(nn.Module):
+    """y = combine(x @ W^T) + bias, W [out_features, in_features] stored in `scheme`'s layout;
+    `dtype` is the model's (int4's scales and zeros, the bias, the activations). `combine`: the
+    tensor-parallel collective applied to the product before the bias (row-parallel layers: the
+    sum across ranks; a vocabulary-split LM head: the gather)."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    scale_x: torch.Tensor
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
+                 kernels: QuantKernels, dtype: torch.dtype, combine: Combine | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.dtype, self.combine = scheme, dtype, combine
+        for name, (shape, part_dtype) in part_layout(scheme, out_features, in_features, dtype).items():
+            self.register_buffer(name, torch.empty(shape, dtype=part_dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.method = linear_method(kernels, scheme)
+        self.repacked = False  # prepare() put the storage into the method's own layout
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def _check_layout(self) -> None:
+        if self.repacked:
+            raise RuntimeError(f"{self.scheme.describe()} weight was repacked for {type(self.method).__name__} "
+                               "(prepare() ran): its storage is no longer in the loader's layout")
+
+    def storage(self) -> QuantizedTensor:
+        """The weight's storage (the buffers themselves): where the loader writes it."""
+        self._check_layout()
+        names = part_layout(self.scheme, self.out_features, self.in_features, self.dtype)
+        return QuantizedTensor(self.scheme, self.shape, self.dtype, {name: getattr(self, name) for name in names})
+
+    def kernel_weight(self) -> QuantWeight:
+        """The storage as the GPU kernels read it (made on every call: cheap, never stale)."""
+        self._check_layout()
+        if self.scheme.grouped:
+            return QuantWeight(self.scheme.method, self.qweight, self.scale, self.zero, self.scheme.group_size)
+        return QuantWeight(self.scheme.method, self.qweight, self.scale)
+
+    def prepare(self) -> None:
+        """Once, after loading: the method's repacking (the CPU's int4 layout)."""
+        self.method.prepare(self)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the storage stands for, [out, in] in the model's dtype (tests, checks)."""
+        return self.method.dequantized(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = self.method.matmul(self, flat.contiguous())
+        if self.combine is not None:
+            y = self.combine(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        """model.to(dtype) moves the storage and never casts it: its parts keep their own dtypes."""
+        parts = {id(t) for t in self._buffers.values() if t is not None}
+
+        def keeping_dtypes(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return t.to(moved.device) if id(t) in parts and moved.dtype != t.dtype else moved
+
+        return super()._apply(keeping_dtypes, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.scheme.describe()}, {type(self.method).__name__}")

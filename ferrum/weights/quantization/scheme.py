@@ -1,0 +1,121 @@
+"""What a linear layer's weights are stored as: `QuantScheme`, and the served model's choice of it
+for every layer: `QuantizationConfig` (YAML's `quantization:` section, `--quantization`).
+
+    int8   symmetric, one scale per output channel: w = q * scale            (q int8)
+    int4   groups of `group_size` inputs per output channel, asymmetric (min/max) unless
+           `symmetric`: w = (q - 8) * scale + zero                          (q 0..15, two per byte)
+    fp8    float8 e4m3, one scale per output channel: w = q * scale         (compute capability 8.9+ on CUDA)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, TypeAlias, cast
+
+QuantMethod: TypeAlias = Literal["int8", "int4", "fp8"]
+METHODS: tuple[QuantMethod, ...] = ("int8", "int4", "fp8")
+# names people pass that Ferrum does not run, and why (refused by name, never ignored)
+REFUSED_METHODS: dict[str, str] = {
+    "bitsandbytes": "bitsandbytes' formats are not supported; use int8, int4 or fp8 (quantized on load)",
+    "bnb": "bitsandbytes' formats are not supported; use int8, int4 or fp8 (quantized on load)",
+    "nf4": "NF4 (bitsandbytes) is not supported; use int4",
+    "gptq": "GPTQ checkpoints are not served yet; quantize a full-precision checkpoint on load instead",
+    "awq": "AWQ checkpoints are not served yet; quantize a full-precision checkpoint on load instead",
+}
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_SKIP: tuple[str, ...] = ("lm_head",)
+
+
+class QuantizationConfigError(ValueError):
+    """A quantization setting Ferrum cannot run; names the setting and the accepted values."""
+
+
+def parse_method(name: object) -> QuantMethod:
+    """A method from a config value ("INT4", "int4"); QuantizationConfigError naming refused and
+    unknown methods."""
+    if not isinstance(name, str):
+        raise QuantizationConfigError(f"quantization method must be a string, got {name!r}")
+    key = name.strip().lower()
+    if key in METHODS:
+        return cast(QuantMethod, key)
+    if key in REFUSED_METHODS:
+        raise QuantizationConfigError(f"quantization method {name!r}: {REFUSED_METHODS[key]}")
+    raise QuantizationConfigError(f"unknown quantization method {name!r}; valid methods: {', '.join(METHODS)}")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """One linear layer's stored format. `group_size`: inputs per scale (int4 only; int8 and fp8
+    have one scale per output channel)."""
+
+    method: QuantMethod
+    group_size: int = DEFAULT_GROUP_SIZE
+    symmetric: bool = False  # int4 only: zero fixed at 0 (int8 and fp8 are always symmetric)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", parse_method(self.method))
+        if self.method == "int4":
+            g = self.group_size
+            if isinstance(g, bool) or not isinstance(g, int) or g < 16 or g & (g - 1):
+                raise QuantizationConfigError(f"int4 group_size must be a power of two >= 16, got {g!r}")
+
+    @property
+    def grouped(self) -> bool:
+        return self.method == "int4"
+
+    def check_in_features(self, in_features: int, what: str) -> None:
+        """QuantizationConfigError unless `in_features` of layer `what` split into whole groups."""
+        if self.grouped and in_features % self.group_size:
+            raise QuantizationConfigError(
+                f"{what}: {in_features} input features do not split into int4 groups of {self.group_size}"
+            )
+        if in_features % 2 and self.method == "int4":
+            raise QuantizationConfigError(f"{what}: int4 packs two inputs per byte; {in_features} is odd")
+
+    def describe(self) -> str:
+        if self.method == "int4":
+            return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'})"
+        return self.method
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """The served model's quantization: `method` for every linear layer except those named in
+    `skip` (a layer matches when its name, e.g. "lm_head" or "layers.0.mlp.down_proj", equals an
+    entry or ends with "." + entry). Embeddings are never quantized."""
+
+    method: QuantMethod
+    group_size: int = DEFAULT_GROUP_SIZE
+    symmetric: bool | None = None  # None: the method's default (int8/fp8 symmetric, int4 asymmetric)
+    skip: tuple[str, ...] = DEFAULT_SKIP
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", parse_method(self.method))
+        if isinstance(self.skip, str) or not isinstance(self.skip, Iterable):
+            raise QuantizationConfigError(f"quantization skip must be a list of layer names, got {self.skip!r}")
+        skip = tuple(self.skip)
+        if not all(isinstance(s, str) and s for s in skip):
+            raise QuantizationConfigError(f"quantization skip must hold non-empty layer names, got {list(skip)!r}")
+        object.__setattr__(self, "skip", skip)
+        if self.symmetric is False and self.method in ("int8", "fp8"):
+            raise QuantizationConfigError(
+                f"{self.method} is stored symmetric (one scale per output channel); symmetric: false is for int4"
+            )
+        self.scheme  # noqa: B018 - validates group_size
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(self.method, self.group_size, bool(self.symmetric))
+
+    def scheme_for(self, layer: str) -> QuantScheme | None:
+        """The scheme of linear layer `layer` (its module path, e.g. "layers.3.self_attn.qkv_proj"),
+        None where it is skipped."""
+        for entry in self.skip:
+            if layer == entry or layer.endswith("." + entry):
+                return None
+        return self.scheme
+
+    def describe(self) -> str:
+        skipped = f", {', '.join(self.skip)} unquantized" if self.skip else ""
+        return self.scheme.describe() + skipped
