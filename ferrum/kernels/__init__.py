@@ -8,7 +8,10 @@ dependent launch, is decided once from the `Device` and the engine's `KernelConf
     norm.py             RMSNorm (with the residual add), silu * mul
     rope.py             rope on q and k, the KV-cache write
     paged_attention.py  decode and prefill attention over the paged KV cache
-    gemv.py             fused matrix-vector products for decode batches of 1-4 rows
+    gemv.py             fused matrix-vector products for decode batches of 1-4 rows, bf16 or
+                        quantized (int8, fp8, int4) weights
+    quant_weight.py     QuantWeight: a quantized weight's storage as the kernels read it (no triton import)
+    quant_matmul.py     products of many rows with a quantized weight (prefill, large batches)
     greedy.py           argmax and the next decode step's inputs, on the device
     all_reduce.py       one-shot sum across the GPUs of one host over peer-mapped buffers (TP decode)
 

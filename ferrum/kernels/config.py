@@ -58,8 +58,7 @@ class KernelConfig:
     gemv: the fused projections' slicing, for weights in the activations' dtype; gemv_int8,
     gemv_fp8, gemv_int4: for quantized weights (gemv_table picks by kind). Their defaults are the
     best of scripts/quant_gemv_bench.py's candidates on one H100 at the Llama-3.1-8B shapes
-    (4096 x 4096 and 4096 x 14336, batch 1): int4 8 features a program in 1024-input slices,
-    int8 and fp8 4 features in 2048-input slices.
+    (4096 x 4096 and 4096 x 14336, batch 1): 4 features a program in 2048-input slices.
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
     (ferrum.engine.parallel.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md).
@@ -75,7 +74,7 @@ class KernelConfig:
     gemv: GemvTable = field(default_factory=GemvTable)
     gemv_int8: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 2048))
     gemv_fp8: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 2048))
-    gemv_int4: GemvTable = field(default_factory=lambda: GemvTable.sliced(8, 1024))
+    gemv_int4: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 2048))
     one_shot_all_reduce_kb: int = 512
     one_shot_push: bool = True
 
@@ -119,8 +118,10 @@ class KernelConfig:
             if not isinstance(table, Mapping):
                 raise ValueError(f"engine.kernels.{name} must be a mapping, got {table!r}")
             _check_keys(f"kernels.{name}", table, GemvTable)
-            # a quantized kind's keys override its own defaults, not the bf16 table's
-            values[name] = replace(getattr(cls(), name), **table)
+            try:  # a quantized kind's keys override its own defaults, not the bf16 table's
+                values[name] = replace(getattr(cls(), name), **table)
+            except ValueError as e:
+                raise ValueError(f"engine.kernels.{name}: {e}") from None
         return cls(**values)
 
 

@@ -19,18 +19,27 @@ its first weight slice, then waits for the kernel before and only then reads the
 slicing keeps enough programs resident for all of them to have that slice in flight while the
 kernel before finishes.
 
-The weight is a tensor in the activations' dtype or a `QuantWeight` (the same prologues and
-epilogues for every kind; the product is float32 throughout):
+The weight is a tensor in the activations' dtype or a `QuantWeight`: the same prologues and
+epilogues for every kind, the product float32 from the stored values exactly, a scale applied
+once where it can be:
 
-    int8, fp8  the [BLOCK_N, BLOCK_K] tile of q read and converted to float32; the per-channel
-               scale multiplies the accumulator once, after the K loop
-    int4       the packed bytes read as int32 words (eight inputs each), unpacked with masks into
-               floats without a conversion instruction (a nibble OR-ed into the mantissa of 2^e is
-               2^e + q: one logic op and one add an input); each group's partial product
-               x_g . (q_g - 8) is scaled once, and its zero enters as zero * sum(x_g)
+    fp8        [BLOCK_N, BLOCK_K] tiles as for bf16, converted to float32; the per-channel scale
+               multiplies the sums after the K loop
+    int8       the bytes read as int32 words of 4 inputs, int4 as words of 8, each word read as
+               "planes": input i of every word as float32 by a mask and an OR into the mantissa of
+               2^e (the bits land as 2^e + q exactly: one logic op and one add an input, no
+               conversion instruction, which the SM runs 4x slower), times input i of x. x is read
+               as [rows, words, inputs a word], 16 (8) contiguous bytes a thread lined up with that
+               thread's word, so the planes need no data movement; a tile is [words, BLOCK_N] with
+               threads along the words (coalesced) and the sums stay per word through the K loop.
+               int4: each word's sum times its group's scale, plus the zero times the sum of the
+               word's x; int8: the per-channel scale after the K loop.
 
-A quantized weight reads 2x (int8, fp8) or 4x (int4) fewer bytes a row, so its table
-(KernelConfig.gemv_table(kind)) may slice K wider or give a program more features.
+A quantized row is 2x (int8, fp8) or 4x (int4) fewer bytes: its kind has its own table
+(KernelConfig.gemv_table). Measured on an H100 (scripts/quant_gemv_bench.py, Llama-3.1-8B shapes,
+batch 1, the 32-layer chain): bf16 95% of its weight-bytes floor, fp8 80%, int8 79%, int4 56%. int4
+runs about 5 instructions an input (3 in the product, the rest x's planes and the per-word group
+scales) against the ~4.5 an SM can issue per input at full bandwidth: it is issue-bound.
 """
 
 from __future__ import annotations
@@ -128,19 +137,15 @@ def kernel_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
 
 @triton.jit
 def _load_weights(w_rows: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, BLOCK_K: tl.constexpr,
-                  WHOLE_K: tl.constexpr, PLANES: tl.constexpr) -> tl.tensor:
-    """The slice of inputs k0..k0+BLOCK_K of the weight rows at w_rows: [BLOCK_N, BLOCK_K] as stored
-    (PLANES > 1: [BLOCK_N, BLOCK_K / PLANES] int32 words); masked along K where the slice is all of K."""
-    kw = k0 // PLANES + tl.arange(0, BLOCK_K // PLANES)
+                  WHOLE_K: tl.constexpr) -> tl.tensor:
+    """The [BLOCK_N, BLOCK_K] slice of inputs k0..k0+BLOCK_K of the weight rows at w_rows, as stored;
+    masked along K where the slice is all of K."""
+    k = k0 + tl.arange(0, BLOCK_K)
     if WHOLE_K:
-        wmask = nmask[:, None] & (kw < K // PLANES)[None, :]
+        wmask = nmask[:, None] & (k < K)[None, :]
     else:
         wmask = nmask[:, None]
-    if PLANES > 1:
-        w = tl.load(w_rows + kw[None, :], mask=wmask, other=0)
-    else:
-        w = tl.load(w_rows + kw[None, :], mask=wmask, other=0.0)
-    return w
+    return tl.load(w_rows + k[None, :], mask=wmask, other=0.0)
 
 
 @triton.jit
@@ -158,76 +163,6 @@ def _plane(words: tl.tensor, hi: tl.tensor, magic: tl.tensor, i: tl.constexpr, P
     else:
         v = (hi & mask) | (magic - (sh << 23))
     return v.to(tl.float32, bitcast=True) - off
-
-
-@triton.jit
-def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_rows: tl.tensor, z_rows: tl.tensor,
-                    nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, magic: tl.tensor, GROUP: tl.constexpr,
-                    PLANES: tl.constexpr, WHOLE_K: tl.constexpr) -> tl.tensor:
-    """acc [ROWS, BLOCK_N] + x @ W.T for words w [BLOCK_N, KW] of PLANES inputs each and xf [ROWS, KW,
-    PLANES] (float32, input PLANES * j + i at [:, j, i]): the product of plane i of the words with
-    plane i of x, summed over the planes. int4: each word's sum times its group's scale, plus the
-    zero times the sum of its x (int8: the per-channel scale comes after the K loop)."""
-    p = tl.arange(0, PLANES)
-    if PLANES == 8:
-        hi = w >> 16
-    else:
-        w = w ^ -2139062144  # 0x80808080: each byte's q + 128
-        hi = w >> 16
-    part = tl.zeros([xf.shape[0], w.shape[0], w.shape[1]], tl.float32)
-    for i in tl.static_range(PLANES):
-        x_i = tl.sum(tl.where(p[None, None, :] == i, xf, 0.0), axis=2)  # in-thread: the compiler picks the register
-        part += x_i[:, None, :] * _plane(w, hi, magic, i, PLANES)[None, :, :]
-    if PLANES == 8:
-        g = (k0 + 8 * tl.arange(0, w.shape[1])) // GROUP  # each word's group
-        if WHOLE_K:
-            gmask = nmask[:, None] & (g < K // GROUP)[None, :]
-        else:
-            gmask = nmask[:, None] & (g >= 0)[None, :]
-        s = tl.load(s_rows[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
-        z = tl.load(z_rows[:, None] + g[None, :], mask=gmask, other=0.0).to(tl.float32)
-        acc += tl.sum(part * s[None, :, :] + tl.sum(xf, axis=2)[:, None, :] * z[None, :, :], axis=2)
-    else:
-        acc += tl.sum(part, axis=2)
-    return acc
-
-
-@triton.jit
-def _planes_tile(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW: tl.tensor,
-                 w_rows: tl.tensor, w_rows2: tl.tensor, s_rows: tl.tensor, s_rows2: tl.tensor, z_rows: tl.tensor,
-                 z_rows2: tl.tensor, xrows: tl.tensor, rmask: tl.tensor, nmask: tl.tensor, k0: tl.tensor,
-                 K: tl.tensor, eps: tl.tensor, stride_xm: tl.tensor, magic: tl.tensor, BLOCK_K: tl.constexpr,
-                 NORM: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr,
-                 WHOLE_K: tl.constexpr = False, w: tl.tensor | None = None,
-                 w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """_gemv_tile for weights read as planes (int4, int8): x read as [ROWS, BLOCK_K / PLANES, PLANES]
-    (16 or 8 contiguous bytes a thread), the norm as there; ss [ROWS, BLOCK_K / PLANES]."""
-    k = k0 + PLANES * tl.arange(0, BLOCK_K // PLANES)[:, None] + tl.arange(0, PLANES)[None, :]
-    if WHOLE_K:
-        kmask = k < K
-        xmask = rmask[:, None, None] & kmask[None, :, :]
-    else:
-        xmask = rmask[:, None, None]
-    x = tl.load(X + xrows[:, None, None] * stride_xm + k[None, :, :], mask=xmask, other=0.0)
-    xf = x.to(tl.float32)
-    if NORM:
-        if WHOLE_K:  # the whole row at hand: HF's order of operations exactly
-            rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, axis=2), axis=1) / K + eps)
-            normed = (xf * rstd[:, None, None]).to(x.dtype).to(tl.float32)
-            nw = tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)
-        else:  # the norm's weight goes in now, the 1/rms factor after the product
-            ss += tl.sum(xf * xf, axis=2)
-            normed = xf
-            nw = tl.load(NW + k).to(tl.float32)
-        xf = (nw[None, :, :] * normed).to(x.dtype).to(tl.float32)
-    if w is None:
-        w = _load_weights(w_rows, nmask, k0, K, BLOCK_K, WHOLE_K, PLANES)
-    acc = _planes_product(acc, xf, w, s_rows, z_rows, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K)
-    if GATED:
-        if w2 is None:
-            w2 = _load_weights(w_rows2, nmask, k0, K, BLOCK_K, WHOLE_K, PLANES)
-        acc2 = _planes_product(acc2, xf, w2, s_rows2, z_rows2, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K)
-    return acc, acc2, ss
 
 
 @triton.jit
@@ -263,30 +198,12 @@ def _gemv_tile(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW:
             ss += xf * xf  # summed across K once, after the loop
             x = (tl.load(NW + k).to(tl.float32)[None, :] * xf).to(x.dtype)
     if w is None:
-        w = _load_weights(w_rows, nmask, k0, K, BLOCK_K, WHOLE_K, 1)
+        w = _load_weights(w_rows, nmask, k0, K, BLOCK_K, WHOLE_K)
     acc = _product(acc, x, w)
     if GATED:
         if w2 is None:
-            w2 = _load_weights(w_rows2, nmask, k0, K, BLOCK_K, WHOLE_K, 1)
+            w2 = _load_weights(w_rows2, nmask, k0, K, BLOCK_K, WHOLE_K)
         acc2 = _product(acc2, x, w2)
-    return acc, acc2, ss
-
-
-@triton.jit
-def _tile(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW: tl.tensor,
-          w_rows: tl.tensor, w_rows2: tl.tensor, s_rows: tl.tensor, s_rows2: tl.tensor, z_rows: tl.tensor,
-          z_rows2: tl.tensor, xrows: tl.tensor, rmask: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor,
-          eps: tl.tensor, stride_xm: tl.tensor, magic: tl.tensor, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-          GATED: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr, WHOLE_K: tl.constexpr = False,
-          w: tl.tensor | None = None, w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """One K slice of the product, by how the weight is read (PLANES: inputs a word, 1: tiles)."""
-    if PLANES > 1:
-        acc, acc2, ss = _planes_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
-                                     rmask, nmask, k0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP, PLANES,
-                                     WHOLE_K, w, w2)
-    else:
-        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k0, K, eps, stride_xm,
-                                   BLOCK_K, NORM, GATED, WHOLE_K, w, w2)
     return acc, acc2, ss
 
 
@@ -308,25 +225,205 @@ def _row_offsets(IDX: tl.tensor, rows: tl.tensor, rmask: tl.tensor, X_GATHER: tl
 
 @triton.jit
 def _first_weights(w_rows: tl.tensor, w_rows2: tl.tensor, nmask: tl.tensor, K: tl.tensor, BLOCK_K: tl.constexpr,
-                   GATED: tl.constexpr, PDL: tl.constexpr, PLANES: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+                   GATED: tl.constexpr, PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     """The weights of a program's first K slice, loaded before pdl_wait: they do not depend on the
     kernel before."""
-    w = _load_weights(w_rows, nmask, 0, K, BLOCK_K, True, PLANES)
+    w = _load_weights(w_rows, nmask, 0, K, BLOCK_K, True)
     w2 = w
     if GATED:
-        w2 = _load_weights(w_rows2, nmask, 0, K, BLOCK_K, True, PLANES)
+        w2 = _load_weights(w_rows2, nmask, 0, K, BLOCK_K, True)
     pdl_wait(PDL)
     return w, w2
 
 
 @triton.jit
-def _channel_scales(acc: tl.tensor, acc2: tl.tensor, s_rows: tl.tensor, s_rows2: tl.tensor, nmask: tl.tensor,
-                    GATED: tl.constexpr, QUANT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """int8 / fp8: the per-output-channel scales, once the K loop is done."""
-    if QUANT == 1 or QUANT == 3:
-        acc = acc * tl.load(s_rows, mask=nmask, other=0.0)[None, :]
+def _chunk1(n: tl.constexpr) -> tl.tensor:
+    """arange(0, n) that the compiler sees as runs of 1 (its loads: one element a thread, threads
+    along it; the same values)."""
+    r = tl.arange(0, n)
+    return tl.where(r >= 0, r, 0)
+
+
+@triton.jit
+def _load_words(w_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, BLOCK_K: tl.constexpr,
+                WHOLE_K: tl.constexpr, PLANES: tl.constexpr) -> tl.tensor:
+    """The words of inputs k0..k0+BLOCK_K of the weight rows whose starts are w_cols [1, BLOCK_N]:
+    [BLOCK_K / PLANES, BLOCK_N] int32, one word a thread with consecutive threads on consecutive
+    words of a row (coalesced), the layout that x's planes have (see _planes_slice)."""
+    kw = k0 // PLANES + _chunk1(BLOCK_K // PLANES)
+    if WHOLE_K:
+        wmask = nmask[None, :] & (kw < K // PLANES)[:, None]
+    else:
+        wmask = nmask[None, :] & (kw >= 0)[:, None]
+    return tl.load(w_cols + kw[:, None], mask=wmask, other=0)
+
+
+@triton.jit
+def _planes_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, NW: tl.tensor, w_cols: tl.tensor,
+                  w_cols2: tl.tensor, s_cols: tl.tensor, s_cols2: tl.tensor, z_cols: tl.tensor, z_cols2: tl.tensor,
+                  xrows: tl.tensor, rmask: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, eps: tl.tensor,
+                  stride_xm: tl.tensor, magic: tl.tensor, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                  GATED: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr, WHOLE_K: tl.constexpr = False,
+                  w: tl.tensor | None = None,
+                  w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """One K slice for weights read as planes (int4, int8): x as [ROWS, KW, PLANES] (KW = BLOCK_K /
+    PLANES words; 16 or 8 contiguous bytes a thread), the norm as _gemv_tile applies it; acc, acc2
+    [ROWS, KW, BLOCK_N] (summed over KW after the K loop), ss [ROWS, KW]."""
+    KW: tl.constexpr = BLOCK_K // PLANES
+    k = k0 + PLANES * tl.arange(0, KW)[:, None] + tl.arange(0, PLANES)[None, :]
+    if WHOLE_K:
+        kmask = k < K
+        xmask = rmask[:, None, None] & kmask[None, :, :]
+    else:
+        xmask = rmask[:, None, None]
+    x = tl.load(X + xrows[:, None, None] * stride_xm + k[None, :, :], mask=xmask, other=0.0)
+    xf = x.to(tl.float32)
+    if NORM:
+        if WHOLE_K:  # the whole row at hand: HF's order of operations exactly
+            rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, axis=2), axis=1) / K + eps)
+            normed = (xf * rstd[:, None, None]).to(x.dtype).to(tl.float32)
+            nw = tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)
+        else:  # the norm's weight goes in now, the 1/rms factor after the product
+            ss += tl.sum(xf * xf, axis=2)
+            normed = xf
+            nw = tl.load(NW + k).to(tl.float32)
+        xf = (nw[None, :, :] * normed).to(x.dtype).to(tl.float32)
+    if w is None:
+        w = _load_words(w_cols, nmask, k0, K, BLOCK_K, WHOLE_K, PLANES)
+    acc = _planes_product(acc, xf, w, s_cols, z_cols, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K)
+    if GATED:
+        if w2 is None:
+            w2 = _load_words(w_cols2, nmask, k0, K, BLOCK_K, WHOLE_K, PLANES)
+        acc2 = _planes_product(acc2, xf, w2, s_cols2, z_cols2, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K)
+    return acc, acc2, ss
+
+
+@triton.jit
+def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tensor, z_cols: tl.tensor,
+                    nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, magic: tl.tensor, GROUP: tl.constexpr,
+                    PLANES: tl.constexpr, WHOLE_K: tl.constexpr) -> tl.tensor:
+    """acc [ROWS, KW, BLOCK_N] + each word's products: plane i of the words w [KW, BLOCK_N] times
+    plane i of xf [ROWS, KW, PLANES] (float32, input PLANES * j + i at [:, j, i]), summed over the
+    planes; int4: times the word's group scale, plus its zero times the sum of the word's x (int8's
+    per-channel scale comes after the K loop)."""
+    p = tl.arange(0, PLANES)
+    if PLANES == 8:
+        hi = w >> 16
+    else:
+        w = w ^ -2139062144  # 0x80808080: each byte's q + 128
+        hi = w >> 16
+    part = tl.zeros(acc.shape, tl.float32)
+    for i in tl.static_range(PLANES):
+        x_i = tl.sum(tl.where(p[None, None, :] == i, xf, 0.0), axis=2)  # in-thread: the compiler picks the register
+        part += x_i[:, :, None] * _plane(w, hi, magic, i, PLANES)[None, :, :]
+    if PLANES == 8:
+        g = (k0 + 8 * _chunk1(w.shape[0])) // GROUP  # each word's group
+        if WHOLE_K:
+            gmask = nmask[None, :] & (g < K // GROUP)[:, None]
+        else:
+            gmask = nmask[None, :] & (g >= 0)[:, None]
+        s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+        z = tl.load(z_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+        acc += part * s[None, :, :] + tl.sum(xf, axis=2)[:, :, None] * z[None, :, :]
+    else:
+        acc += part
+    return acc
+
+
+@triton.jit
+def _planes_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.tensor, n: tl.tensor,
+                     n2: tl.tensor, nmask: tl.tensor, xrows: tl.tensor, rmask: tl.tensor, K: tl.tensor,
+                     eps: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor,
+                     magic: tl.tensor, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NORM: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr,
+                     WHOLE_K: tl.constexpr, PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """_tile_products for weights read as planes: the sums stay [ROWS, KW, BLOCK_N] through the K
+    loop and are summed over KW once."""
+    KW: tl.constexpr = BLOCK_K // PLANES
+    w_cols = W + n[None, :].to(tl.int64) * stride_wn
+    w_cols2 = W + n2[None, :].to(tl.int64) * stride_wn
+    s_cols, s_cols2 = S + (n * stride_sn)[None, :], S + (n2 * stride_sn)[None, :]
+    z_cols, z_cols2 = Z + (n * stride_sn)[None, :], Z + (n2 * stride_sn)[None, :]
+    acc = tl.zeros([ROWS, KW, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([ROWS, KW, BLOCK_N], tl.float32)
+    ss = tl.zeros([ROWS, KW], tl.float32)
+    k_begin = 0
+    if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
+        w = _load_words(w_cols, nmask, 0, K, BLOCK_K, True, PLANES)
+        w2 = w
         if GATED:
-            acc2 = acc2 * tl.load(s_rows2, mask=nmask, other=0.0)[None, :]
+            w2 = _load_words(w_cols2, nmask, 0, K, BLOCK_K, True, PLANES)
+        pdl_wait(PDL)
+        acc, acc2, ss = _planes_slice(acc, acc2, ss, X, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2, xrows,
+                                      rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP, PLANES,
+                                      WHOLE_K, w, w2)
+        k_begin += BLOCK_K
+    elif WHOLE_K:
+        acc, acc2, ss = _planes_slice(acc, acc2, ss, X, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2, xrows,
+                                      rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP, PLANES,
+                                      True)
+    if not WHOLE_K:
+        for k0 in range(k_begin, K, BLOCK_K):
+            acc, acc2, ss = _planes_slice(acc, acc2, ss, X, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                          xrows, rmask, nmask, k0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED,
+                                          GROUP, PLANES)
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1), tl.sum(ss, axis=1)
+
+
+@triton.jit
+def _tile_products(X: tl.tensor, W: tl.tensor, NW: tl.tensor, n: tl.tensor, n2: tl.tensor, nmask: tl.tensor,
+                   xrows: tl.tensor, rmask: tl.tensor, K: tl.tensor, eps: tl.tensor, stride_xm: tl.tensor,
+                   stride_wn: tl.tensor, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NORM: tl.constexpr, GATED: tl.constexpr, WHOLE_K: tl.constexpr,
+                   PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """The products of the rows with weight rows n (and n2: gated) over all of K, weights read as
+    [BLOCK_N, BLOCK_K] tiles: (acc, acc2 [ROWS, BLOCK_N], the rows' sums of squares [ROWS] where
+    the norm's 1/rms comes after the product)."""
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    ss = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    w_rows = W + n[:, None].to(tl.int64) * stride_wn
+    w_rows2 = W + n2[:, None].to(tl.int64) * stride_wn
+    k_begin = 0
+    if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
+        w, w2 = _first_weights(w_rows, w_rows2, nmask, K, BLOCK_K, GATED, PDL)
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, 0, K, eps, stride_xm,
+                                   BLOCK_K, NORM, GATED, WHOLE_K, w, w2)
+        k_begin += BLOCK_K
+    elif WHOLE_K:  # one slice: the norm is applied before the product, as HF applies it
+        acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, 0, K, eps, stride_xm,
+                                   BLOCK_K, NORM, GATED, True)
+    if not WHOLE_K:
+        for k0 in range(k_begin, K, BLOCK_K):
+            acc, acc2, ss = _gemv_tile(acc, acc2, ss, X, NW, w_rows, w_rows2, xrows, rmask, nmask, k0, K, eps,
+                                       stride_xm, BLOCK_K, NORM, GATED)
+    return acc, acc2, tl.sum(ss, axis=1)
+
+
+@triton.jit
+def _products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.tensor, n: tl.tensor, n2: tl.tensor,
+              nmask: tl.tensor, xrows: tl.tensor, rmask: tl.tensor, K: tl.tensor, eps: tl.tensor,
+              stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, magic: tl.tensor,
+              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+              GATED: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr,
+              WHOLE_K: tl.constexpr, PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """x (RMS-normed when NORM) times weight rows n and n2 (gated) over all of K, float32 [ROWS,
+    BLOCK_N] each, per-channel scales applied: by tiles or, for int4 / int8 words, by planes."""
+    if PLANES > 1:
+        acc, acc2, sumsq = _planes_products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn,
+                                            stride_sn, magic, ROWS, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, PLANES,
+                                            WHOLE_K, PDL)
+    else:
+        acc, acc2, sumsq = _tile_products(X, W, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, ROWS,
+                                          BLOCK_N, BLOCK_K, NORM, GATED, WHOLE_K, PDL)
+    if QUANT == 1 or QUANT == 3:  # int8 / fp8: the per-output-channel scales
+        acc = acc * tl.load(S + n, mask=nmask, other=0.0)[None, :]
+        if GATED:
+            acc2 = acc2 * tl.load(S + n2, mask=nmask, other=0.0)[None, :]
+    if NORM and not WHOLE_K:
+        rstd = 1.0 / tl.sqrt(sumsq / K + eps)
+        acc = acc * rstd[:, None]
+        acc2 = acc2 * rstd[:, None]
     return acc, acc2
 
 
@@ -352,35 +449,9 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
     n = pid * BLOCK_N + cols
     n2 = n + N  # the up rows of a gate/up weight
     nmask = n < N
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    acc2 = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    ss = tl.zeros([ROWS, BLOCK_K // PLANES], tl.float32)
-    w_rows = W + n[:, None].to(tl.int64) * stride_wn
-    w_rows2 = W + n2[:, None].to(tl.int64) * stride_wn
-    s_rows, s_rows2 = S + n * stride_sn, S + n2 * stride_sn
-    z_rows, z_rows2 = Z + n * stride_sn, Z + n2 * stride_sn
     xrows, rrows = _row_offsets(IDX, rows, rmask, X_GATHER, R_GATHER)
-    k_begin = 0
-    if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
-        w, w2 = _first_weights(w_rows, w_rows2, nmask, K, BLOCK_K, GATED, PDL, PLANES)
-        acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
-                                   rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP,
-                                   PLANES, WHOLE_K, w, w2)
-        k_begin += BLOCK_K
-    elif WHOLE_K:  # one slice: the norm is applied before the product, as HF applies it
-        acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
-                                   rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP,
-                                   PLANES, True)
-    if not WHOLE_K:
-        for k0 in range(k_begin, K, BLOCK_K):
-            acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2,
-                                       xrows, rmask, nmask, k0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP,
-                                       PLANES)
-    acc, acc2 = _channel_scales(acc, acc2, s_rows, s_rows2, nmask, GATED, QUANT)
-    if NORM and not WHOLE_K:
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
-        acc = acc * rstd[:, None]
-        acc2 = acc2 * rstd[:, None]
+    acc, acc2 = _products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, stride_sn, magic,
+                          ROWS, BLOCK_N, BLOCK_K, NORM, GATED, QUANT, GROUP, PLANES, WHOLE_K, PDL)
     if BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -482,13 +553,6 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
     rows = tl.arange(0, ROWS)
     rmask = rows < M
     nmask = d < D // 2
-    acc = tl.zeros([ROWS, BLOCK_H], tl.float32)
-    acc2 = tl.zeros([ROWS, BLOCK_H], tl.float32)
-    ss = tl.zeros([ROWS, BLOCK_K // PLANES], tl.float32)
-    w_rows = W + n[:, None].to(tl.int64) * stride_wn
-    w_rows2 = W + n2[:, None].to(tl.int64) * stride_wn
-    s_rows, s_rows2 = S + n * stride_sn, S + n2 * stride_sn
-    z_rows, z_rows2 = Z + n * stride_sn, Z + n2 * stride_sn
     # the step's positions, slots (and ids) are set before it starts (see _decode_kernel): read
     # before the wait
     xrows, _ = _row_offsets(IDX, rows, rmask, X_GATHER, False)
@@ -496,27 +560,8 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
     pos = tl.load(POS + rows, mask=rmask, other=0)
     c = tl.load(COS + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
     s = tl.load(SIN + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
-    k_begin = 0
-    if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
-        w, w2 = _first_weights(w_rows, w_rows2, nmask, K, BLOCK_K, True, PDL, PLANES)
-        acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
-                                   rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, True, GROUP,
-                                   PLANES, WHOLE_K, w, w2)
-        k_begin = BLOCK_K
-    elif WHOLE_K:
-        acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2, xrows,
-                                   rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, True, GROUP,
-                                   PLANES, True)
-    if not WHOLE_K:
-        for k0 in range(k_begin, K, BLOCK_K):
-            acc, acc2, ss = _tile(acc, acc2, ss, X, NW, w_rows, w_rows2, s_rows, s_rows2, z_rows, z_rows2,
-                                       xrows, rmask, nmask, k0, K, eps, stride_xm, magic, BLOCK_K, NORM, True, GROUP,
-                                       PLANES)
-    acc, acc2 = _channel_scales(acc, acc2, s_rows, s_rows2, nmask, True, QUANT)
-    if NORM and not WHOLE_K:
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
-        acc = acc * rstd[:, None]
-        acc2 = acc2 * rstd[:, None]
+    acc, acc2 = _products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, stride_sn, magic,
+                          ROWS, BLOCK_H, BLOCK_K, NORM, True, QUANT, GROUP, PLANES, WHOLE_K, PDL)
     if BIAS:
         acc += tl.load(B + n).to(tl.float32)[None, :]
         acc2 += tl.load(B + n2).to(tl.float32)[None, :]
@@ -570,7 +615,12 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
     assert m <= MAX_ROWS and x.stride(1) == 1 and kw.in_features == k
     assert kw.out_rows == (num_heads + 2 * num_kv_heads) * head_dim, (kw.out_rows, num_heads, num_kv_heads, head_dim)
     rows = triton.next_power_of_2(m)
-    block_h = 1  # two rows per program (dim i and i + D/2), as the plain projections
+    # two rows a program (dims i and i + D/2) for bf16 weights, as measured; quantized weights have
+    # fewer bytes a row: the table's features a program, each with its pair
+    block_h = 1
+    if kw.quant != PLAIN:
+        while block_h * 2 <= table.features_per_program and (head_dim // 2) % (block_h * 2) == 0:
+            block_h *= 2
     block_k = qkv_block_k(k, m, table, kw.planes)
     whole_k = block_k >= k
     while not whole_k and k % block_k:

@@ -1,29 +1,37 @@
 """Products of many rows with a quantized weight (prefill, large decode batches), on CUDA:
 `quant_matmul(x [M, K], w: QuantWeight, bias)` -> [M, N] in x's dtype, equal to
-x @ dequantize(w).T + bias up to each path's error. The path, by M and method:
+x @ dequantize(w).T + bias up to each path's error. The path, by M and method (the thresholds
+are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py):
 
-    M <= 16      any     the fused decode GEMV (ferrum.kernels.gemv) with the kind's table: at these M
-                         reading the packed weight once is the whole cost, and the GEMV reads it at
-                         bandwidth; W8A16 / W4A16 in float32 (the stored values exactly)
-    M > 16       int4    a Triton W4A16 GEMM: each [BLOCK_N, BLOCK_K] tile of packed words unpacked
-                         and dequantized in registers, (q - 8) * scale + zero rounded to x's dtype,
-                         then tl.dot on the tensor cores (BLOCK_K within one group: one scale and
-                         zero a row a tile); fixed tile sizes by M bucket (_gemm_config)
-                 int8    W8A8: x quantized per row to int8 as it comes (scale = max|x_row| / 127),
-                         torch._int_mm (int8 tensor cores at twice bf16's rate, int32 sums; needs
-                         M > 16 and K, N multiples of 8), then * x_scale * w_scale in one kernel
-                 fp8     W8A8 in float8 e4m3: x per row to fp8 (scale = max|x_row| / 448), then
-                         torch._scaled_mm with row-wise scales (scale_a [M, 1], scale_b [1, N],
-                         float32; cuBLASLt / CUTLASS, compute capability 9.0; K and N multiples
-                         of 16)
-                 int8 or fp8 with K or N off those multiples: the Triton GEMM (W8A16)
+    M = 1          any     the fused decode GEMV (ferrum.kernels.gemv) with the kind's table: reading
+                           the packed weight once is the whole cost; W8A16 / W4A16 in float32 from
+                           the stored values exactly. (At 4 rows the GEMV ran 0.4-0.8x bf16 cuBLAS
+                           and the GEMM below, 16-row tiles, 1.2-1.7x on the 8B gate/up; at 16 rows
+                           the GEMV 5-20x slower than cuBLAS.)
+    M > 1          int4    M < 128: a Triton W4A16 GEMM, each [BLOCK_N, BLOCK_K] tile of packed words
+                           unpacked in registers, (q - 8) * scale + zero rounded to x's dtype, then
+                           tl.dot on the tensor cores (BLOCK_K within one group: one scale and zero
+                           a row a tile), fixed tiles by M bucket (_gemm_config).
+                           M >= 128: the weight dequantized to x's dtype by one Triton kernel into a
+                           transient [N, K] buffer, then cuBLAS: the dequantization (~0.1 ms for the
+                           8B gate/up) is paid once for all M rows, and cuBLAS's GEMM is about twice
+                           the Triton GEMM's speed there (the buffer is the largest weight in bf16,
+                           235 MB for the 8B gate/up, held by the caching allocator)
+                   int8    M > 16, K and N multiples of 8: W8A8, x quantized per row to int8 as it
+                           comes (scale = max|x_row| / 127, one Triton kernel), torch._int_mm (int8
+                           tensor cores, int32 sums), then * x_scale * w_scale (+ bias) in one kernel;
+                           otherwise the Triton GEMM (W8A16)
+                   fp8     M > 16, K and N multiples of 16: W8A8 in float8 e4m3, x per row to fp8
+                           (scale = max|x_row| / 448), then torch._scaled_mm with row-wise scales
+                           (scale_a [M, 1], scale_b [1, N] float32, compute capability 9.0);
+                           otherwise the Triton GEMM (W8A16)
 
 Expected error against x @ dequantize(w).T in float32, relative (Frobenius), for activations
 without outliers (tests/kernels/test_quant_kernels.py checks these bounds):
-    GEMV (M <= 16)   ~2e-3: the output's rounding to bf16 only                       bound 1e-2
+    GEMV (M = 1)     ~2e-3: the output's rounding to bf16 only                       bound 1e-2
     W4A16, W8A16     ~3e-3: the dequantized weight rounded to bf16 before the dot    bound 1e-2
     W8A8 int8        ~1e-2: x's rounding to 1/127 of its row's largest magnitude     bound 2e-2
-    W8A8 fp8         ~2e-2: x's rounding to e4m3's 3 mantissa bits                   bound 5e-2
+    W8A8 fp8         ~3e-2: x's rounding to e4m3's 3 mantissa bits                   bound 5e-2
 (per-row activation scales grow the W8A8 error with a row's outliers: max|x| / rms(x).)
 The method's device (fp8: compute capability 9.0 for row-wise _scaled_mm) is checked at start-up,
 not here.
@@ -38,8 +46,11 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable, KernelConfig
-from ferrum.kernels.gemv import INT4, MAX_ROWS, PER_CHANNEL, gemv, kernel_weight
+from ferrum.kernels.gemv import INT4, PER_CHANNEL, gemv, kernel_weight
 from ferrum.kernels.quant_weight import QuantWeight
+
+GEMV_ROWS = 1  # up to this many rows: the fused GEMV
+DEQUANTIZE_FROM = 128  # int4 from this many rows: dequantize + cuBLAS
 
 
 @dataclass(frozen=True)
@@ -68,8 +79,8 @@ def _gemm_config(m: int) -> GemmConfig:
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
                  table: GemvTable | None = None) -> torch.Tensor:
     """x [..., K] (contiguous along K) @ dequantize(w).T + bias -> [..., N] in x's dtype, by the
-    path the module docstring gives for M (the rows of x) and w.kind. table: the GEMV's for M <= 16
-    (default: KernelConfig's for w.kind)."""
+    path the module docstring gives for M (the rows of x) and w.kind. table: the GEMV's for M <=
+    GEMV_ROWS (default: KernelConfig's for w.kind)."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"quant_matmul: x has {x.shape[-1]} features, the {w.kind} weight takes {k}")
@@ -79,11 +90,13 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     m = flat.shape[0]
     if m == 0:
         y = x.new_empty(0, n)
-    elif m <= MAX_ROWS:
+    elif m <= GEMV_ROWS:
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
-    elif w.kind == "int8" and k % 8 == 0 and n % 8 == 0:
+    elif w.kind == "int4" and m >= DEQUANTIZE_FROM:
+        y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
+    elif w.kind == "int8" and m > 16 and k % 8 == 0 and n % 8 == 0:
         y = _w8a8_int8(flat, w, bias)
-    elif w.kind == "fp8" and k % 16 == 0 and n % 16 == 0:
+    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0:
         y = _w8a8_fp8(flat, w, bias)
     else:
         y = triton_gemm(flat, w, bias)
@@ -159,6 +172,35 @@ def _scale_kernel(ACC: tl.tensor, XS: tl.tensor, WS: tl.tensor, B: tl.tensor, OU
     if BIAS:
         y += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+
+
+def dequantize_int4(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The int4 weight as [N, K] in `dtype` ((q - 8) * scale + zero, rounded once), by one kernel."""
+    kw = kernel_weight(w)
+    n, k = kw.out_rows, kw.in_features
+    out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
+    block_n, block_k = 32, min(kw.group, 256)
+    _dequantize_int4_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        kw.data, kw.scale, kw.zero, out, n, kw.stride_wn, kw.stride_sn, out.stride(0), GROUP=kw.group,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+@triton.jit
+def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, N: tl.tensor,
+                            stride_wn: tl.tensor, stride_sn: tl.tensor, stride_on: tl.tensor, GROUP: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
+    """One [BLOCK_N, BLOCK_K] block of the dequantized weight (BLOCK_K within one group)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    nmask = rn < N
+    words = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :],
+                    mask=nmask[:, None], other=0)
+    s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
+    z = tl.load(Z + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
+    w = _unpack_int4(words) * s[:, None] + z[:, None]
+    tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + (k0 + tl.arange(0, BLOCK_K))[None, :],
+             w.to(OUT.dtype.element_ty), mask=nmask[:, None])
 
 
 def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,

@@ -24,13 +24,19 @@ from triton.compiler import ASTSource
 from ferrum.kernels import gemv as tg
 from ferrum.kernels import greedy, paged_attention
 
-GEMV_ARGS = ["X", "W", "B", "R", "NW", "OUT", "IDX", "M", "N", "K",
-             "stride_xm", "stride_wn", "stride_rm", "stride_om", "eps"]
-GEMV_TYPES = ["*bf16"] * 6 + ["*i64"] + ["i32"] * 7 + ["fp32"]
-QKV_ARGS = ["X", "W", "B", "NW", "POS", "COS", "SIN", "SLOTS", "QOUT", "KC", "VC", "IDX", "M", "K",
-            "stride_xm", "stride_wn", "stride_cs", "stride_qt", "stride_qh", "stride_kc", "stride_kh", "eps"]
-QKV_TYPES = (["*bf16"] * 4 + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*bf16", "*i64"] + ["i32"] * 9
-             + ["fp32"])
+GEMV_ARGS = ["X", "W", "S", "Z", "B", "R", "NW", "OUT", "IDX", "M", "N", "K",
+             "stride_xm", "stride_wn", "stride_sn", "stride_rm", "stride_om", "eps", "magic"]
+GEMV_TYPES = ["*bf16"] * 8 + ["*i64"] + ["i32"] * 8 + ["fp32", "i32"]
+QKV_ARGS = ["X", "W", "S", "Z", "B", "NW", "POS", "COS", "SIN", "SLOTS", "QOUT", "KC", "VC", "IDX", "M", "K",
+            "stride_xm", "stride_wn", "stride_sn", "stride_cs", "stride_qt", "stride_qh", "stride_kc", "stride_kh",
+            "eps", "magic"]
+QKV_TYPES = (["*bf16"] * 6 + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "*bf16", "*i64"] + ["i32"] * 10
+             + ["fp32", "i32"])
+
+
+def quantized(types: list[str], weight: str, scale: str) -> list[str]:
+    """The signature with the weight (W) and its scale and zero (S, Z) of a quantized kind."""
+    return [types[0], weight, scale, scale, *types[4:]]
 DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", "scale", "stride_qt", "stride_qh",
                "stride_kc", "stride_kh", "stride_bt", "stride_ot", "stride_oh"]
 DECODE_TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i32", "*i32", "fp32"] + ["i32"] * 7
@@ -41,6 +47,8 @@ def compile_sm90(fn, names: list[str], types: list[str], consts: dict, num_warps
     16, as Triton's launcher specialises them for the 1B shapes (the block tables' stride is left
     unspecialised in the kernel)."""
     sig = dict(zip(names, types, strict=True))
+    consts = {**{param.name: param.default for param in fn.params  # constexprs left out: their defaults
+                 if param.is_constexpr and param.name not in consts and param.name not in sig}, **consts}
     aligned = [i for i, (name, ty) in enumerate(sig.items())
                if ty.startswith("*") or (name.startswith("stride") and name != "stride_bt") or name in ("N", "K", "V")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
@@ -89,6 +97,20 @@ def main() -> None:
         "qkv rope": compile_sm90(tg._qkv_rope_kernel, QKV_ARGS, QKV_TYPES, dict(
             H=32, KV=8, D=64, ROWS=1, BLOCK_H=1, BLOCK_K=1024, NORM=True, BIAS=False, WHOLE_K=False, PDL=1,
             X_GATHER=True)),
+        # quantized weights (KernelConfig's tables): int4 gate/up and int8 down_proj read as planes of
+        # int32 words, fp8 o_proj as tiles, the q/k/v projection with int4 words
+        "gemv int4 gate_up": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
+            gemv, BLOCK_N=4, BLOCK_K=2048, NORM=True, GATED=True, RESIDUAL=False, WHOLE_K=False, QUANT=tg.INT4,
+            GROUP=128, PLANES=8)),
+        "gemv int8 down_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*fp32"), dict(
+            gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT8,
+            PLANES=4)),
+        "gemv fp8 o_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*fp8e4nv", "*fp32"), dict(
+            gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=True,
+            QUANT=tg.PER_CHANNEL)),
+        "qkv rope int4": compile_sm90(tg._qkv_rope_kernel, QKV_ARGS, quantized(QKV_TYPES, "*i32", "*bf16"), dict(
+            H=32, KV=8, D=64, ROWS=1, BLOCK_H=4, BLOCK_K=1024, NORM=True, BIAS=False, WHOLE_K=False, PDL=1,
+            QUANT=tg.INT4, GROUP=128, PLANES=8)),
         "decode attention": compile_sm90(paged_attention._decode_kernel, DECODE_ARGS, DECODE_TYPES, dict(
             G=4, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=32, SPLITS=32, PRECISION="tf32", PDL=1)),
         "decode reduce": compile_sm90(paged_attention._decode_reduce_kernel,

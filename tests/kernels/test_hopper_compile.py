@@ -35,7 +35,8 @@ def test_every_decode_kernel_waits_once_and_lets_the_next_launch_first(compiled:
 def test_projections_issue_their_weight_loads_before_the_wait(compiled: dict) -> None:
     """The weights do not depend on the kernel before: their loads go out before the wait, so
     they are in flight while that kernel finishes."""
-    for name in ("gemv o_proj", "gemv gate_up", "gemv down_proj", "qkv rope"):
+    for name in ("gemv o_proj", "gemv gate_up", "gemv down_proj", "qkv rope", "gemv int4 gate_up",
+                 "gemv int8 down_proj", "gemv fp8 o_proj", "qkv rope int4"):
         events = compiled[name]["order"]
         assert events.index("wait") >= 4 and set(events[: events.index("wait")]) <= {"load", "trigger"}, (name, events)
     # gate/up loads two weight rows per feature where o_proj loads one: twice the loads ahead
