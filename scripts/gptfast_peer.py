@@ -25,6 +25,20 @@ import torch
 GPT_FAST_NAMES = {"llama-3.1-8b": "llama-3.1-8b", "llama-3.2-1b": "llama-3.2-1b"}
 
 
+def adapt_int4_pack_api() -> None:
+    """gpt-fast's quantize.py hands `_convert_weight_to_int4pack` int32 codes [N, K]; since torch 2.5
+    the op takes them packed two per byte (uint8 [N, K/2], the even input in the high nibble), as
+    torchao packs them. Adapt the call, not gpt-fast's file; the kernel it runs is the same."""
+    convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack")  # noqa: B009 - replaced below
+
+    def packed_first(weight: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+        if weight.dtype == torch.int32:
+            weight = ((weight[:, ::2] << 4) | weight[:, 1::2]).to(torch.uint8)
+        return convert(weight, inner_k_tiles)
+
+    setattr(torch.ops.aten, "_convert_weight_to_int4pack", packed_first)  # noqa: B010 - an op namespace
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--gpt-fast", type=Path, required=True)
@@ -57,6 +71,8 @@ def main() -> None:
         model.load_state_dict(state, assign=True)
     elif args.mode == "int4":
         from quantize import WeightOnlyInt4QuantHandler  # type: ignore[import-not-found]
+
+        adapt_int4_pack_api()
 
         handler4 = WeightOnlyInt4QuantHandler(model, args.groupsize)
         state = handler4.create_quantized_state_dict(use_cuda=True)

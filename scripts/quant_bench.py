@@ -127,6 +127,8 @@ def main() -> None:
     p.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b")
     p.add_argument("--methods", default="bf16,int8,int4,fp8")
     p.add_argument("--gpt-fast", type=Path, default=None)
+    p.add_argument("--peer-modes", default="bf16,int8,int4", help="gpt-fast's modes to run")
+    p.add_argument("--no-batch1", action="store_true", help="skip the batch-1 decode of Ferrum's methods")
     p.add_argument("--batches", default="16,64")
     p.add_argument("--offline", action="store_true")
     p.add_argument("--tests", action="store_true", help="the quantized kernels' GPU tests first")
@@ -146,7 +148,7 @@ def main() -> None:
     for shape in filter(None, args.shapes.split(",")):
         folder = checkpoint(shape, args.ckpt)
         base = None
-        for method in methods:
+        for method in [] if args.no_batch1 else methods:
             for head in ([False] if method == "bf16" else [False, True]):
                 label = method if method == "bf16" else f"{method}{' head quantized' if head else ''}"
                 try:
@@ -168,7 +170,7 @@ def main() -> None:
                 except Exception:  # noqa: BLE001
                     record(f"batch{batch}", f"{shape} {method}", "failed", note=traceback.format_exc()[-800:])
         if args.gpt_fast is not None:
-            for mode in ("bf16", "int8", "int4"):
+            for mode in filter(None, args.peer_modes.split(",")):
                 res = run_peer(args, shape, mode)
                 if res:
                     floor = res["weight_bytes_per_token"] / bandwidth
