@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,10 +26,11 @@ import torch
 GPT_FAST_NAMES = {"llama-3.1-8b": "llama-3.1-8b", "llama-3.2-1b": "llama-3.2-1b"}
 
 
-def adapt_int4_pack_api() -> None:
+def adapt_int4_pack_api() -> Callable[[], None]:
     """gpt-fast's quantize.py hands `_convert_weight_to_int4pack` int32 codes [N, K]; since torch 2.5
     the op takes them packed two per byte (uint8 [N, K/2], the even input in the high nibble), as
-    torchao packs them. Adapt the call, not gpt-fast's file; the kernel it runs is the same."""
+    torchao packs them. Adapt the call while quantizing, not gpt-fast's file (the kernel it runs is
+    the same); returns the undo, called before compiling (torch.compile needs the real op)."""
     convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack")  # noqa: B009 - replaced below
 
     def packed_first(weight: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
@@ -37,6 +39,7 @@ def adapt_int4_pack_api() -> None:
         return convert(weight, inner_k_tiles)
 
     setattr(torch.ops.aten, "_convert_weight_to_int4pack", packed_first)  # noqa: B010 - an op namespace
+    return lambda: setattr(torch.ops.aten, "_convert_weight_to_int4pack", convert)
 
 
 def main() -> None:
@@ -72,10 +75,11 @@ def main() -> None:
     elif args.mode == "int4":
         from quantize import WeightOnlyInt4QuantHandler  # type: ignore[import-not-found]
 
-        adapt_int4_pack_api()
+        undo = adapt_int4_pack_api()
 
         handler4 = WeightOnlyInt4QuantHandler(model, args.groupsize)
         state = handler4.create_quantized_state_dict(use_cuda=True)
+        undo()
         model = handler4.convert_for_runtime()
         model.load_state_dict(state, assign=True)
     model = model.to("cuda").eval()

@@ -122,16 +122,17 @@ def kernel_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
     if weight.kind != "int4":
         raise ValueError(f"GEMV: unknown quantized weight kind {weight.kind!r}")
     k, g, zero = weight.in_features, weight.group_size, weight.zero
-    if q.dtype != torch.uint8 or zero is None or g < 16 or g & (g - 1) or k % g:
-        raise ValueError(f"int4 weight: expected uint8 qweight [N, K/2], a zero, and a power-of-two group size >= 16 "
-                         f"dividing K; got qweight {q.dtype} {tuple(q.shape)}, "
-                         f"zero {'missing' if zero is None else 'set'}, group size {g}")
-    if (tuple(scale.shape) != (n, k // g) or tuple(zero.shape) != (n, k // g) or scale.stride(1) != 1
+    if q.dtype != torch.uint8 or zero is None or g < 16 or g & (g - 1) or k % 8 or q.stride(0) % 4:
+        raise ValueError(f"int4 weight: expected uint8 qweight [N, K/2] with K a multiple of 8 (words of 8 inputs), "
+                         f"a zero, and a power-of-two group size >= 16; got qweight {q.dtype} {tuple(q.shape)} "
+                         f"strides {q.stride()}, zero {'missing' if zero is None else 'set'}, group size {g}")
+    groups = -(-k // g)  # input k is in group k // g; the last group may hold fewer than g inputs
+    if (tuple(scale.shape) != (n, groups) or tuple(zero.shape) != (n, groups) or scale.stride(1) != 1
             or zero.stride() != scale.stride() or zero.dtype != scale.dtype):
-        raise ValueError(f"int4 weight: scale and zero must be [N, K/group] = [{n}, {k // g}] with unit stride along "
-                         f"the groups and the same strides; got {tuple(scale.shape)} {scale.stride()} and "
+        raise ValueError(f"int4 weight: scale and zero must be [N, ceil(K/group)] = [{n}, {groups}] with unit stride "
+                         f"along the groups and the same strides; got {tuple(scale.shape)} {scale.stride()} and "
                          f"{tuple(zero.shape)} {zero.stride()}")
-    words = q.view(torch.int32)  # K is a multiple of 16: a row is whole words
+    words = q.view(torch.int32)  # K is a multiple of 8: a row is whole words (a word never spans two groups)
     return KernelWeight(words, scale, zero, words.stride(0), scale.stride(0), INT4, g, n, k)
 
 
@@ -317,9 +318,9 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
         x_i = tl.sum(tl.where(p[None, None, :] == i, xf, 0.0), axis=2)  # in-thread: the compiler picks the register
         part += x_i[:, :, None] * _plane(w, hi, magic, i, PLANES)[None, :, :]
     if PLANES == 8:
-        g = (k0 + 8 * _chunk1(w.shape[0])) // GROUP  # each word's group
-        if WHOLE_K:
-            gmask = nmask[None, :] & (g < K // GROUP)[:, None]
+        g = (k0 + 8 * _chunk1(w.shape[0])) // GROUP  # each word's group (a word never spans two)
+        if WHOLE_K:  # words past K (their x and w are 0) read no scale; the last group may be ragged
+            gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]
         else:
             gmask = nmask[None, :] & (g >= 0)[:, None]
         s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)

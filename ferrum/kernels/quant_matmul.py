@@ -180,27 +180,30 @@ def dequantize_int4(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     n, k = kw.out_rows, kw.in_features
     out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
     block_n, block_k = 32, min(kw.group, 256)
-    _dequantize_int4_kernel[(triton.cdiv(n, block_n), k // block_k)](
-        kw.data, kw.scale, kw.zero, out, n, kw.stride_wn, kw.stride_sn, out.stride(0), GROUP=kw.group,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    _dequantize_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        kw.data, kw.scale, kw.zero, out, n, k, kw.stride_wn, kw.stride_sn, out.stride(0), GROUP=kw.group,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4)
     return out
 
 
 @triton.jit
-def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, N: tl.tensor,
+def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, N: tl.tensor, K: tl.tensor,
                             stride_wn: tl.tensor, stride_sn: tl.tensor, stride_on: tl.tensor, GROUP: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
-    """One [BLOCK_N, BLOCK_K] block of the dequantized weight (BLOCK_K within one group)."""
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr) -> None:
+    """One [BLOCK_N, BLOCK_K] block of the dequantized weight (BLOCK_K divides GROUP: within one
+    group; unless EVEN_K the last block, in a ragged last group, is masked at K)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     nmask = rn < N
-    words = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :],
-                    mask=nmask[:, None], other=0)
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (kw < K // 8)[None, :]
+    omask = nmask[:, None] if EVEN_K else nmask[:, None] & (kk < K)[None, :]
+    words = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kw[None, :], mask=wmask, other=0)
     s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
     z = tl.load(Z + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
     w = _unpack_int4(words) * s[:, None] + z[:, None]
-    tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + (k0 + tl.arange(0, BLOCK_K))[None, :],
-             w.to(OUT.dtype.element_ty), mask=nmask[:, None])
+    tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], w.to(OUT.dtype.element_ty), mask=omask)
 
 
 def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
@@ -223,7 +226,7 @@ def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = Non
     _gemm_kernel[grid](
         x, data, kw.scale, kw.zero, bias if bias is not None else x, out, m, n, k,
         x.stride(0), stride_wn, kw.stride_sn, out.stride(0),
-        QUANT=quant, GROUP=kw.group, BIAS=bias is not None,
+        QUANT=quant, GROUP=kw.group, BIAS=bias is not None, EVEN_K=k % block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -247,10 +250,12 @@ def _unpack_int4(words: tl.tensor) -> tl.tensor:
 def _gemm_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
                  M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
                  stride_sn: tl.tensor, stride_om: tl.tensor, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                 BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr) -> None:
+                 BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr) -> None:
     """One [BLOCK_M, BLOCK_N] tile of the output; programs in GROUP_M-row bands (the weight's
-    tiles reused from L2 across a band). QUANT, GROUP: as _gemv_kernel's (int4: BLOCK_K <= GROUP)."""
+    tiles reused from L2 across a band). QUANT, GROUP: as _gemv_kernel's (int4: BLOCK_K divides
+    GROUP, so a tile is within one group, k0 // GROUP; EVEN_K: K is whole tiles, else the last
+    tile, in a ragged last group, reads its words masked at K)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -269,8 +274,10 @@ def _gemm_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-        if QUANT == 2:  # K is whole groups and BLOCK_K divides the group: no mask along K
-            words = tl.load(w_rows + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :], mask=nmask[:, None], other=0)
+        if QUANT == 2:  # BLOCK_K divides the group: one scale and zero a row; masked along K only unless EVEN_K
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (kw < K // 8)[None, :]
+            words = tl.load(w_rows + kw[None, :], mask=wmask, other=0)
             s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
             z = tl.load(Z + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
             w = (_unpack_int4(words) * s[:, None] + z[:, None]).to(x.dtype)

@@ -3,7 +3,8 @@
     int8   qweight int8 [N, K], scale float32 [N]:               w = q * scale
     fp8    qweight float8_e4m3fn [N, K], scale float32 [N]:      w = q * scale
     int4   qweight uint8 [N, K/2] (input 2j in byte j's low nibble, 2j + 1 in its high nibble),
-           scale and zero [N, K/group_size] in the activations' dtype:  w = (q - 8) * scale + zero
+           scale and zero [N, ceil(K/group_size)] in the activations' dtype:  w = (q - 8) * scale + zero,
+           input k in group k // group_size (the last group shorter where group_size does not divide K)
 
 (the layout of ferrum.weights.quantization's QuantizedTensor, which the models' quantized linear
 layers hold and hand to the kernels as this.)

@@ -182,6 +182,24 @@ def test_triton_gemm_matches_the_dequantized_weight(kind: str) -> None:
     assert rel_err(y, x.double() @ ref_w.T + bias.double()) < 1e-2
 
 
+@pytest.mark.parametrize("k", [576, 192])  # groups of 128: the last holds 64 (SmolLM2's hidden 576)
+def test_int4_with_a_ragged_last_group(k: int) -> None:
+    """K not a multiple of the group: the GEMV (all of K in one slice, masked past K; slices of 64
+    across group boundaries; 3 rows), the W4A16 GEMM (128-wide tiles, the last one masked at K) and
+    the dequantize kernel, each against the dequantized weight (input k in group k // 128)."""
+    gen = torch.Generator().manual_seed(k)
+    n = 12
+    qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int4", 128)
+    assert qw.scale.shape == (n, -(-k // 128))
+    for rows, table in ((1, GemvTable()), (1, GemvTable.sliced(4, 64)), (3, GemvTable(k_slice=128))):
+        x = torch.randn(rows, k, generator=gen).to(DTYPE)
+        assert rel_err(tg.gemv(x.to(DEVICE), qw, table), x.double() @ ref_w.T) < 1e-2
+    x = torch.randn(5, k, generator=gen).to(DTYPE)
+    y = qm.triton_gemm(x.to(DEVICE), qw, None, qm.GemmConfig(16, 16, 128, 4, 2))
+    assert rel_err(y, x.double() @ ref_w.T) < 1e-2
+    assert rel_err(qm.dequantize_int4(qw, DTYPE), ref_w) < 4e-3
+
+
 # Triton 3.6's interpreter rounds float32 -> fp8 wrongly near a power of two (31.6 -> 16): fp8 on the GPU only
 @pytest.mark.parametrize("dtype", [torch.int8, pytest.param(torch.float8_e4m3fn, marks=gpu_only)], ids=["int8", "fp8"])
 def test_rows_quantized_per_token(dtype: torch.dtype) -> None:

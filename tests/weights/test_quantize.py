@@ -40,8 +40,8 @@ def _weight(n: int = 64, k: int = 256, seed: int = 0) -> torch.Tensor:
 
 def _scale_per_element(qt: QuantizedTensor) -> torch.Tensor:
     scale = qt.parts["scale"].float()
-    if qt.scheme.grouped:
-        return scale.repeat_interleave(qt.scheme.group_size, dim=1)
+    if qt.scheme.grouped:  # input k's group is k // g (the last group may be shorter)
+        return scale.repeat_interleave(qt.scheme.group_size, dim=1)[:, : qt.shape[1]]
     return scale[:, None].expand(qt.shape)
 
 
@@ -65,6 +65,28 @@ def test_dequantized_close_to_the_original(scheme: QuantScheme, dtype: torch.dty
         bound = scale / 2
     assert (err <= bound * (1 + 1e-5) + 1e-7).all()
     assert dequantize(qt).dtype == dtype
+
+
+@pytest.mark.parametrize("scheme", [INT4_G128, INT4_G128_SYM], ids=lambda s: s.describe())
+def test_int4_with_a_ragged_last_group(scheme: QuantScheme) -> None:
+    """K = 576 in groups of 128: five groups, the last of 64 inputs, whose range is its own inputs'
+    (the padding repeats one of them); bounds as for groups of 128."""
+    w = _weight(k=576)
+    w[:, 560:] *= 0.25  # the last group's range differs from a padded-with-zeros one's
+    qt = quantize(w, scheme)
+    assert qt.parts["scale"].shape == (64, 5) and not qt.layout_problems()
+    back = dequantize(qt)
+    err = (back - w).abs()
+    assert (err.norm() / w.norm()).item() < REL_ERROR[scheme]
+    assert (err <= _scale_per_element(qt) / 2 * (1 + 1e-5) + 1e-7).all()
+    last = w[:, 512:]
+    scale, zero = qt.parts["scale"][:, 4], qt.parts["zero"][:, 4]
+    if scheme.symmetric:
+        expected = torch.maximum(last.amin(dim=1) / -8, last.amax(dim=1) / 7)
+    else:
+        expected = (last.amax(dim=1) - last.amin(dim=1)) / 15
+        torch.testing.assert_close(zero - 8 * scale, last.amin(dim=1))
+    torch.testing.assert_close(scale, expected)
 
 
 def test_int4_packing_by_hand() -> None:
@@ -224,8 +246,8 @@ def test_quantize_must_be_last_and_fit_the_spec(tmp_path: Path) -> None:
     with pytest.raises(TransformError, match=r"w\.safetensors: tensor 'w': .*makes a floating \[N, K\] weight; "
                        r"the spec says \(32,\) bfloat16"):
         TensorSpec("w", (32,), BF16, source=source, transformations=(Quantize(INT8),))
-    with pytest.raises(TransformError, match=r"tensor 'w': 48 input features do not split into int4 groups of 32"):
-        TensorSpec("w", (4, 48), BF16, source=source, transformations=(Quantize(INT4_G32),))
+    with pytest.raises(TransformError, match=r"tensor 'w': int4 packs two inputs per byte; 47 input features"):
+        TensorSpec("w", (4, 47), BF16, source=source, transformations=(Quantize(INT4_G32),))
     with pytest.raises(TypeError, match="scheme must be a QuantScheme"):
         Quantize("int8")  # type: ignore[arg-type]
 
@@ -241,9 +263,9 @@ async def test_load_errors_name_the_file_and_tensor(tmp_path: Path) -> None:
         with pytest.raises(TransformError, match=r"tensor 'ids': .*needs a floating \[N, K\] tensor, got \(2, 128\) "
                            "int64"):
             await loader.load([_quantized("ids", (2, 128), INT8, src("ids"))])
-        with pytest.raises(TransformError, match=rf"{where}: tensor 'down': 96 input features do not split into "
-                           "int4 groups of 64"):  # the stored tensor, sliced, is not what the spec says
-            await loader.load([_quantized("down", (6, 128), QuantScheme("int4", 64), src("down"), Slice(1, 0, 96))])
+        with pytest.raises(TransformError, match=rf"{where}: tensor 'down': int4 packs two inputs per byte; 95 "
+                           "input features"):  # the stored tensor, sliced, is not what the spec says
+            await loader.load([_quantized("down", (6, 128), QuantScheme("int4", 64), src("down"), Slice(1, 0, 95))])
         with pytest.raises(SpecMismatchError, match=rf"{where}: tensor 'down' after .*: shape \(3, 256\) expected, "
                            r"got \(6, 256\)"):
             await loader.load([_quantized("down", (3, 256), INT8, src("down"))])

@@ -59,22 +59,38 @@ class LinearFactory:
     def scheme_for(self, path: str) -> QuantScheme | None:
         return None if self.quantization is None else self.quantization.scheme_for(path)
 
+    def _check_in_features(self, scheme: QuantScheme, in_features: int, what: str) -> None:
+        """QuantizationConfigError unless the layer's inputs can be stored in `scheme` and read by
+        this factory's kernels (the GPU's read int4 as 32-bit words of 8 inputs)."""
+        scheme.check_in_features(in_features, what)
+        if self.kernels == "kernels" and scheme.method == "int4" and in_features % 8:
+            raise QuantizationConfigError(
+                f"{what}: the GPU kernels read int4 as words of 8 inputs; {in_features} input features is not a "
+                "multiple of 8"
+            )
+
     def linear(self, path: str, in_features: int, out_features: int, bias: bool) -> nn.Linear | QuantizedLinear:
         scheme = self.scheme_for(path)
         if scheme is None:
             return nn.Linear(in_features, out_features, bias=bias)
-        scheme.check_in_features(in_features, path)
+        self._check_in_features(scheme, in_features, path)
         return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype)
 
     def row_parallel(self, path: str, in_features: int, out_features: int, bias: bool,
                      tp: TensorParallel) -> RowParallelLinear | QuantizedLinear:
         """A layer whose input features (`in_features`: this rank's share) are split across ranks:
-        its int4 groups must not straddle two ranks."""
+        its int4 groups must not straddle two ranks: each rank's share is whole groups (unsplit,
+        tp.size 1, the last group may be ragged)."""
         scheme = self.scheme_for(path)
         if scheme is None:
             return RowParallelLinear(in_features, out_features, bias, tp)
-        scheme.check_in_features(in_features, f"{path} (this rank's share of {in_features * tp.size} input "
-                                              f"features split over tensor_parallel_size={tp.size})")
+        if tp.size == 1:
+            self._check_in_features(scheme, in_features, path)
+        else:
+            what = (f"{path} (this rank's share of {in_features * tp.size} input features split over "
+                    f"tensor_parallel_size={tp.size})")
+            scheme.check_shard(in_features, what)
+            self._check_in_features(scheme, in_features, what)
         return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype, tp.all_reduce)
 
     def lm_head(self, rows: int, hidden: int, vocab_size: int,
@@ -84,7 +100,7 @@ class LinearFactory:
         if scheme is None:
             return nn.Linear(hidden, vocab_size, bias=False) if tp.size == 1 else ParallelLMHead(
                 rows, hidden, vocab_size, tp)
-        scheme.check_in_features(hidden, "lm_head")
+        self._check_in_features(scheme, hidden, "lm_head")
         combine = None if tp.size == 1 else partial(_gather_vocab, tp, vocab_size)
         return QuantizedLinear(hidden, rows, False, scheme, self.kernels, self.dtype, combine)
 

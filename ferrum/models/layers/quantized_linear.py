@@ -74,21 +74,24 @@ class CpuInt8Method(LinearMethod):
 
 class CpuInt4Method(LinearMethod):
     """torch._weight_int4pack_mm_for_cpu, whose dequantization is ours, (q - 8) * scale + zero, on
-    its own layout: the packed weight [N', K/2] (N' the rows rounded up to 16) and the scales and
-    zeros interleaved [K/g, N', 2]. prepare() repacks the storage into it, in place of the parts."""
+    its own layout: the packed weight [N', K'/2] (N' the rows rounded up to 16, K' the inputs to
+    whole groups: the op needs K a multiple of the group size) and the scales and zeros interleaved
+    [K'/g, N', 2]. prepare() repacks the storage into it, in place of the parts; a ragged last
+    group's padding inputs hold q = 8 and meet zeros that matmul pads x with."""
 
     def prepare(self, layer: QuantizedLinear) -> None:
         n, k = layer.shape
-        padded = -(-n // _INT4_CPU_ROWS) * _INT4_CPU_ROWS
-        packed = torch.empty((padded, k // 2), dtype=torch.uint8)
+        groups = layer.scheme.groups(k)
+        padded, padded_k = -(-n // _INT4_CPU_ROWS) * _INT4_CPU_ROWS, groups * layer.scheme.group_size
+        packed = torch.empty((padded, padded_k // 2), dtype=torch.uint8)
         values = unpack_int4(layer.qweight)  # uint8 [N, K]
         for start in range(0, padded, _INT4_CPU_CHUNK):
             end = min(start + _INT4_CPU_CHUNK, padded)
-            chunk = torch.full((end - start, k), 8, dtype=torch.int32)  # padding rows: (8 - 8) * 0 + 0
+            chunk = torch.full((end - start, padded_k), 8, dtype=torch.int32)  # padding: (8 - 8) * 0 + 0, or x's 0s
             real = values[start:min(end, n)]
-            chunk[: real.shape[0]] = real
+            chunk[: real.shape[0], :k] = real
             packed[start:end] = torch._convert_weight_to_int4pack_for_cpu(chunk, 2)
-        scales_and_zeros = torch.zeros((k // layer.scheme.group_size, padded, 2), dtype=layer.dtype)
+        scales_and_zeros = torch.zeros((groups, padded, 2), dtype=layer.dtype)
         scales_and_zeros[:, :n, 0] = layer.scale.t()
         scales_and_zeros[:, :n, 1] = layer.zero.t()
         for name in ("qweight", "scale", "zero"):
@@ -98,6 +101,9 @@ class CpuInt4Method(LinearMethod):
         layer.repacked = True
 
     def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        padded_k = 2 * layer.packed.shape[1]
+        if padded_k != layer.in_features:  # a ragged last group: x's padding inputs are zeros
+            x = F.pad(x, (0, padded_k - layer.in_features))
         y = torch._weight_int4pack_mm_for_cpu(x, layer.packed, layer.scheme.group_size, layer.scales_and_zeros)
         return y if y.shape[-1] == layer.out_features else y[..., : layer.out_features]
 

@@ -23,7 +23,7 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedTensor:
         raise ValueError(f"quantize: needs a floating [N, K] weight, got {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
     if scheme.grouped:
-        scheme.check_in_features(k, "quantize")
+        scheme.check_in_features(k, "quantize")  # even K; the last group may be shorter than group_size
     out = QuantizedTensor.empty(scheme, n, k, weight.dtype, device=weight.device)
     rows = max(1, _BLOCK_ELEMENTS // max(k, 1))
     for start in range(0, n, rows):
@@ -46,8 +46,10 @@ def _quantize_rows(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch
             scale = amax / FP8_MAX
             q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return {"qweight": q, "scale": scale}
-    g = scheme.group_size
-    grouped = w.reshape(n, k // g, g)
+    g, groups = scheme.group_size, scheme.groups(k)
+    if groups * g != k:  # a ragged last group: filled up with its own last input, so its min and max stay its own
+        w = torch.cat((w, w[:, -1:].expand(n, groups * g - k)), dim=1)
+    grouped = w.reshape(n, groups, g)
     if scheme.symmetric:  # q - 8 in -8..7: the smallest scale that puts the group's min at >= -8, its max at <= 7
         scale = torch.maximum(grouped.amin(dim=2) / -8.0, grouped.amax(dim=2) / 7.0).clamp_min(_TINY)
         zero = torch.zeros_like(scale)
@@ -59,7 +61,7 @@ def _quantize_rows(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch
     scale_s = scale.to(weight.dtype).clamp_min(torch.finfo(weight.dtype).tiny)
     zero_s = zero.to(weight.dtype)
     q = ((grouped - zero_s.float()[..., None]) / scale_s.float()[..., None]).round_().add_(8).clamp_(0, 15)
-    q8 = q.reshape(n, k).to(torch.uint8)
+    q8 = q.reshape(n, groups * g)[:, :k].to(torch.uint8)
     return {"qweight": q8[:, 0::2] | (q8[:, 1::2] << 4), "scale": scale_s, "zero": zero_s}
 
 
@@ -74,8 +76,7 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     q, scale = qt.parts["qweight"], qt.parts["scale"].float()
     if qt.scheme.method in ("int8", "fp8"):
         return (q.float() * scale[:, None]).to(dtype)
-    n, k = qt.shape
-    g = qt.scheme.group_size
-    values = unpack_int4(q).float().reshape(n, k // g, g)
-    w = (values - 8.0) * scale[..., None] + qt.parts["zero"].float()[..., None]
-    return w.reshape(n, k).to(dtype)
+    g, k = qt.scheme.group_size, qt.shape[1]
+    scale = scale.repeat_interleave(g, dim=1)[:, :k]  # input k's group is k // g (the last one may be ragged)
+    zero = qt.parts["zero"].float().repeat_interleave(g, dim=1)[:, :k]
+    return ((unpack_int4(q).float() - 8.0) * scale + zero).to(dtype)

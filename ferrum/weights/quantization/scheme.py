@@ -2,8 +2,9 @@
 for every layer: `QuantizationConfig` (YAML's `quantization:` section, `--quantization`).
 
     int8   symmetric, one scale per output channel: w = q * scale            (q int8)
-    int4   groups of `group_size` inputs per output channel, asymmetric (min/max) unless
-           `symmetric`: w = (q - 8) * scale + zero                          (q 0..15, two per byte)
+    int4   groups of `group_size` inputs per output channel (the last one shorter where
+           group_size does not divide K), asymmetric (min/max) unless `symmetric`:
+           w = (q - 8) * scale + zero                                       (q 0..15, two per byte)
     fp8    float8 e4m3, one scale per output channel: w = q * scale         (compute capability 8.9+ on CUDA)
 """
 
@@ -64,14 +65,29 @@ class QuantScheme:
     def grouped(self) -> bool:
         return self.method == "int4"
 
+    def groups(self, in_features: int) -> int:
+        """int4's groups a row of `in_features` inputs: ceil(K / group_size), the last one ragged
+        (K - (groups - 1) * group_size inputs) where group_size does not divide K."""
+        return -(-in_features // self.group_size)
+
     def check_in_features(self, in_features: int, what: str) -> None:
-        """QuantizationConfigError unless `in_features` of layer `what` split into whole groups."""
+        """QuantizationConfigError unless layer `what` with `in_features` inputs can be stored in
+        this scheme (int4: two inputs a byte, so an even number; any number of groups, the last
+        one possibly shorter)."""
+        if self.method == "int4" and (in_features < 2 or in_features % 2):
+            raise QuantizationConfigError(
+                f"{what}: int4 packs two inputs per byte; {in_features} input features is not a positive even number"
+            )
+
+    def check_shard(self, in_features: int, what: str) -> None:
+        """check_in_features, and for a tensor-parallel shard of the input features: its int4
+        groups must be whole (a group never straddles two ranks)."""
+        self.check_in_features(in_features, what)
         if self.grouped and in_features % self.group_size:
             raise QuantizationConfigError(
-                f"{what}: {in_features} input features do not split into int4 groups of {self.group_size}"
+                f"{what}: {in_features} input features do not split into int4 groups of {self.group_size} "
+                "(a group would straddle two ranks)"
             )
-        if in_features % 2 and self.method == "int4":
-            raise QuantizationConfigError(f"{what}: int4 packs two inputs per byte; {in_features} is odd")
 
     def describe(self) -> str:
         if self.method == "int4":

@@ -2,8 +2,9 @@
 
     int8   qweight int8 [N, K]             scale float32 [N]
     fp8    qweight float8_e4m3fn [N, K]    scale float32 [N]
-    int4   qweight uint8 [N, K/2]          scale [N, K/g], zero [N, K/g] (in the weight's own dtype)
-           byte j of a row holds input 2j in its low nibble and input 2j + 1 in its high nibble
+    int4   qweight uint8 [N, K/2]          scale [N, ceil(K/g)], zero [N, ceil(K/g)] (in the weight's own dtype)
+           byte j of a row holds input 2j in its low nibble and input 2j + 1 in its high nibble;
+           input k is in group k // g (the last group holds K - (groups - 1) * g inputs)
 
 Every part's first dimension is the output channel, so rows [a, b) of the weight are rows [a, b)
 of every part (a fused q/k/v projection is filled one checkpoint tensor at a time), and a group
@@ -31,7 +32,7 @@ def part_layout(
         return {"qweight": ((n, k), torch.int8), "scale": ((n,), torch.float32)}
     if scheme.method == "fp8":
         return {"qweight": ((n, k), torch.float8_e4m3fn), "scale": ((n,), torch.float32)}
-    groups = k // scheme.group_size
+    groups = scheme.groups(k)
     return {"qweight": ((n, k // 2), torch.uint8), "scale": ((n, groups), dtype), "zero": ((n, groups), dtype)}
 
 
