@@ -38,6 +38,9 @@ class OfflineResult:
     total_input_tokens: int
     total_output_tokens: int
     requested_output_tokens: int
+    weight_bytes: int = 0  # the model's weights as stored on its device(s), every rank summed
+    peak_load_host_bytes: int = 0  # the resident set at its highest while the weights loaded
+    peak_load_device_bytes: int = 0  # the device allocator's peak while the weights loaded (CPU: 0)
 
     @property
     def requests_per_s(self) -> float:
@@ -105,6 +108,7 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
             engine.device.runtime.synchronize()
             elapsed = time.perf_counter() - started
         device, dtype, settings = engine.device, engine.dtype, _settings(engine.config)
+        reports = engine.rank_reports
     finally:  # tensor-parallel ranks stopped and torch.distributed left before the interpreter exits
         engine.release()
     return OfflineResult(
@@ -120,6 +124,9 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
         total_input_tokens=sum(r.prompt_len for r in requests),
         total_output_tokens=sum(counts),
         requested_output_tokens=sum(r.output_len for r in requests),
+        weight_bytes=sum(r.nbytes for r in reports),
+        peak_load_host_bytes=max((r.peak_host_bytes for r in reports), default=0),
+        peak_load_device_bytes=max((r.peak_device_bytes for r in reports), default=0),
     )
 
 

@@ -53,6 +53,9 @@ def offline_json(result: OfflineResult) -> dict[str, Any]:
         "requests_per_s": result.requests_per_s,
         "output_tokens_per_s": result.output_tokens_per_s,
         "total_tokens_per_s": result.total_tokens_per_s,
+        "weight_bytes": result.weight_bytes,
+        "peak_load_host_bytes": result.peak_load_host_bytes,
+        "peak_load_device_bytes": result.peak_load_device_bytes,
     }
 
 
@@ -151,6 +154,8 @@ def offline_table(result: OfflineResult) -> str:
         _line("Device name", result.device_name),
         _line("Dtype", result.dtype),
         _line("Quantization", _quantization_label(result.engine.get("quantization"))),
+        _line("Weights (GB, as stored)", result.weight_bytes / 1e9),
+        _line("Peak host memory while loading (GB)", result.peak_load_host_bytes / 1e9),
         _line("Requests", result.num_requests),
         _line("Shared prefix (tokens)", result.workload.prefix_len),
         _line("Elapsed (s)", result.elapsed_s),

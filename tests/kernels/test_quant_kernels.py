@@ -255,7 +255,7 @@ def test_quantized_gemv_at_llama_8b_shapes(kind: str) -> None:
         for m in (1, 4):
             x = torch.randn(m, k, generator=gen).to(DTYPE)
             res = torch.randn(m, n, generator=gen).to(DTYPE)
-            y = tg.gemv(x.to(DEVICE), qw, config.gemv_table(kind), norm_weight=norm_w.to(DEVICE) if norm else None,
+            y = tg.gemv(x.to(DEVICE), qw, config.gemv_table(qw.kind), norm_weight=norm_w.to(DEVICE) if norm else None,
                         gated=gated, residual=res.to(DEVICE) if residual else None, pdl=True)
             ref = (rms_normed(x, norm_w, 1e-6) if norm else x.double()) @ ref_w.T
             if gated:
