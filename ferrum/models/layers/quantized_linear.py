@@ -114,12 +114,16 @@ class CpuInt4Method(LinearMethod):
         return self.matmul(layer, eye).t().contiguous()
 
 
-def linear_method(kernels: QuantKernels, scheme: QuantScheme) -> LinearMethod:
+def linear_method(kernels: QuantKernels, scheme: QuantScheme, dtype: torch.dtype) -> LinearMethod:
+    """The CPU's int8 / int4 ops only where the activations are half precision: in float32 they ran
+    the demo model 7x (int8) and 15x (int4) slower than dequantizing each weight per call
+    (scripts/quant_cpu_bench.py, AMD EPYC Zen 4: 5.5 and 2.5 against 38 tokens/s)."""
     if kernels == "kernels":
         return KernelsMethod()
-    if kernels == "cpu" and scheme.method == "int8":
+    half = dtype in (torch.bfloat16, torch.float16)
+    if kernels == "cpu" and half and scheme.method == "int8":
         return CpuInt8Method()
-    if kernels == "cpu" and scheme.method == "int4":
+    if kernels == "cpu" and half and scheme.method == "int4":
         return CpuInt4Method()
     return DequantizeMethod()
 
@@ -145,7 +149,7 @@ class QuantizedLinear(nn.Module):
         for name, (shape, part_dtype) in part_layout(scheme, out_features, in_features, dtype).items():
             self.register_buffer(name, torch.empty(shape, dtype=part_dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.method = linear_method(kernels, scheme)
+        self.method = linear_method(kernels, scheme, dtype)
         self.repacked = False  # prepare() put the storage into the method's own layout
 
     @property
