@@ -24,7 +24,7 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                    fp8     M > 16, K and N multiples of 16: W8A8 in float8 e4m3, x per row to fp8
                            (scale = max|x_row| / 448), then torch._scaled_mm with row-wise scales
                            (scale_a [M, 1], scale_b [1, N] float32, compute capability 9.0);
-                           otherwise the Triton GEMM (W8A16)
+                           otherwise (and on 8.9 GPUs) the Triton GEMM (W8A16)
 
 Expected error against x @ dequantize(w).T in float32, relative (Frobenius), for activations
 without outliers (tests/kernels/test_quant_kernels.py checks these bounds):
@@ -33,12 +33,12 @@ without outliers (tests/kernels/test_quant_kernels.py checks these bounds):
     W8A8 int8        ~1e-2: x's rounding to 1/127 of its row's largest magnitude     bound 2e-2
     W8A8 fp8         ~3e-2: x's rounding to e4m3's 3 mantissa bits                   bound 5e-2
 (per-row activation scales grow the W8A8 error with a row's outliers: max|x| / rms(x).)
-The method's device (fp8: compute capability 9.0 for row-wise _scaled_mm) is checked at start-up,
-not here.
+Whether the device runs the method at all (fp8: compute capability 8.9) is checked at start-up.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -96,11 +96,19 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
     elif w.kind == "int8" and m > 16 and k % 8 == 0 and n % 8 == 0:
         y = _w8a8_int8(flat, w, bias)
-    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0:
+    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0 and _rowwise_scaled_mm(x.device):
         y = _w8a8_fp8(flat, w, bias)
     else:
         y = triton_gemm(flat, w, bias)
     return y.reshape(*x.shape[:-1], n)
+
+
+@functools.cache
+def _rowwise_scaled_mm(device: torch.device) -> bool:
+    """torch._scaled_mm's row-wise scales need compute capability 9.0; an 8.9 GPU (which runs fp8
+    at all) takes the Triton W8A16 GEMM instead. (Off CUDA, under Triton's interpreter, torch's own
+    _scaled_mm takes them.)"""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _w8a8_int8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
