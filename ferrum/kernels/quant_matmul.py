@@ -38,7 +38,6 @@ Whether the device runs the method at all (fp8: compute capability 8.9) is check
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +76,11 @@ def _gemm_config(m: int) -> GemmConfig:
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
-                 table: GemvTable | None = None) -> torch.Tensor:
+                 table: GemvTable | None = None, fp8_rowwise: bool = True) -> torch.Tensor:
     """x [..., K] (contiguous along K) @ dequantize(w).T + bias -> [..., N] in x's dtype, by the
     path the module docstring gives for M (the rows of x) and w.kind. table: the GEMV's for M <=
-    GEMV_ROWS (default: KernelConfig's for w.kind)."""
+    GEMV_ROWS (default: KernelConfig's for w.kind). fp8_rowwise: torch._scaled_mm takes row-wise
+    scales on this device (compute capability 9.0; an 8.9 GPU takes the Triton W8A16 GEMM)."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"quant_matmul: x has {x.shape[-1]} features, the {w.kind} weight takes {k}")
@@ -96,19 +96,11 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
     elif w.kind == "int8" and m > 16 and k % 8 == 0 and n % 8 == 0:
         y = _w8a8_int8(flat, w, bias)
-    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0 and _rowwise_scaled_mm(x.device):
+    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0 and fp8_rowwise:
         y = _w8a8_fp8(flat, w, bias)
     else:
         y = triton_gemm(flat, w, bias)
     return y.reshape(*x.shape[:-1], n)
-
-
-@functools.cache
-def _rowwise_scaled_mm(device: torch.device) -> bool:
-    """torch._scaled_mm's row-wise scales need compute capability 9.0; an 8.9 GPU (which runs fp8
-    at all) takes the Triton W8A16 GEMM instead. (Off CUDA, under Triton's interpreter, torch's own
-    _scaled_mm takes them.)"""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _w8a8_int8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:

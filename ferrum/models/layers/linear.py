@@ -44,6 +44,7 @@ class LinearFactory:
     quantization: QuantizationConfig | None = None
     dtype: torch.dtype = torch.float32
     kernels: QuantKernels = "cpu"
+    fp8_rowwise: bool = True  # CUDA: torch._scaled_mm takes row-wise scales (compute capability 9.0)
 
     @classmethod
     def for_device(cls, device: Device, dtype: torch.dtype, quantization: QuantizationConfig | None) -> LinearFactory:
@@ -54,7 +55,7 @@ class LinearFactory:
                 f"quantization fp8 needs compute capability 8.9 or later; {device.name} ({device.description}) "
                 f"has {cc[0]}.{cc[1]}: use int8 or int4"
             )
-        return cls(quantization, dtype, quant_kernels(device))
+        return cls(quantization, dtype, quant_kernels(device), (device.compute_capability or (9, 0)) >= (9, 0))
 
     def scheme_for(self, path: str) -> QuantScheme | None:
         return None if self.quantization is None else self.quantization.scheme_for(path)
@@ -74,7 +75,8 @@ class LinearFactory:
         if scheme is None:
             return nn.Linear(in_features, out_features, bias=bias)
         self._check_in_features(scheme, in_features, path)
-        return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype)
+        return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype,
+                               fp8_rowwise=self.fp8_rowwise)
 
     def row_parallel(self, path: str, in_features: int, out_features: int, bias: bool,
                      tp: TensorParallel) -> RowParallelLinear | QuantizedLinear:
@@ -91,7 +93,8 @@ class LinearFactory:
                     f"tensor_parallel_size={tp.size})")
             scheme.check_shard(in_features, what)
             self._check_in_features(scheme, in_features, what)
-        return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype, tp.all_reduce)
+        return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype, tp.all_reduce,
+                               fp8_rowwise=self.fp8_rowwise)
 
     def lm_head(self, rows: int, hidden: int, vocab_size: int,
                 tp: TensorParallel) -> nn.Linear | ParallelLMHead | QuantizedLinear:
@@ -102,7 +105,8 @@ class LinearFactory:
                 rows, hidden, vocab_size, tp)
         self._check_in_features(scheme, hidden, "lm_head")
         combine = None if tp.size == 1 else partial(_gather_vocab, tp, vocab_size)
-        return QuantizedLinear(hidden, rows, False, scheme, self.kernels, self.dtype, combine)
+        return QuantizedLinear(hidden, rows, False, scheme, self.kernels, self.dtype, combine,
+                               fp8_rowwise=self.fp8_rowwise)
 
 
 def check_skip(quantization: QuantizationConfig, layers: Iterable[str]) -> None:

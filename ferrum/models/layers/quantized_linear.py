@@ -53,13 +53,14 @@ class DequantizeMethod(LinearMethod):
 
 
 class KernelsMethod(LinearMethod):
-    def __init__(self) -> None:
+    def __init__(self, fp8_rowwise: bool) -> None:
         from ferrum.kernels.quant_matmul import quant_matmul
 
         self.quant_matmul = quant_matmul
+        self.fp8_rowwise = fp8_rowwise  # the device's _scaled_mm takes row-wise scales (cc 9.0)
 
     def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_matmul(x, layer.kernel_weight())
+        return self.quant_matmul(x, layer.kernel_weight(), fp8_rowwise=self.fp8_rowwise)
 
 
 class CpuInt8Method(LinearMethod):
@@ -114,12 +115,13 @@ class CpuInt4Method(LinearMethod):
         return self.matmul(layer, eye).t().contiguous()
 
 
-def linear_method(kernels: QuantKernels, scheme: QuantScheme, dtype: torch.dtype) -> LinearMethod:
+def linear_method(kernels: QuantKernels, scheme: QuantScheme, dtype: torch.dtype,
+                  fp8_rowwise: bool = True) -> LinearMethod:
     """The CPU's int8 / int4 ops only where the activations are half precision: in float32 they ran
     the demo model 7x (int8) and 15x (int4) slower than dequantizing each weight per call
     (scripts/quant_cpu_bench.py, AMD EPYC Zen 4: 5.5 and 2.5 against 38 tokens/s)."""
     if kernels == "kernels":
-        return KernelsMethod()
+        return KernelsMethod(fp8_rowwise)
     half = dtype in (torch.bfloat16, torch.float16)
     if kernels == "cpu" and half and scheme.method == "int8":
         return CpuInt8Method()
@@ -142,14 +144,15 @@ class QuantizedLinear(nn.Module):
     scales_and_zeros: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
-                 kernels: QuantKernels, dtype: torch.dtype, combine: Combine | None = None) -> None:
+                 kernels: QuantKernels, dtype: torch.dtype, combine: Combine | None = None,
+                 fp8_rowwise: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.dtype, self.combine = scheme, dtype, combine
         for name, (shape, part_dtype) in part_layout(scheme, out_features, in_features, dtype).items():
             self.register_buffer(name, torch.empty(shape, dtype=part_dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.method = linear_method(kernels, scheme, dtype)
+        self.method = linear_method(kernels, scheme, dtype, fp8_rowwise)
         self.repacked = False  # prepare() put the storage into the method's own layout
 
     @property
