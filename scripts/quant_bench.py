@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -34,25 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from gemv_bench import read_bandwidth  # noqa: E402 - a 2 GiB sum, as the GEMV benches measure it
 from gpu_suite import RESULTS, checkpoint, gpu_engine, record, time_batch1_decode  # noqa: E402 - shared GPU timing
-
-
-def read_bandwidth(elements: int = 2**30) -> float:
-    """Bytes per second of a pure read: a sum over `elements` bf16 values (2 GiB)."""
-    x = torch.ones(elements, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        x.sum()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        x.sum()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del x
-    torch.cuda.empty_cache()
-    return elements * 2 / statistics.median(times)
 
 
 def linear_bytes(n: int, k: int, method: str, group: int = 128) -> int:

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -29,6 +27,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gemv_bench import graph_time, read_bandwidth  # noqa: E402 - the same timing as the bf16 GEMV bench
 
 from ferrum.kernels.config import GemvTable, KernelConfig  # noqa: E402
 from ferrum.kernels.gemv import gemv, kernel_weight, qkv_rope_store, slicing  # noqa: E402
@@ -53,36 +54,6 @@ class Rows(list[Row]):
     def append(self, row: Row) -> None:
         print("  ".join(row), flush=True)
         super().append(row)
-
-
-def graph_time(fn: Callable[[], object], reps: int = 30) -> float:
-    """Median seconds of one replay of a CUDA graph of fn()."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del g
-    return statistics.median(times)
-
-
-def read_bandwidth() -> float:
-    big = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")
-    return 2 * 2**30 / graph_time(partial(torch.sum, big, dtype=torch.float32), 10)
 
 
 def random_weight(kind: str, n: int, k: int) -> torch.Tensor | QuantWeight:

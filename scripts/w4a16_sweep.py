@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +16,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gemv_bench import graph_time  # noqa: E402 - median of CUDA-graph replays
 
 from ferrum.kernels.quant_matmul import GemmConfig, triton_gemm  # noqa: E402
 from ferrum.kernels.quant_weight import QuantWeight  # noqa: E402
@@ -30,19 +32,6 @@ TILINGS = [GemmConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
     (64, 128, 64, 4, 3), (32, 128, 128, 4, 3)]]
 
 
-def timed(call: Callable[[], object], reps: int = 50) -> float:
-    for _ in range(5):
-        call()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        call()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps * 1e3  # microseconds
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="16,64")
@@ -53,13 +42,13 @@ def main() -> None:
         qw = QuantWeight("int4", qt.parts["qweight"], qt.parts["scale"], qt.parts["zero"], 128)
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            base = timed(partial(torch.nn.functional.linear, x, w))
+            base = graph_time(partial(torch.nn.functional.linear, x, w)) * 1e6
             results = []
             for cfg in TILINGS:
                 if cfg.block_m > max(16, m):
                     continue
                 try:
-                    results.append((timed(partial(triton_gemm, x, qw, None, cfg)), cfg))
+                    results.append((graph_time(partial(triton_gemm, x, qw, None, cfg)) * 1e6, cfg))
                 except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is skipped
                     print(f"{name} M={m} {cfg}: {type(exc).__name__}", flush=True)
             results.sort(key=lambda r: r[0])
