@@ -1,8 +1,10 @@
 """The int4 W4A16 Triton GEMM (ferrum.kernels.quant_matmul.triton_gemm) at decode-batch sizes on a
-CUDA GPU: each tiling of a small grid against bf16 cuBLAS on the Llama-3.1-8B projections; prints,
-per shape and M, every tiling's time and the best against cuBLAS.
+CUDA GPU: each candidate tiling (block_n, block_k, split_k, x permuted or read strided, warps; block_m
+from M as w4a16_config takes it) against bf16 cuBLAS on the Llama-3.1-8B projections. Prints, per
+shape and M, every candidate's time (the launch, split-K's reduce and permute_x's copy of x included)
+and error against the dequantized weight, the table's own pick (w4a16_config), and the best.
 
-    python scripts/w4a16_sweep.py [--m 16,64]
+    python scripts/w4a16_sweep.py [--m 16,64] [--shapes qkv,o,gate_up,down] [--quick]
 """
 
 from __future__ import annotations
@@ -20,41 +22,59 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from gemv_bench import graph_time  # noqa: E402 - median of CUDA-graph replays
 
-from ferrum.kernels.quant_matmul import GemmConfig, triton_gemm  # noqa: E402
+from ferrum.kernels.quant_matmul import GemmConfig, triton_gemm, w4a16_config  # noqa: E402
 from ferrum.kernels.quant_weight import QuantWeight  # noqa: E402
-from ferrum.weights.quantization.arith import quantize  # noqa: E402
+from ferrum.weights.quantization.arith import dequantize, quantize  # noqa: E402
 from ferrum.weights.quantization.scheme import QuantScheme  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TILINGS = [GemmConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
-    (16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 16, 128, 2, 4), (16, 128, 128, 4, 3), (16, 64, 64, 4, 4),
-    (16, 32, 64, 2, 4), (32, 64, 128, 4, 4), (32, 32, 128, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 4),
-    (64, 128, 64, 4, 3), (32, 128, 128, 4, 3)]]
+# (block_n, block_k, num_warps, num_stages) x split_k x permute_x; block_m from M (w4a16_config's rule)
+TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 4, 3), (128, 256, 8, 3)]
+QUICK_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 8, 4)]
+SPLITS = (1, 2, 4, 8)
+
+
+def tilings(m: int, quick: bool) -> list[GemmConfig]:
+    block_m = w4a16_config(m, 1, 4096).block_m
+    return [GemmConfig(block_m, bn, bk, warps, stages, split, permute)
+            for bn, bk, warps, stages in (QUICK_TILES if quick else TILES)
+            for split in SPLITS for permute in (False, True)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="16,64")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--quick", action="store_true", help="three tiles a program, not six")
     args = p.parse_args()
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
         qt = quantize(w, QuantScheme("int4", 128))
         qw = QuantWeight("int4", qt.parts["qweight"], qt.parts["scale"], qt.parts["zero"], 128)
+        deq = dequantize(qt, torch.bfloat16)
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = torch.nn.functional.linear(x, deq).float()
             base = graph_time(partial(torch.nn.functional.linear, x, w)) * 1e6
+            table = w4a16_config(m, n, k)
             results = []
-            for cfg in TILINGS:
-                if cfg.block_m > max(16, m):
-                    continue
+            for cfg in [table] + [c for c in tilings(m, args.quick) if c != table]:
                 try:
-                    results.append((graph_time(partial(triton_gemm, x, qw, None, cfg)) * 1e6, cfg))
+                    y = triton_gemm(x, qw, None, cfg).float()
+                    err = float((y - ref).norm() / ref.norm())
+                    results.append((graph_time(partial(triton_gemm, x, qw, None, cfg)) * 1e6, err, cfg))
                 except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is skipped
-                    print(f"{name} M={m} {cfg}: {type(exc).__name__}", flush=True)
+                    print(f"{name} M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            if not results:
+                continue
+            picked = results[0]
             results.sort(key=lambda r: r[0])
-            for us, cfg in results:
-                print(f"{name} N={n} K={k} M={m}: {us:8.1f} us  {cfg}", flush=True)
-            print(f"BEST {name} M={m}: {results[0][0]:.1f} us ({results[0][1]}) vs bf16 cuBLAS {base:.1f} us -> "
+            for us, err, cfg in results:
+                flag = "  WRONG" if err > 1e-2 else ""
+                print(f"{name} N={n} K={k} M={m}: {us:8.1f} us  err {err:.1e}{flag}  {cfg}", flush=True)
+            print(f"TABLE {name} M={m}: {picked[0]:.1f} us ({picked[2]}) -> {base / picked[0]:.2f}x cuBLAS", flush=True)
+            print(f"BEST {name} M={m}: {results[0][0]:.1f} us ({results[0][2]}) vs bf16 cuBLAS {base:.1f} us -> "
                   f"{base / results[0][0]:.2f}x", flush=True)
 
 

@@ -73,7 +73,7 @@ class GPUModelRunner:
             fused = FusedDecode(model, kernels, attention.pdl) if kernels.fused_decode_rows else None
             max_num_seqs = config.seqs_per_step
             self.graphs = DecodeGraphs(
-                model, self.kv_caches, layout, attention, fused, kernels.fused_decode_rows, max_num_seqs,
+                model, self.kv_caches, layout, attention, fused, fused.max_rows if fused else 0, max_num_seqs,
                 layout.blocks_for(max_model_len), max(1, config.num_scheduler_steps), self.trash_block, self.device,
             )
             self.graphs.capture(graph_sizes if graph_sizes is not None else graph_batch_sizes(max_num_seqs))

@@ -26,20 +26,22 @@ once where it can be:
     fp8        [BLOCK_N, BLOCK_K] tiles as for bf16, converted to float32; the per-channel scale
                multiplies the sums after the K loop
     int8       the bytes read as int32 words of 4 inputs, int4 as words of 8, each word read as
-               "planes": input i of every word as float32 by a mask and an OR into the mantissa of
-               2^e (the bits land as 2^e + q exactly: one logic op and one add an input, no
-               conversion instruction, which the SM runs 4x slower), times input i of x. x is read
-               as [rows, words, inputs a word], 16 (8) contiguous bytes a thread lined up with that
-               thread's word, so the planes need no data movement; a tile is [words, BLOCK_N] with
-               threads along the words (coalesced) and the sums stay per word through the K loop.
-               int4: each word's sum times its group's scale, plus the zero times the sum of the
-               word's x; int8: the per-channel scale after the K loop.
+               "planes": input i of every word as float32 by a shift, a mask and an OR into the
+               mantissa of 2^e (the bits land as 2^e + q exactly, no conversion instruction), times
+               input i of x, each word's sum started from minus its x times the offsets 2^e, so no
+               subtraction an input. x is read as [rows, words, inputs a word], 16 (8) contiguous
+               bytes a thread lined up with that thread's word, so the planes need no data movement;
+               a tile is [words, BLOCK_N] with threads along the words (coalesced) and the sums stay
+               per word through the K loop. int4: each word's sum times its group's scale, plus the
+               zero times the sum of the word's x; int8: the per-channel scale after the K loop.
 
 A quantized row is 2x (int8, fp8) or 4x (int4) fewer bytes: its kind has its own table
 (KernelConfig.gemv_table). Measured on an H100 (scripts/quant_gemv_bench.py, Llama-3.1-8B shapes,
-batch 1, the 32-layer chain): bf16 95% of its weight-bytes floor, fp8 80%, int8 79%, int4 56%. int4
-runs about 5 instructions an input (3 in the product, the rest x's planes and the per-word group
-scales) against the ~4.5 an SM can issue per input at full bandwidth: it is issue-bound.
+batch 1, the 32-layer chain with the bf16 head): bf16 95% of its weight-bytes floor, int8 89%, fp8
+80%, int4 58%. Dropping the subtraction an input took int8 from 78% and int4 from 55%; int4 reading
+int64 words of 16 inputs (8-byte loads) fell to 26% (x's planes no longer line up with the words, so
+every slice moves through shared memory). At 4 rows the chain is 3-7x its floor: an input's
+instructions repeat a row.
 """
 
 from __future__ import annotations
@@ -150,20 +152,32 @@ def _load_weights(w_rows: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tens
 
 
 @triton.jit
-def _plane(words: tl.tensor, hi: tl.tensor, magic: tl.tensor, i: tl.constexpr, PLANES: tl.constexpr) -> tl.tensor:
-    """Input i of each word as float32: int4 (PLANES 8) q - 8; int8 (PLANES 4, words ^ 0x80808080,
-    offset binary) q. Its bits OR-ed into the mantissa of 2^e (magic = 2^23's bits, e = 23 - their
-    offset in the half word) make the float 2^e + bits exactly: one logic op and one add an input,
-    no conversion instruction (magic comes in a register, so that the OR and the mask are one op)."""
+def _plane(words: tl.tensor, magic: tl.tensor, i: tl.constexpr, PLANES: tl.constexpr) -> tl.tensor:
+    """Input i of each word as a float32 2^e + u, u its stored bits (int4: q; int8: words ^
+    0x80808080, q + 128): one shift brings inputs 2t and 2t + 1 to the top of the mantissa (int4: bits
+    15-18 and 19-22; int8: 7-14 and 15-22), one logic op masks the input's bits and ORs them into the
+    mantissa of 2^e (magic = 2^23's bits in a register, so that the mask and the OR are one op), e =
+    23 - the slot's lowest bit (int4: 2^8 + q, 2^4 + q; int8: 2^16 + u, 2^8 + u). No conversion
+    instruction (the SM runs those 4x slower) and no subtraction: each word's sums start from minus
+    its x times these offsets (_plane_offsets)."""
     BITS: tl.constexpr = 32 // PLANES
-    sh: tl.constexpr = BITS * (i % (PLANES // 2))
-    mask: tl.constexpr = ((1 << BITS) - 1) << sh
-    off: tl.constexpr = (1 << (23 - sh)) + (8 if PLANES == 8 else 128)
-    if i < PLANES // 2:
-        v = (words & mask) | (magic - (sh << 23))
+    shift: tl.constexpr = (15 - 8 * (i // 2)) if PLANES == 8 else (7 - 16 * (i // 2))
+    slot: tl.constexpr = (15 if PLANES == 8 else 7) + BITS * (i % 2)
+    mask: tl.constexpr = ((1 << BITS) - 1) << slot
+    if shift > 0:
+        t = words << shift
     else:
-        v = (hi & mask) | (magic - (sh << 23))
-    return v.to(tl.float32, bitcast=True) - off
+        t = words >> -shift
+    return ((t & mask) | (magic - (slot << 23))).to(tl.float32, bitcast=True)  # 2^(23 - slot) + u
+
+
+@triton.jit
+def _plane_offsets(PLANES: tl.constexpr) -> tl.tensor:
+    """[PLANES] float32: each input's float from _plane less its value (int4: q - 8; int8: q)."""
+    p = tl.arange(0, PLANES)
+    if PLANES == 8:
+        return tl.where(p % 2 == 0, 264.0, 24.0)  # 2^8 + 8, 2^4 + 8
+    return tl.where(p % 2 == 0, 65664.0, 384.0)  # 2^16 + 128, 2^8 + 128
 
 
 @triton.jit
@@ -308,15 +322,14 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
     planes; int4: times the word's group scale, plus its zero times the sum of the word's x (int8's
     per-channel scale comes after the K loop)."""
     p = tl.arange(0, PLANES)
-    if PLANES == 8:
-        hi = w >> 16
-    else:
+    if PLANES == 4:
         w = w ^ -2139062144  # 0x80808080: each byte's q + 128
-        hi = w >> 16
-    part = tl.zeros(acc.shape, tl.float32)
+    # each word's sum starts from minus its x times the planes' offsets: the offsets cancel within
+    # the word, before the float32 sums grow
+    part = tl.broadcast_to(-tl.sum(xf * _plane_offsets(PLANES)[None, None, :], axis=2)[:, :, None], acc.shape)
     for i in tl.static_range(PLANES):
         x_i = tl.sum(tl.where(p[None, None, :] == i, xf, 0.0), axis=2)  # in-thread: the compiler picks the register
-        part += x_i[:, :, None] * _plane(w, hi, magic, i, PLANES)[None, :, :]
+        part += x_i[:, :, None] * _plane(w, magic, i, PLANES)[None, :, :]
     if PLANES == 8:
         g = (k0 + 8 * _chunk1(w.shape[0])) // GROUP  # each word's group (a word never spans two)
         if WHOLE_K:  # words past K (their x and w are 0) read no scale; the last group may be ragged

@@ -6,21 +6,35 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
     M = 1          any     the fused decode GEMV (ferrum.kernels.gemv) with the kind's table: reading
                            the packed weight once is the whole cost; W8A16 / W4A16 in float32 from
                            the stored values exactly. (At 4 rows the GEMV ran 0.4-0.8x bf16 cuBLAS
-                           and the GEMM below, 16-row tiles, 1.2-1.7x on the 8B gate/up; at 16 rows
-                           the GEMV 5-20x slower than cuBLAS.)
-    M > 1          int4    M < 128: a Triton W4A16 GEMM, each [BLOCK_N, BLOCK_K] tile of packed words
-                           unpacked in registers, (q - 8) * scale + zero rounded to x's dtype, then
-                           tl.dot on the tensor cores (BLOCK_K within one group: one scale and zero
-                           a row a tile), fixed tiles by M bucket (_gemm_config).
+                           and the earlier W4A16 GEMM, 16-row tiles, 1.2-1.7x on the 8B gate/up; at
+                           16 rows the GEMV 5-20x slower than cuBLAS.)
+    M > 1          int4    M < 128: a Triton W4A16 GEMM computing out^T tiles [BLOCK_N, BLOCK_M] =
+                           W_tile @ x_tile^T: the weight on the left, so that it is dot's register
+                           operand (Hopper's wgmma takes A from registers: the dequantized weight
+                           never goes through shared memory; BLOCK_N fills the MMA's rows and the
+                           few rows of x its narrow N side) and no tl.trans. A K tile's [BLOCK_N,
+                           BLOCK_K / 8] words are read as 8 "planes" (input 8j + i of word j: a
+                           mask and an OR into a float's mantissa, (q - 8) * scale + zero rounded
+                           to x's dtype, all in the words' own registers), each dotted with x's
+                           matching columns (a sum over K takes any order of K applied to both
+                           sides): 8 tl.dots a tile, no interleave or reshape. x's columns are read
+                           strided, or from a copy of x permuted once a call so that a plane's
+                           columns are contiguous (permute_x). Split-K where N alone gives few
+                           programs: float32 partials [SPLIT, M, N], then a kernel sums them (+
+                           bias). Tiles by M, N and K: w4a16_config. On an H100 (sweep of 24
+                           tilings, scripts/w4a16_sweep.py) the best ran 0.81-1.33x bf16 cuBLAS at
+                           16 rows (a Llama-3.1-8B layer's four projections 1.20x) and 0.71-1.08x
+                           at 64 (0.95x), where the interleaving GEMM before it ran 0.38-0.72x
                            M >= 128: the weight dequantized to x's dtype by one Triton kernel into a
                            transient [N, K] buffer, then cuBLAS: the dequantization (~0.1 ms for the
-                           8B gate/up) is paid once for all M rows, and cuBLAS's GEMM is about twice
-                           the Triton GEMM's speed there (the buffer is the largest weight in bf16,
+                           8B gate/up) is paid once for all M rows, and cuBLAS's GEMM was about twice
+                           the earlier Triton GEMM's speed there (the buffer is the largest weight in bf16,
                            235 MB for the 8B gate/up, held by the caching allocator)
                    int8    M > 16, K and N multiples of 8: W8A8, x quantized per row to int8 as it
                            comes (scale = max|x_row| / 127, one Triton kernel), torch._int_mm (int8
                            tensor cores, int32 sums), then * x_scale * w_scale (+ bias) in one kernel;
-                           otherwise the Triton GEMM (W8A16)
+                           otherwise the Triton W8A16 GEMM: [BLOCK_N, BLOCK_K] tiles of q converted
+                           to x's dtype, tl.dot, the per-channel scale on the sums
                    fp8     M > 16, K and N multiples of 16: W8A8 in float8 e4m3, x per row to fp8
                            (scale = max|x_row| / 448), then torch._scaled_mm with row-wise scales
                            (scale_a [M, 1], scale_b [1, N] float32, compute capability 9.0);
@@ -45,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable, KernelConfig
-from ferrum.kernels.gemv import INT4, PER_CHANNEL, gemv, kernel_weight
+from ferrum.kernels.gemv import INT4, KernelWeight, gemv, kernel_weight
 from ferrum.kernels.quant_weight import QuantWeight
 
 GEMV_ROWS = 1  # up to this many rows: the fused GEMV
@@ -54,17 +68,41 @@ DEQUANTIZE_FROM = 128  # int4 from this many rows: dequantize + cuBLAS
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """The Triton GEMM's tiling for one M bucket."""
+    """A Triton GEMM's tiling. W4A16 only: block_k a power of two >= 128 (16 words a plane),
+    split_k programs along K each summing a share of the K tiles into float32 partials that a
+    second kernel adds up, permute_x: x copied once a call so that each plane's columns are
+    contiguous (where K is whole tiles; else x is read strided)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
+    permute_x: bool = False
 
 
-def _gemm_config(m: int) -> GemmConfig:
-    """Tiles by M: small M (decode batches past the GEMV) spread N over more programs; large M
+def w4a16_config(m: int, n: int, k: int) -> GemmConfig:
+    """The W4A16 GEMM's tiles for M rows (2 <= M < DEQUANTIZE_FROM), N outputs and K inputs, the
+    rule the H100 sweep picked (scripts/w4a16_sweep.py at M = 16 and 64 on the Llama-3.1-8B
+    projections, benchmarks/quantization.md): block_m M rounded up to a power of two (16 to 64).
+    Up to 16 rows: 64 outputs a program, x permuted, K split until there are 512 programs (4 an SM).
+    More rows: 128 outputs a program (8 warps) for the large projections (N >= 16384 or K >= 8192),
+    else 64, x permuted, K split until there are 192 programs. Splits at most 8, each K slice at
+    least 512 inputs."""
+    block_m = min(max(16, triton.next_power_of_2(m)), 64)
+    wide = m > 16 and (n >= 16384 or k >= 8192)
+    block_n, warps = (128, 8) if wide else (64, 4)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    want = 512 if m <= 16 else 192
+    split_k = 1
+    while split_k < 8 and tiles * split_k < want and k // (2 * split_k) >= 512:
+        split_k *= 2
+    return GemmConfig(block_m, block_n, 128, warps, 4, split_k, True)
+
+
+def _w8a16_config(m: int) -> GemmConfig:
+    """The W8A16 GEMM's tiles by M: small M (decode batches) spread N over more programs; large M
     (prefill) take the usual 128 x 128 tiles."""
     if m <= 32:
         return GemmConfig(16, 64, 128, 4, 4)
@@ -208,29 +246,77 @@ def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.te
 
 def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                 config: GemmConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ dequantize(w).T (+ bias) -> [M, N] in x's dtype: the weight's tiles dequantized
-    in registers to x's dtype, then tl.dot (W4A16; W8A16 for int8 and fp8, whose per-channel
-    scale multiplies the float32 sums once)."""
+    """x [M, K] @ dequantize(w).T (+ bias) -> [M, N] in x's dtype on the tensor cores: int4 by the
+    W4A16 kernel (tiles by w4a16_config unless `config`), int8 and fp8 by the W8A16 kernel (their
+    per-channel scale multiplies the float32 sums once; split_k 1)."""
     kw = kernel_weight(w)  # checks the layout
     m, k = x.shape
     n = kw.out_rows
     assert k == kw.in_features and x.stride(1) == 1, (x.shape, k)
-    cfg = config or _gemm_config(m)
     if kw.quant == INT4:
-        data, stride_wn, quant = kw.data, kw.stride_wn, INT4
-        block_k = min(cfg.block_k, kw.group)  # a tile within one group
-    else:  # int8 / fp8 read as [BLOCK_N, BLOCK_K] tiles of q
-        data, stride_wn, quant, block_k = w.qweight, w.qweight.stride(0), PER_CHANNEL, cfg.block_k
+        return _w4a16(x, kw, bias, config or w4a16_config(m, n, k))
+    cfg = config or _w8a16_config(m)
+    if cfg.split_k != 1:
+        raise ValueError(f"triton_gemm: the {w.kind} (W8A16) GEMM takes split_k 1, got {cfg}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _gemm_kernel[grid](
-        x, data, kw.scale, kw.zero, bias if bias is not None else x, out, m, n, k,
-        x.stride(0), stride_wn, kw.stride_sn, out.stride(0),
-        QUANT=quant, GROUP=kw.group, BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
+    _w8a16_kernel[grid](
+        x, w.qweight, kw.scale, bias if bias is not None else x, out, m, n, k,
+        x.stride(0), w.qweight.stride(0), out.stride(0), BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _w4a16(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, cfg: GemmConfig) -> torch.Tensor:
+    m, k = x.shape
+    n, block_k = kw.out_rows, cfg.block_k
+    if block_k < 128 or block_k & (block_k - 1):
+        raise ValueError(f"W4A16 GEMM: block_k must be a power of two >= 128 (16 words a plane: tl.dot's "
+                         f"smallest K), got {cfg}")
+    words = block_k // 8
+    even_k = k % block_k == 0
+    x_strides = (1, 8)  # (plane, word): x[m, k0 + 8j + i] for plane i, word j of the tile at k0
+    if cfg.permute_x and even_k:  # each plane's columns contiguous: x[m, k0 + i * words + j]
+        x = x.reshape(m, k // block_k, words, 8).transpose(2, 3).reshape(m, k)
+        x_strides = (words, 1)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    dest = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _w4a16_kernel[grid](
+        x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, dest, m, n, k,
+        x.stride(0), *x_strides, kw.stride_wn, kw.stride_sn, out.stride(0),
+        GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, EVEN_K=even_k, SPLIT_K=cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            dest, bias if bias is not None else out, out, m * n, n, SPLIT_K=cfg.split_k, BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _int4_plane(words: tl.tensor, PLANE: tl.constexpr) -> tl.tensor:
+    """Plane p = PLANE of int32 words [R, W] (input 8j + p: bits 4p..4p+3 of word j) as float32 q - 8,
+    [R, W]: the nibble OR-ed into the mantissa of 2^e (e = 23 - its bit offset in its half word) is
+    the float 2^e + q exactly; no data moves between threads."""
+    if PLANE < 4:
+        h = words
+    else:
+        h = words >> 16  # arithmetic: the mask drops the sign's copies
+    if PLANE % 4 == 0:
+        f = ((h & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + 8
+    elif PLANE % 4 == 1:
+        f = ((h & 0xF0) | 0x49000000).to(tl.float32, bitcast=True) - 524296.0  # 2^19 + 8
+    elif PLANE % 4 == 2:
+        f = ((h & 0xF00) | 0x47000000).to(tl.float32, bitcast=True) - 32776.0  # 2^15 + 8
+    else:
+        f = ((h & 0xF000) | 0x45000000).to(tl.float32, bitcast=True) - 2056.0  # 2^11 + 8
+    return f
 
 
 @triton.jit
@@ -247,15 +333,86 @@ def _unpack_int4(words: tl.tensor) -> tl.tensor:
 
 
 @triton.jit
-def _gemm_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
-                 M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
-                 stride_sn: tl.tensor, stride_om: tl.tensor, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                 BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr) -> None:
-    """One [BLOCK_M, BLOCK_N] tile of the output; programs in GROUP_M-row bands (the weight's
-    tiles reused from L2 across a band). QUANT, GROUP: as _gemv_kernel's (int4: BLOCK_K divides
-    GROUP, so a tile is within one group, k0 // GROUP; EVEN_K: K is whole tiles, else the last
-    tile, in a ragged last group, reads its words masked at K)."""
+def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
+                  M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_x_plane: tl.tensor,
+                  stride_x_word: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
+                  GROUP: tl.constexpr, BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr) -> None:
+    """One [BLOCK_N, BLOCK_M] tile of out^T over split program_id(1)'s share of the K tiles: per K
+    tile the [BLOCK_N, BLOCK_K / 8] words, each of its 8 planes dequantized ((q - 8) * scale + zero,
+    rounded to x's dtype) and dotted with x's matching columns, loaded transposed [BLOCK_K / 8,
+    BLOCK_M] at k0 + i * stride_x_plane + j * stride_x_word. OUT: out [M, N] in x's dtype (+ bias),
+    or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]. Scales: one a row when BLOCK_K divides
+    GROUP, else one a word. Unless EVEN_K the last tile (a ragged last group) is masked at K."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * num_n
+    first_m = (pid // band) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % size_m
+    pid_n = (pid % band) // size_m
+    KW: tl.constexpr = BLOCK_K // 8
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    jj = tl.arange(0, KW)
+    mmask = rm < M
+    nmask = rn < N
+    x_cols = X + rm[None, :].to(tl.int64) * stride_xm
+    w_rows = W + rn[:, None].to(tl.int64) * stride_wn
+    tiles = tl.cdiv(K, BLOCK_K)
+    share = tl.cdiv(tiles, SPLIT_K)
+    first = tl.program_id(1) * share
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for t in range(first, tl.minimum(first + share, tiles)):
+        k0 = t * BLOCK_K
+        kw = k0 // 8 + jj
+        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (kw < K // 8)[None, :]
+        xmask = mmask[None, :] if EVEN_K else mmask[None, :] & (kw < K // 8)[:, None]
+        words = tl.load(w_rows + kw[None, :], mask=wmask, other=0)
+        if BLOCK_K <= GROUP:  # the tile within one group
+            s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(Z + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        else:
+            g = rn[:, None] * stride_sn + (kw * 8 // GROUP)[None, :]
+            s = tl.load(S + g, mask=wmask, other=0.0).to(tl.float32)
+            z = tl.load(Z + g, mask=wmask, other=0.0).to(tl.float32)
+        for i in tl.static_range(8):
+            w = (_int4_plane(words, i) * s + z).to(X.dtype.element_ty)
+            xt = tl.load(x_cols + (k0 + i * stride_x_plane + jj * stride_x_word)[:, None], mask=xmask, other=0.0)
+            acc = tl.dot(w, xt, acc)
+    omask = nmask[:, None] & mmask[None, :]
+    if SPLIT_K == 1:
+        if BIAS:
+            acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(OUT + rm[None, :].to(tl.int64) * stride_om + rn[:, None], acc.to(OUT.dtype.element_ty), mask=omask)
+    else:
+        tl.store(OUT + (tl.program_id(1) * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc, mask=omask)
+
+
+@triton.jit
+def _sum_splits_kernel(P: tl.tensor, B: tl.tensor, OUT: tl.tensor, MN: tl.tensor, N: tl.tensor,
+                       SPLIT_K: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr) -> None:
+    """out [M, N] (contiguous) = the float32 partials [SPLIT_K, M, N] summed (+ bias), in out's dtype."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < MN
+    acc = tl.load(P + idx, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(P + s * MN + idx, mask=mask, other=0.0)
+    if BIAS:
+        acc += tl.load(B + idx % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + idx, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w8a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, B: tl.tensor, OUT: tl.tensor, M: tl.tensor,
+                  N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor, stride_om: tl.tensor,
+                  BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr) -> None:
+    """One [BLOCK_M, BLOCK_N] tile of the output from int8 / fp8 [N, K] tiles converted to x's dtype,
+    the per-channel scale on the float32 sums; programs in GROUP_M-row bands (the weight's tiles
+    reused from L2 across a band)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -274,20 +431,10 @@ def _gemm_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-        if QUANT == 2:  # BLOCK_K divides the group: one scale and zero a row; masked along K only unless EVEN_K
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (kw < K // 8)[None, :]
-            words = tl.load(w_rows + kw[None, :], mask=wmask, other=0)
-            s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
-            z = tl.load(Z + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
-            w = (_unpack_int4(words) * s[:, None] + z[:, None]).to(x.dtype)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0).to(x.dtype)
+        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
-    if QUANT == 1:
-        acc = acc * tl.load(S + rn, mask=nmask, other=0.0)[None, :]
+    acc = acc * tl.load(S + rn, mask=nmask, other=0.0)[None, :]
     if BIAS:
         acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
-

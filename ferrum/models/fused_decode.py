@@ -22,6 +22,7 @@ from torch import nn
 from ferrum.kernels.config import GemvTable, KernelConfig
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.layers.linear import gemv_weight
+from ferrum.models.layers.quantized_linear import QuantizedLinear
 from ferrum.models.llama import DecoderLayer
 
 if TYPE_CHECKING:
@@ -37,6 +38,14 @@ class FusedDecode:
         self.model = model
         self.kernels = kernels
         self.pdl = pdl  # programmatic dependent launch through the chain (not for its first kernel)
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a step runs through the chain: KernelConfig.fused_decode_rows, or 1 when a
+        projection is quantized (the planes' instructions repeat a row: on an H100 the int4 chain at
+        4 rows took 4x its 1-row time, where the W4A16 GEMM at 16 rows runs near bf16 cuBLAS)."""
+        quantized = any(isinstance(m, QuantizedLinear) for m in self.model.modules())
+        return min(self.kernels.fused_decode_rows, 1) if quantized else self.kernels.fused_decode_rows
 
     def weight(self, linear: nn.Module) -> tuple[torch.Tensor | QuantWeight, GemvTable]:
         """What the kernels read of a projection (its weight, or its quantized storage), and its table."""

@@ -169,15 +169,22 @@ def test_int4_dequantized_by_the_kernel_as_by_the_loader() -> None:
     assert rel_err(qm.dequantize_int4(qw, DTYPE), ref_w) < 4e-3  # the rounding to DTYPE only (bf16: 2^-9)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
-def test_triton_gemm_matches_the_dequantized_weight(kind: str) -> None:
-    """The W4A16 / W8A16 GEMM (interpreted: tiny tiles), a partial tile in M, N and K."""
+GEMMS = [  # W8A16: K = 96, a partial tile; W4A16: K = 256, two tiles of four groups of 32 (a scale a word)
+    ("int8", qm.GemmConfig(16, 16, 64, 4, 2)), ("fp8", qm.GemmConfig(16, 16, 64, 4, 2)),
+    ("int4", qm.GemmConfig(16, 16, 128, 4, 2)),
+    ("int4", qm.GemmConfig(16, 16, 128, 4, 2, split_k=3, permute_x=True)),  # the third split has no tile
+]
+
+
+@pytest.mark.parametrize(("kind", "config"), GEMMS, ids=lambda c: c if isinstance(c, str) else f"split{c.split_k}")
+def test_triton_gemm_matches_the_dequantized_weight(kind: str, config: qm.GemmConfig) -> None:
+    """The W4A16 / W8A16 GEMM (interpreted: tiny tiles), a partial tile in M and N, bias."""
     gen = torch.Generator().manual_seed(3)
-    m, n, k = 20, 24, 96 if kind != "int4" else 128
+    m, n, k = 20, 24, 96 if kind != "int4" else 256
     x = torch.randn(m, k, generator=gen).to(DTYPE)
     bias = torch.randn(n, generator=gen).to(DTYPE)
     qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), kind)
-    y = qm.triton_gemm(x.to(DEVICE), qw, bias.to(DEVICE), qm.GemmConfig(16, 16, 64, 4, 2))
+    y = qm.triton_gemm(x.to(DEVICE), qw, bias.to(DEVICE), config)
     assert y.shape == (m, n) and y.dtype == DTYPE
     assert rel_err(y, x.double() @ ref_w.T + bias.double()) < 1e-2
 
@@ -185,8 +192,9 @@ def test_triton_gemm_matches_the_dequantized_weight(kind: str) -> None:
 @pytest.mark.parametrize("k", [576, 192])  # groups of 128: the last holds 64 (SmolLM2's hidden 576)
 def test_int4_with_a_ragged_last_group(k: int) -> None:
     """K not a multiple of the group: the GEMV (all of K in one slice, masked past K; slices of 64
-    across group boundaries; 3 rows), the W4A16 GEMM (128-wide tiles, the last one masked at K) and
-    the dequantize kernel, each against the dequantized weight (input k in group k // 128)."""
+    across group boundaries; 3 rows), the W4A16 GEMM (128-wide tiles, the last one masked at K; whole
+    and split in two) and the dequantize kernel, each against the dequantized weight (input k in
+    group k // 128)."""
     gen = torch.Generator().manual_seed(k)
     n = 12
     qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int4", 128)
@@ -195,8 +203,9 @@ def test_int4_with_a_ragged_last_group(k: int) -> None:
         x = torch.randn(rows, k, generator=gen).to(DTYPE)
         assert rel_err(tg.gemv(x.to(DEVICE), qw, table), x.double() @ ref_w.T) < 1e-2
     x = torch.randn(5, k, generator=gen).to(DTYPE)
-    y = qm.triton_gemm(x.to(DEVICE), qw, None, qm.GemmConfig(16, 16, 128, 4, 2))
-    assert rel_err(y, x.double() @ ref_w.T) < 1e-2
+    for split_k in (1, 2):  # permute_x falls back to x read strided: K is not whole tiles
+        y = qm.triton_gemm(x.to(DEVICE), qw, None, qm.GemmConfig(16, 16, 128, 4, 2, split_k, permute_x=True))
+        assert rel_err(y, x.double() @ ref_w.T) < 1e-2
     assert rel_err(qm.dequantize_int4(qw, DTYPE), ref_w) < 4e-3
 
 

@@ -279,3 +279,14 @@ def test_skip_entry_matching_no_layer_is_named(folder: Path) -> None:
     linears = LinearFactory(QuantizationConfig("int8", skip=("lm_head", "q_proj")), torch.bfloat16)
     with torch.device("meta"), pytest.raises(QuantizationConfigError, match=r"'q_proj' names none .*qkv_proj"):
         LlamaForCausalLM(load_model_config(folder), linears=linears)
+
+
+def test_fused_decode_chain_takes_one_row_when_quantized(folder: Path) -> None:
+    """The GEMV's planes repeat their instructions a row: a quantized model's decode batches past one
+    row take the GEMM (quant_matmul), an unquantized one's up to KernelConfig.fused_decode_rows."""
+    from ferrum.kernels.config import KernelConfig
+    from ferrum.models.fused_decode import FusedDecode
+
+    kernels = KernelConfig()
+    assert FusedDecode(_load(folder, None)[0], kernels, pdl=False).max_rows == kernels.fused_decode_rows > 1
+    assert FusedDecode(_load(folder, QuantizationConfig("int8"))[0], kernels, pdl=False).max_rows == 1
