@@ -25,7 +25,9 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            tilings, scripts/w4a16_sweep.py) the best ran 0.81-1.33x bf16 cuBLAS at
                            16 rows (a Llama-3.1-8B layer's four projections 1.20x) and 0.71-1.08x
                            at 64 (0.95x), where the interleaving GEMM before it ran 0.38-0.72x
-                           M >= 128: the weight dequantized to x's dtype by one Triton kernel into a
+                           M >= 128 (but up to 256 rows for N >= 16384, where the GEMM's 128 x 128
+                           tiles ran the 8B gate/up in 108 and 218 us at 128 and 256 rows against
+                           221 and 254 us): the weight dequantized to x's dtype by one Triton kernel into a
                            transient [N, K] buffer, then cuBLAS: the dequantization (~0.1 ms for the
                            8B gate/up) is paid once for all M rows, and cuBLAS's GEMM was about twice
                            the earlier Triton GEMM's speed there (the buffer is the largest weight in bf16,
@@ -64,6 +66,8 @@ from ferrum.kernels.quant_weight import QuantWeight
 
 GEMV_ROWS = 1  # up to this many rows: the fused GEMV
 DEQUANTIZE_FROM = 128  # int4 from this many rows: dequantize + cuBLAS
+WIDE_GEMM_UP_TO = 256  # ... except the wide projections (N >= WIDE_N) up to this many rows
+WIDE_N = 16384
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,10 @@ def w4a16_config(m: int, n: int, k: int) -> GemmConfig:
     Up to 16 rows: 64 outputs a program, x permuted, K split until there are 512 programs (4 an SM).
     More rows: 128 outputs a program (8 warps) for the large projections (N >= 16384 or K >= 8192),
     else 64, x permuted, K split until there are 192 programs. Splits at most 8, each K slice at
-    least 512 inputs."""
+    least 512 inputs. Past 64 rows (the wide projections up to WIDE_GEMM_UP_TO): 128 x 128 tiles.
+    """
+    if m > 64:
+        return GemmConfig(128, 128, 128, 8, 3, 1, True)
     block_m = min(max(16, triton.next_power_of_2(m)), 64)
     wide = m > 16 and (n >= 16384 or k >= 8192)
     block_n, warps = (128, 8) if wide else (64, 4)
@@ -130,7 +137,7 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = x.new_empty(0, n)
     elif m <= GEMV_ROWS:
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
-    elif w.kind == "int4" and m >= DEQUANTIZE_FROM:
+    elif w.kind == "int4" and m >= DEQUANTIZE_FROM and not (n >= WIDE_N and m <= WIDE_GEMM_UP_TO):
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
     elif w.kind == "int8" and m > 16 and k % 8 == 0 and n % 8 == 0:
         y = _w8a8_int8(flat, w, bias)

@@ -287,6 +287,6 @@ def test_fused_decode_chain_takes_one_row_when_quantized(folder: Path) -> None:
     from ferrum.kernels.config import KernelConfig
     from ferrum.models.fused_decode import FusedDecode
 
-    kernels = KernelConfig()
-    assert FusedDecode(_load(folder, None)[0], kernels, pdl=False).max_rows == kernels.fused_decode_rows > 1
+    kernels = KernelConfig(fused_decode_rows=4)
+    assert FusedDecode(_load(folder, None)[0], kernels, pdl=False).max_rows == 4
     assert FusedDecode(_load(folder, QuantizationConfig("int8"))[0], kernels, pdl=False).max_rows == 1
