@@ -23,9 +23,7 @@ The weight is a tensor in the activations' dtype or a `QuantWeight`: the same pr
 epilogues for every kind, the product float32 from the stored values exactly, a scale applied
 once where it can be:
 
-    fp8        [BLOCK_N, BLOCK_K] tiles as for bf16, converted to float32; the per-channel scale
-               multiplies the sums after the K loop
-    int8       the bytes read as int32 words of 4 inputs, int4 as words of 8, each word read as
+    int8, fp8  the bytes read as int32 words of 4 inputs, int4 as words of 8, each word read as
                "planes": input i of every word as float32 by a shift, a mask and an OR into the
                mantissa of 2^e (the bits land as 2^e + q exactly, no conversion instruction), times
                input i of x, each word's sum started from minus its x times the offsets 2^e, so no
@@ -34,11 +32,15 @@ once where it can be:
                a tile is [words, BLOCK_N] with threads along the words (coalesced) and the sums stay
                per word through the K loop. int4: each word's sum times its group's scale, plus the
                zero times the sum of the word's x; int8: the per-channel scale after the K loop.
+               fp8's planes come from the hardware's conversion (e4m3 pairs to half precision, then
+               float32: 1.5 instructions an input, exact), its per-channel scale after the K loop;
+               K not whole words: [BLOCK_N, BLOCK_K] tiles as for bf16, converted to float32.
 
 A quantized row is 2x (int8, fp8) or 4x (int4) fewer bytes: its kind has its own table
 (KernelConfig.gemv_table). Measured on an H100 (scripts/quant_gemv_bench.py, Llama-3.1-8B shapes,
 batch 1, the 32-layer chain with the bf16 head): bf16 95% of its weight-bytes floor, int8 89%, fp8
-80%, int4 58%. Dropping the subtraction an input took int8 from 78% and int4 from 55%; int4 reading
+85%, int4 58%. Dropping the subtraction an input took int8 from 78% and int4 from 55%; fp8 read as
+planes instead of tiles (which sum across threads every slice) went from 80% to 85%; int4 reading
 int64 words of 16 inputs (8-byte loads) fell to 26% (x's planes no longer line up with the words, so
 every slice moves through shared memory). At 4 rows the chain is 3-7x its floor: an input's
 instructions repeat a row.
@@ -63,7 +65,8 @@ PLAIN = 0  # the activations' dtype, [BLOCK_N, BLOCK_K] tiles
 PER_CHANNEL = 1  # fp8 (or int8 with K not a multiple of 4): tiles converted to float32, a scale per row
 INT4 = 2  # int32 words of 8 inputs, read as 8 planes; a scale and zero per group
 INT8 = 3  # int32 words of 4 inputs, read as 4 planes; a scale per row
-PLANES = {PLAIN: 1, PER_CHANNEL: 1, INT4: 8, INT8: 4}  # inputs a word
+FP8 = 5  # int32 words of 4 e4m3 inputs, read as 4 planes; a scale per row
+PLANES = {PLAIN: 1, PER_CHANNEL: 1, INT4: 8, INT8: 4, FP8: 4}  # inputs a word
 MAGIC = 0x4B000000  # the float 2^23: a small integer OR-ed into its mantissa is 2^23 + it
 
 
@@ -117,9 +120,10 @@ def kernel_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
         if q.dtype != stored or scale.dtype != torch.float32 or tuple(scale.shape) != (n,) or scale.stride(0) != 1:
             raise ValueError(f"{weight.kind} weight: expected qweight {stored} [N, K] and a contiguous float32 scale "
                              f"[N]; got qweight {q.dtype} {tuple(q.shape)}, scale {scale.dtype} {tuple(scale.shape)}")
-        if weight.kind == "int8" and weight.in_features % 4 == 0 and q.stride(0) % 4 == 0:
+        if weight.in_features % 4 == 0 and q.stride(0) % 4 == 0:
             words = q.view(torch.int32)  # four inputs a word
-            return KernelWeight(words, scale, scale, words.stride(0), 1, INT8, 1, n, weight.in_features)
+            return KernelWeight(words, scale, scale, words.stride(0), 1, INT8 if weight.kind == "int8" else FP8, 1, n,
+                                weight.in_features)
         return KernelWeight(q, scale, scale, q.stride(0), 1, PER_CHANNEL, 1, n, weight.in_features)
     if weight.kind != "int4":
         raise ValueError(f"GEMV: unknown quantized weight kind {weight.kind!r}")
@@ -178,6 +182,50 @@ def _plane_offsets(PLANES: tl.constexpr) -> tl.tensor:
     if PLANES == 8:
         return tl.where(p % 2 == 0, 264.0, 24.0)  # 2^8 + 8, 2^4 + 8
     return tl.where(p % 2 == 0, 65664.0, 384.0)  # 2^16 + 128, 2^8 + 128
+
+
+@triton.jit
+def _fp8_planes(words: tl.tensor, ASM: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """The 4 e4m3 inputs of each word as float32, exactly. ASM (a GPU): the hardware's conversion, two
+    inputs an instruction to half precision (which holds every e4m3 value), then to float32: 1.5
+    instructions an input; otherwise (Triton's interpreter) from the bits: (8 + m) 2^(e - 10), or m 2^-9
+    where e = 0."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi, a, b, c, d;
+            .reg .b32 h01, h23;
+            .reg .f32 f0, f1, f2, f3;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 h01, lo;
+            cvt.rn.f16x2.e4m3x2 h23, hi;
+            mov.b32 {a, b}, h01;
+            mov.b32 {c, d}, h23;
+            cvt.f32.f16 f0, a;
+            cvt.f32.f16 f1, b;
+            cvt.f32.f16 f2, c;
+            cvt.f32.f16 f3, d;
+            mov.b32 $0, f0;
+            mov.b32 $1, f1;
+            mov.b32 $2, f2;
+            mov.b32 $3, f3;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+    f0 = _fp8_bits_to_float(words & 0xFF)
+    f1 = _fp8_bits_to_float((words >> 8) & 0xFF)
+    f2 = _fp8_bits_to_float((words >> 16) & 0xFF)
+    f3 = _fp8_bits_to_float((words >> 24) & 0xFF)
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _fp8_bits_to_float(b: tl.tensor) -> tl.tensor:
+    """An e4m3 byte (in an int32) as float32."""
+    e = (b >> 3) & 0xF
+    m = (b & 7).to(tl.float32)
+    v = tl.where(e == 0, m * 0.001953125, (m + 8.0) * ((e + 117) << 23).to(tl.float32, bitcast=True))
+    return tl.where((b & 0x80) != 0, -v, v)
 
 
 @triton.jit
@@ -279,8 +327,8 @@ def _planes_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, 
                   xrows: tl.tensor, rmask: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, eps: tl.tensor,
                   stride_xm: tl.tensor, magic: tl.tensor, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                   GATED: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr, WHOLE_K: tl.constexpr = False,
-                  w: tl.tensor | None = None,
-                  w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+                  w: tl.tensor | None = None, w2: tl.tensor | None = None, QUANT: tl.constexpr = 0,
+                  ASM: tl.constexpr = False) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One K slice for weights read as planes (int4, int8): x as [ROWS, KW, PLANES] (KW = BLOCK_K /
     PLANES words; 16 or 8 contiguous bytes a thread), the norm as _gemv_tile applies it; acc, acc2
     [ROWS, KW, BLOCK_N] (summed over KW after the K loop), ss [ROWS, KW]."""
@@ -305,23 +353,32 @@ def _planes_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, X: tl.tensor, 
         xf = (nw[None, :, :] * normed).to(x.dtype).to(tl.float32)
     if w is None:
         w = _load_words(w_cols, nmask, k0, K, BLOCK_K, WHOLE_K, PLANES)
-    acc = _planes_product(acc, xf, w, s_cols, z_cols, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K)
+    acc = _planes_product(acc, xf, w, s_cols, z_cols, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K, QUANT, ASM)
     if GATED:
         if w2 is None:
             w2 = _load_words(w_cols2, nmask, k0, K, BLOCK_K, WHOLE_K, PLANES)
-        acc2 = _planes_product(acc2, xf, w2, s_cols2, z_cols2, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K)
+        acc2 = _planes_product(acc2, xf, w2, s_cols2, z_cols2, nmask, k0, K, magic, GROUP, PLANES, WHOLE_K, QUANT,
+                               ASM)
     return acc, acc2, ss
 
 
 @triton.jit
 def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tensor, z_cols: tl.tensor,
                     nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, magic: tl.tensor, GROUP: tl.constexpr,
-                    PLANES: tl.constexpr, WHOLE_K: tl.constexpr) -> tl.tensor:
+                    PLANES: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr = 0,
+                    ASM: tl.constexpr = False) -> tl.tensor:
     """acc [ROWS, KW, BLOCK_N] + each word's products: plane i of the words w [KW, BLOCK_N] times
     plane i of xf [ROWS, KW, PLANES] (float32, input PLANES * j + i at [:, j, i]), summed over the
     planes; int4: times the word's group scale, plus its zero times the sum of the word's x (int8's
     per-channel scale comes after the K loop)."""
     p = tl.arange(0, PLANES)
+    if QUANT == 5:  # fp8: the hardware's conversion, no offsets
+        f0, f1, f2, f3 = _fp8_planes(w, ASM)
+        x0 = tl.sum(tl.where(p[None, None, :] == 0, xf, 0.0), axis=2)[:, :, None]
+        x1 = tl.sum(tl.where(p[None, None, :] == 1, xf, 0.0), axis=2)[:, :, None]
+        x2 = tl.sum(tl.where(p[None, None, :] == 2, xf, 0.0), axis=2)[:, :, None]
+        x3 = tl.sum(tl.where(p[None, None, :] == 3, xf, 0.0), axis=2)[:, :, None]
+        return acc + (x0 * f0[None, :, :] + x1 * f1[None, :, :] + x2 * f2[None, :, :] + x3 * f3[None, :, :])
     if PLANES == 4:
         w = w ^ -2139062144  # 0x80808080: each byte's q + 128
     # each word's sum starts from minus its x times the planes' offsets: the offsets cancel within
@@ -350,7 +407,8 @@ def _planes_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW:
                      eps: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor,
                      magic: tl.tensor, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NORM: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr,
-                     WHOLE_K: tl.constexpr, PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+                     WHOLE_K: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr = 0,
+                     ASM: tl.constexpr = False) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """_tile_products for weights read as planes: the sums stay [ROWS, KW, BLOCK_N] through the K
     loop and are summed over KW once."""
     KW: tl.constexpr = BLOCK_K // PLANES
@@ -370,17 +428,17 @@ def _planes_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW:
         pdl_wait(PDL)
         acc, acc2, ss = _planes_slice(acc, acc2, ss, X, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2, xrows,
                                       rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP, PLANES,
-                                      WHOLE_K, w, w2)
+                                      WHOLE_K, w, w2, QUANT, ASM)
         k_begin += BLOCK_K
     elif WHOLE_K:
         acc, acc2, ss = _planes_slice(acc, acc2, ss, X, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2, xrows,
                                       rmask, nmask, 0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED, GROUP, PLANES,
-                                      True)
+                                      True, None, None, QUANT, ASM)
     if not WHOLE_K:
         for k0 in range(k_begin, K, BLOCK_K):
             acc, acc2, ss = _planes_slice(acc, acc2, ss, X, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
                                           xrows, rmask, nmask, k0, K, eps, stride_xm, magic, BLOCK_K, NORM, GATED,
-                                          GROUP, PLANES)
+                                          GROUP, PLANES, False, None, None, QUANT, ASM)
     return tl.sum(acc, axis=1), tl.sum(acc2, axis=1), tl.sum(ss, axis=1)
 
 
@@ -420,17 +478,17 @@ def _products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.ten
               stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, magic: tl.tensor,
               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
               GATED: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr,
-              WHOLE_K: tl.constexpr, PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+              WHOLE_K: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr = False) -> tuple[tl.tensor, tl.tensor]:
     """x (RMS-normed when NORM) times weight rows n and n2 (gated) over all of K, float32 [ROWS,
     BLOCK_N] each, per-channel scales applied: by tiles or, for int4 / int8 words, by planes."""
     if PLANES > 1:
         acc, acc2, sumsq = _planes_products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn,
                                             stride_sn, magic, ROWS, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, PLANES,
-                                            WHOLE_K, PDL)
+                                            WHOLE_K, PDL, QUANT, ASM)
     else:
         acc, acc2, sumsq = _tile_products(X, W, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, ROWS,
                                           BLOCK_N, BLOCK_K, NORM, GATED, WHOLE_K, PDL)
-    if QUANT == 1 or QUANT == 3:  # int8 / fp8: the per-output-channel scales
+    if QUANT == 1 or QUANT == 3 or QUANT == 5:  # int8 / fp8: the per-output-channel scales
         acc = acc * tl.load(S + n, mask=nmask, other=0.0)[None, :]
         if GATED:
             acc2 = acc2 * tl.load(S + n2, mask=nmask, other=0.0)[None, :]
@@ -449,7 +507,7 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                  WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False,
                  R_GATHER: tl.constexpr = False, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1,
-                 PLANES: tl.constexpr = 1) -> None:
+                 PLANES: tl.constexpr = 1, ASM: tl.constexpr = False) -> None:
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
     (the embedding table, for the first layer: no separate gather kernel; see STEP_START).
     QUANT: W's storage (PLAIN; PER_CHANNEL, INT8: S the rows' scales; INT4: S and Z the groups'
@@ -465,7 +523,7 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
     nmask = n < N
     xrows, rrows = _row_offsets(IDX, rows, rmask, X_GATHER, R_GATHER)
     acc, acc2 = _products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, stride_sn, magic,
-                          ROWS, BLOCK_N, BLOCK_K, NORM, GATED, QUANT, GROUP, PLANES, WHOLE_K, PDL)
+                          ROWS, BLOCK_N, BLOCK_K, NORM, GATED, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM)
     if BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -538,7 +596,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         WHOLE_K=whole_k, PDL=pdl_mode(pdl), X_GATHER=x_rows is not None, R_GATHER=residual_rows is not None,
-        QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes,
+        QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda,
         num_warps=cfg.num_warps, num_stages=2, **pdl_launch(pdl),
     )
     return out
@@ -553,7 +611,8 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
                      magic: tl.tensor, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                      WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False,
-                     QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, PLANES: tl.constexpr = 1) -> None:
+                     QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, PLANES: tl.constexpr = 1,
+                     ASM: tl.constexpr = False) -> None:
     """The q/k/v projection with rope and the KV-cache write as its epilogue: each program owns
     BLOCK_H dims of the first half of one head and the matching dims of the second half, the
     pairs the rotation mixes. QUANT, GROUP, PLANES, magic: W's storage, as in _gemv_kernel."""
@@ -575,7 +634,7 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
     c = tl.load(COS + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
     s = tl.load(SIN + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
     acc, acc2 = _products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, stride_sn, magic,
-                          ROWS, BLOCK_H, BLOCK_K, NORM, True, QUANT, GROUP, PLANES, WHOLE_K, PDL)
+                          ROWS, BLOCK_H, BLOCK_K, NORM, True, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM)
     if BIAS:
         acc += tl.load(B + n).to(tl.float32)[None, :]
         acc2 += tl.load(B + n2).to(tl.float32)[None, :]
@@ -650,7 +709,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
         k_cache.stride(1), eps, MAGIC,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl_mode(pdl),
-        X_GATHER=x_rows is not None, QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes,
+        X_GATHER=x_rows is not None, QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda,
         num_warps=4, num_stages=2,
         **pdl_launch(pdl),
     )
