@@ -163,7 +163,7 @@ def _plane(words: tl.tensor, magic: tl.tensor, i: tl.constexpr, PLANES: tl.const
     mantissa of 2^e (magic = 2^23's bits in a register, so that the mask and the OR are one op), e =
     23 - the slot's lowest bit (int4: 2^8 + q, 2^4 + q; int8: 2^16 + u, 2^8 + u). No conversion
     instruction (the SM runs those 4x slower) and no subtraction: each word's sums start from minus
-    its x times these offsets (_plane_offsets)."""
+    its x times these offsets."""
     BITS: tl.constexpr = 32 // PLANES
     shift: tl.constexpr = (15 - 8 * (i // 2)) if PLANES == 8 else (7 - 16 * (i // 2))
     slot: tl.constexpr = (15 if PLANES == 8 else 7) + BITS * (i % 2)
@@ -173,15 +173,6 @@ def _plane(words: tl.tensor, magic: tl.tensor, i: tl.constexpr, PLANES: tl.const
     else:
         t = words >> -shift
     return ((t & mask) | (magic - (slot << 23))).to(tl.float32, bitcast=True)  # 2^(23 - slot) + u
-
-
-@triton.jit
-def _plane_offsets(PLANES: tl.constexpr) -> tl.tensor:
-    """[PLANES] float32: each input's float from _plane less its value (int4: q - 8; int8: q)."""
-    p = tl.arange(0, PLANES)
-    if PLANES == 8:
-        return tl.where(p % 2 == 0, 264.0, 24.0)  # 2^8 + 8, 2^4 + 8
-    return tl.where(p % 2 == 0, 65664.0, 384.0)  # 2^16 + 128, 2^8 + 128
 
 
 @triton.jit
@@ -383,7 +374,14 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
         w = w ^ -2139062144  # 0x80808080: each byte's q + 128
     # each word's sum starts from minus its x times the planes' offsets: the offsets cancel within
     # the word, before the float32 sums grow
-    part = tl.broadcast_to(-tl.sum(xf * _plane_offsets(PLANES)[None, None, :], axis=2)[:, :, None], acc.shape)
+    # (the even planes share one offset, the odd ones another: two sums of x a word, not a product an input)
+    x_even = tl.sum(tl.where(p[None, None, :] % 2 == 0, xf, 0.0), axis=2)
+    x_odd = tl.sum(tl.where(p[None, None, :] % 2 == 1, xf, 0.0), axis=2)
+    if PLANES == 8:  # each input's float from _plane less its value: 2^8 + 8, 2^4 + 8 (q - 8)
+        c = 264.0 * x_even + 24.0 * x_odd
+    else:  # 2^16 + 128, 2^8 + 128 (q)
+        c = 65664.0 * x_even + 384.0 * x_odd
+    part = tl.broadcast_to(-c[:, :, None], acc.shape)
     for i in tl.static_range(PLANES):
         x_i = tl.sum(tl.where(p[None, None, :] == i, xf, 0.0), axis=2)  # in-thread: the compiler picks the register
         part += x_i[:, :, None] * _plane(w, magic, i, PLANES)[None, :, :]
@@ -395,7 +393,7 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
             gmask = nmask[None, :] & (g >= 0)[:, None]
         s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
         z = tl.load(z_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
-        acc += part * s[None, :, :] + tl.sum(xf, axis=2)[:, :, None] * z[None, :, :]
+        acc += part * s[None, :, :] + (x_even + x_odd)[:, :, None] * z[None, :, :]
     else:
         acc += part
     return acc
