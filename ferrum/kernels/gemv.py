@@ -38,12 +38,14 @@ once where it can be:
 
 A quantized row is 2x (int8, fp8) or 4x (int4) fewer bytes: its kind has its own table
 (KernelConfig.gemv_table). Measured on an H100 (scripts/quant_gemv_bench.py, Llama-3.1-8B shapes,
-batch 1, the 32-layer chain with the bf16 head): bf16 95% of its weight-bytes floor, int8 89%, fp8
-85%, int4 58%. Dropping the subtraction an input took int8 from 78% and int4 from 55%; fp8 read as
-planes instead of tiles (which sum across threads every slice) went from 80% to 85%; int4 reading
+batch 1, the 32-layer chain with the bf16 head): bf16 95% of its weight-bytes floor, int8 87-89%,
+fp8 88%, int4 60%. Dropping the subtraction an input took int8 from 78% and int4 from 55% (then 58
+-> 60%: a word's offsets from two sums of x); fp8 read as planes instead of tiles (which sum across
+threads every slice) went from 80% to 85%, and to 88% in 1024-input slices; int4 reading
 int64 words of 16 inputs (8-byte loads) fell to 26% (x's planes no longer line up with the words, so
-every slice moves through shared memory). At 4 rows the chain is 3-7x its floor: an input's
-instructions repeat a row.
+every slice moves through shared memory); capping int4's 96 registers a thread at 80 or 64 (more
+warps resident) spilled: 3.07 and 3.97 ms against 2.60. At 4 rows the chain is 3-7x its floor: an
+input's instructions repeat a row.
 """
 
 from __future__ import annotations
