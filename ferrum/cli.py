@@ -131,6 +131,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="YAML config file")
     p.add_argument("--backend", help="auto | cpu | cuda | cuda:N | mps")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--quantization", "-q", dest="quantization", metavar="METHOD", help=QUANTIZATION_HELP)
     p.add_argument("--max-model-len", dest="max_model_len", type=int)
     p.add_argument("--port", type=int, help="port of the background server (default: a free one)")
     p.add_argument("--temperature", type=float)
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             config = run_config(args.model, args.config, {k: getattr(args, k) for k in (
-                "backend", "dtype", "max_model_len", "port", "log_level")})
+                "backend", "dtype", "quantization", "max_model_len", "port", "log_level")})
             setup_logging(config.server.logging)
             sys.exit(run_model(config, args.temperature))
         except USER_ERRORS as exc:

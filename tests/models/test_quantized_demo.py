@@ -17,10 +17,11 @@ outputs independent of the batch's shape on the CPU), and through the API:
     near-tie decides them.
 
 Bounds, with what was measured on 2026-11-24 (float32, AMD EPYC): perplexity ratio int8 <= 1.02
-(1.007), fp8 <= 1.03 (1.024; the issue asks 1.02), int4 g128 <= 1.65 (1.598; the issue asks 1.08: HF
-with the same rounded weights gives the same figure, and searching each group's range for the least
-squared error only brings it to 1.48); top-1 agreement int8 >= 90% (96.1%), fp8 >= 90% (91.6%),
-int4 >= 55% (62.6%; the issue asks 70%).
+(1.007), fp8 <= 1.02 (1.009; 1.024 with the scale amax / 448 before each row's scale was searched),
+int4 g128 <= 1.45 (1.397; 1.598 with min..max onto 0..15 before the fit of arith._fit_int4; the issue
+asks 1.08, which no data-free fit reached: weighting each input by its activations' mean square on
+this very text still left 1.19); top-1 agreement int8 >= 90% (96.1%), fp8 >= 90% (92.7%), int4 >= 65%
+(68.8%; the issue asks 70%).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ PROMPTS = ([f"Write two sentences about {s}." for s in SUBJECTS]
            + [f"Explain in simple words what {s} means to people." for s in SUBJECTS])
 MAX_TOKENS = 64
 # method -> (least top-1 agreement with the unquantized model, largest perplexity ratio)
-BOUNDS = {"int8": (0.90, 1.02), "fp8": (0.90, 1.03), "int4": (0.55, 1.65)}
+BOUNDS = {"int8": (0.90, 1.02), "fp8": (0.90, 1.02), "int4": (0.65, 1.45)}
 
 
 def top1(url: str, model: str, sequences: list[list[int]]) -> list[list[str]]:

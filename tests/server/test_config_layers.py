@@ -228,7 +228,7 @@ def test_a_quantization_requirement_is_read(tmp_path: Path) -> None:
     assert config.requirements.quantization == ("int4",)
 
 
-@pytest.mark.parametrize("argv", [["serve", "--model", "m"], ["bench", "offline", "--model", "m"]])
+@pytest.mark.parametrize("argv", [["serve", "--model", "m"], ["bench", "offline", "--model", "m"], ["run", "m"]])
 def test_a_refused_method_exits_2_without_a_traceback(argv: list[str], capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FERRUM_QUANTIZATION", raising=False)

@@ -1,5 +1,7 @@
-"""Full precision to a QuantizedTensor and back. `quantize` computes in float32 on whatever device
-the weight is on (the loader hands it the weight on the model's device where that is a GPU)."""
+"""Full precision to a QuantizedTensor and back. Data-free (from the weight alone): int8 scales each
+row by its absmax, fp8 searches each row's scale over one octave, int4 fits each group's scale and zero
+(_fit_int4). `quantize` computes in float32 on whatever device the weight is on (the loader hands it
+the weight on the model's device where that is a GPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ __all__ = ["FP8_MAX", "dequantize", "quantize"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 _TINY = 1e-10
-_BLOCK_ELEMENTS = 1 << 22  # weight elements quantized at a time (16 MiB per float32 temporary)
+_BLOCK_ELEMENTS = 1 << 22  # weight elements quantized at a time (16 MiB per float32 temporary; int4 holds ~12)
 
 
 def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedTensor:
@@ -37,32 +39,102 @@ def _quantize_rows(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch
     """The parts of rows of a weight (every part is per row: blocks of rows quantize alone)."""
     n, k = weight.shape
     w = weight.float()
-    if scheme.method in ("int8", "fp8"):
-        amax = w.abs().amax(dim=1).clamp_min(_TINY)
-        if scheme.method == "int8":
-            scale = amax / 127.0
-            q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        else:
-            scale = amax / FP8_MAX
-            q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return {"qweight": q, "scale": scale}
+    if scheme.method == "int8":
+        scale = w.abs().amax(dim=1).clamp_min(_TINY) / 127.0
+        return {"qweight": (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), "scale": scale}
+    if scheme.method == "fp8":
+        scale = _fp8_scale(w)
+        return {"qweight": (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), "scale": scale}
     g, groups = scheme.group_size, scheme.groups(k)
-    if groups * g != k:  # a ragged last group: filled up with its own last input, so its min and max stay its own
+    valid = None
+    if groups * g != k:  # a ragged last group: filled up with its own last input, left out of every sum
         w = torch.cat((w, w[:, -1:].expand(n, groups * g - k)), dim=1)
+        valid = (torch.arange(groups * g, device=w.device) < k).float().reshape(1, groups, g)
     grouped = w.reshape(n, groups, g)
-    if scheme.symmetric:  # q - 8 in -8..7: the smallest scale that puts the group's min at >= -8, its max at <= 7
-        scale = torch.maximum(grouped.amin(dim=2) / -8.0, grouped.amax(dim=2) / 7.0).clamp_min(_TINY)
-        zero = torch.zeros_like(scale)
-    else:  # min..max onto 0..15; the zero is the value of q = 8
-        lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)
-        scale = ((hi - lo) / 15.0).clamp_min(_TINY)
-        zero = lo + 8.0 * scale
+    scale, lo = _fit_int4(grouped, valid, scheme.symmetric)
     # stored in the weight's dtype (a scale never rounded to 0): quantized against the stored scale and zero
     scale_s = scale.to(weight.dtype).clamp_min(torch.finfo(weight.dtype).tiny)
-    zero_s = zero.to(weight.dtype)
+    zero_s = torch.zeros_like(scale_s) if scheme.symmetric else (lo + 8.0 * scale).to(weight.dtype)
     q = ((grouped - zero_s.float()[..., None]) / scale_s.float()[..., None]).round_().add_(8).clamp_(0, 15)
     q8 = q.reshape(n, groups * g)[:, :k].to(torch.uint8)
     return {"qweight": q8[:, 0::2] | (q8[:, 1::2] << 4), "scale": scale_s, "zero": zero_s}
+
+
+# fp8: per row, the scale amax / 448 * c with the least squared error (c over one octave: e4m3's grid repeats)
+_FP8_SCALE_STEPS = tuple(2.0 ** (i / 8) for i in range(8))
+
+
+def _fp8_scale(w: torch.Tensor) -> torch.Tensor:
+    """Per row of `w` [n, K] (float32), the scale of _FP8_SCALE_STEPS whose e4m3 rounding is closest."""
+    amax = w.abs().amax(dim=1).clamp_min(_TINY) / FP8_MAX
+    best: tuple[torch.Tensor, torch.Tensor] | None = None  # scale, squared error
+    for step in _FP8_SCALE_STEPS:
+        scale = amax * step
+        scaled = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX)  # as _quantize_rows will
+        miss = scaled.to(torch.float8_e4m3fn).float().sub_(scaled)
+        err = miss.square_().sum(dim=1) * scale.square()
+        if best is None:
+            best = (scale, err)
+        else:
+            better = err < best[1]
+            best = (torch.where(better, scale, best[0]), torch.where(better, err, best[1]))
+    assert best is not None
+    return best[0]
+
+
+# int4: starting ranges (the group's min..max over 15 + r steps, centred), refined together, and the rounds
+_INT4_STARTS = (0.0, 1.0, 2.0)
+_INT4_ROUNDS = 3
+
+
+def _fit_int4(x: torch.Tensor, valid: torch.Tensor | None, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (scale, lo) [n, G], w ~ lo + q * scale with q in 0..15, for `x` [n, G, g] (float32;
+    inputs where `valid` [1, G, g] is 0 are padding). Data-free, as llama.cpp's make_qkx quantizers: from
+    each start, alternate rounding to nearest with the least-squares scale under the weights rms + |w|
+    (large weights matter more), keeping the (scale, lo) of least weighted squared error. Asymmetric:
+    lo makes the group's mean error 0 (activations carry a large common component: an error shared by
+    a group's inputs adds up); symmetric: lo = -8 * scale (zero 0). The starts run side by side (a
+    leading dim of len(_INT4_STARTS)): fewer, larger operations."""
+    count = torch.full((1, x.shape[1]), float(x.shape[2]), device=x.device) if valid is None else valid.sum(dim=2)
+    kept = x if valid is None else x * valid
+    mean = kept.sum(dim=2) / count
+    importance = kept.square().sum(dim=2).div_(count).sqrt_()[..., None] + x.abs()  # rms + |w|
+    if valid is not None:
+        importance.mul_(valid)
+    lo0, hi0 = x.amin(dim=2), x.amax(dim=2)  # the padding repeats a group's own input
+    if symmetric:  # the smallest scale that puts the group's min at >= -8, its max at <= 7
+        span, centred = torch.maximum(lo0 / -8.0, hi0 / 7.0) * 15.0, x
+    else:
+        span, centred = hi0 - lo0, x - mean[..., None]
+    weighted = importance * centred
+    total = (weighted * centred).sum(dim=2)  # sum of importance * centred^2: the error of scale 0
+    steps = torch.tensor(_INT4_STARTS, device=x.device).add_(15.0)[:, None, None]
+    scale = (span / steps).clamp_min(_TINY)  # [starts, n, G]
+    lo = -8.0 * scale if symmetric else (hi0 + lo0) / 2 - 7.5 * scale
+    best: tuple[torch.Tensor, ...] | None = None  # scale, lo, weighted squared error
+    for _ in range(_INT4_ROUNDS):
+        q = torch.addcmul((-lo / scale)[..., None], x, (1.0 / scale)[..., None]).round_().clamp_(0, 15)
+        # for these q, the least-squares scale (asymmetric: with lo = mean(w) - scale * mean(q)) and its error
+        q_mean = torch.full_like(scale, 8.0) if symmetric else (q if valid is None else q * valid).sum(3) / count
+        dev = q.sub_(q_mean[..., None])
+        spread = (dev * importance).mul_(dev).sum(dim=3)
+        cross = dev.mul_(weighted).sum(dim=3)  # (in place: the largest temporaries are q and one more)
+        scale = torch.where(cross > 0, cross / spread.clamp_min(_TINY), scale)
+        lo = -8.0 * scale if symmetric else mean - scale * q_mean
+        err = (total - cross.clamp_min(0.0) * scale).clamp_min_(0.0)  # of this scale and lo with these q
+        if best is None:
+            best = (scale, lo, err)
+        else:
+            better = err < best[2]
+            best = tuple(torch.where(better, new, old) for new, old in zip((scale, lo, err), best, strict=True))
+    assert best is not None
+    pick = best[2].argmin(dim=0, keepdim=True)  # the first start of least error
+    scale, lo = best[0].gather(0, pick)[0], best[1].gather(0, pick)[0]
+    if not symmetric:  # the mean error of the final rounding to 0
+        q = ((x - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15)
+        residual = x - torch.addcmul(lo[..., None], q, scale[..., None])
+        lo = lo + (residual if valid is None else residual * valid).sum(dim=2) / count
+    return scale, lo
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

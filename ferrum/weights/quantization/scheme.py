@@ -3,7 +3,7 @@ for every layer: `QuantizationConfig` (YAML's `quantization:` section, `--quanti
 
     int8   symmetric, one scale per output channel: w = q * scale            (q int8)
     int4   groups of `group_size` inputs per output channel (the last one shorter where
-           group_size does not divide K), asymmetric (min/max) unless `symmetric`:
+           group_size does not divide K), asymmetric (zero fitted) unless `symmetric`:
            w = (q - 8) * scale + zero                                       (q 0..15, two per byte)
     fp8    float8 e4m3, one scale per output channel: w = q * scale         (compute capability 8.9+ on CUDA)
 """
