@@ -510,9 +510,10 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
                  PLANES: tl.constexpr = 1, ASM: tl.constexpr = False) -> None:
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
     (the embedding table, for the first layer: no separate gather kernel; see STEP_START).
-    QUANT: W's storage (PLAIN; PER_CHANNEL, INT8: S the rows' scales; INT4: S and Z the groups'
-    scales and zeros, GROUP inputs each); PLANES: inputs a word of W (INT4 8, INT8 4; 1: tiles);
-    magic: MAGIC (in a register)."""
+    QUANT: W's storage (PLAIN; PER_CHANNEL, INT8, FP8: S the rows' scales; INT4: S and Z the groups'
+    scales and zeros, GROUP inputs each); PLANES: inputs a word of W (INT4 8, INT8 and FP8 4; 1:
+    tiles); magic: MAGIC (in a register); ASM: fp8's conversion in inline PTX (a GPU; Triton's
+    interpreter, which runs no PTX, takes the bits' arithmetic)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
