@@ -340,6 +340,19 @@ def _unpack_int4(words: tl.tensor) -> tl.tensor:
 
 
 @triton.jit
+def _banded_tile(M: tl.tensor, N: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """This program's (M tile, N tile): programs in bands of GROUP_M M tiles that walk N together, so
+    that a weight tile read once serves the band from L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    band = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // band) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % band) % size_m, (pid % band) // size_m
+
+
+@triton.jit
 def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
                   M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_x_plane: tl.tensor,
                   stride_x_word: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
@@ -352,14 +365,7 @@ def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.
     BLOCK_M] at k0 + i * stride_x_plane + j * stride_x_word. OUT: out [M, N] in x's dtype (+ bias),
     or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]. Scales: one a row when BLOCK_K divides
     GROUP, else one a word. Unless EVEN_K the last tile (a ragged last group) is masked at K."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * num_n
-    first_m = (pid // band) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % size_m
-    pid_n = (pid % band) // size_m
+    pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     KW: tl.constexpr = BLOCK_K // 8
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -420,14 +426,7 @@ def _w8a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, B: tl.tensor, OUT: t
     """One [BLOCK_M, BLOCK_N] tile of the output from int8 / fp8 [N, K] tiles converted to x's dtype,
     the per-channel scale on the float32 sums; programs in GROUP_M-row bands (the weight's tiles
     reused from L2 across a band)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * num_n
-    first_m = (pid // band) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % size_m
-    pid_n = (pid % band) // size_m
+    pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
