@@ -93,9 +93,10 @@ def w4a16_config(m: int, n: int, k: int) -> GemmConfig:
     Up to 16 rows: 64 outputs a program, x permuted, K split until there are 512 programs (4 an SM).
     More rows: 128 outputs a program (8 warps) for the large projections (N >= 16384 or K >= 8192),
     else 64, x permuted, K split until there are 192 programs. Splits at most 8, each K slice at
-    least 512 inputs. Past 64 rows (the wide projections up to WIDE_GEMM_UP_TO): 128 x 128 tiles.
+    least 512 inputs. Past 64 rows, the wide projections (N >= WIDE_N, up to WIDE_GEMM_UP_TO rows):
+    128 x 128 tiles (measured at 128 and 256 rows); the others keep the 64-row rule.
     """
-    if m > 64:
+    if m > 64 and n >= WIDE_N:
         return GemmConfig(128, 128, 128, 8, 3, 1, True)
     block_m = min(max(16, triton.next_power_of_2(m)), 64)
     wide = m > 16 and (n >= 16384 or k >= 8192)

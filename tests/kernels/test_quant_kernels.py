@@ -272,3 +272,12 @@ def test_quantized_gemv_at_llama_8b_shapes(kind: str) -> None:
             if residual:
                 ref = ref + res.double()
             assert rel_err(y, ref) < 1e-2, (kind, rows_w, k, m)
+
+
+def test_w4a16_tiles_past_64_rows_only_for_wide_projections() -> None:
+    """The 128 x 128 tiles were measured faster than dequantize + cuBLAS only on the wide gate/up
+    (N >= WIDE_N); a narrow projection past 64 rows keeps the 64-row tiles and its K split."""
+    wide = qm.w4a16_config(100, qm.WIDE_N, 4096)
+    narrow = qm.w4a16_config(100, 4096, 14336)
+    assert (wide.block_m, wide.block_n, wide.split_k) == (128, 128, 1)
+    assert narrow.block_m == 64 and narrow.split_k > 1
