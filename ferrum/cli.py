@@ -31,7 +31,8 @@ MODEL_HELP = (
 )
 QUANTIZATION_HELP = (
     "quantize the linear layers' weights as they load: int8 | int4 | fp8 | none (also FERRUM_QUANTIZATION; "
-    "group_size, symmetric and skip from the config file's quantization section)"
+    "group_size, symmetric and skip from the config file's quantization section); or the format a published "
+    "checkpoint must be in: gptq | awq | fp8 | compressed-tensors | gguf (detected without the flag)"
 )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,8 @@ from ferrum.dtypes import serving_dtype
 from ferrum.models.errors import ModelConfigError
 from ferrum.models.registry import resolve_architecture
 from ferrum.weights.locations.model_files import local_model_folder
+from ferrum.weights.quantization.published.base import PublishedFormat
+from ferrum.weights.quantization.published.detect import checkpoint_format
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # the published format its weights are stored in (config.json's quantization_config); None: unquantized
+    published: PublishedFormat | None = field(default=None, compare=False)
 
     @property
     def q_size(self) -> int:
@@ -91,6 +95,20 @@ def _checkpoint_dtype(name: Any) -> torch.dtype:
         return torch.float32
 
 
+def _legacy_quantize_config(folder: Path) -> dict[str, Any] | None:
+    """An older GPTQ folder's quantize_config.json (AutoGPTQ, before quantization_config moved into config.json)."""
+    path = folder / "quantize_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"{path}: cannot be read as JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object")
+    return {"quant_method": "gptq", **raw}
+
+
 def load_model_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     try:
@@ -104,6 +122,8 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         raise ModelConfigError(f"{path}: expected a JSON object")
     raw = {**raw.get("text_config", {}), **raw} if "text_config" in raw else raw
     architecture = resolve_architecture(raw, path)
+    published = checkpoint_format(raw.get("quantization_config") or _legacy_quantize_config(Path(folder)), raw,
+                                  str(path))
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -129,6 +149,7 @@ def load_model_config(folder: str | Path) -> ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=_int_list(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
+            published=published,
         )
     except KeyError as exc:
         raise ModelConfigError(f"{path}: missing required field {exc.args[0]!r}") from None

@@ -76,6 +76,16 @@ FUSED_PROJECTIONS = {
 }
 
 
+def checkpoint_modules(path: str) -> list[str]:
+    """The checkpoint's linear modules (HF names) that our linear layer `path` is made of:
+    "layers.0.self_attn.qkv_proj" -> its q_proj, k_proj and v_proj; "lm_head" -> "lm_head"."""
+    if path == "lm_head":
+        return [path]
+    parent, _, leaf = path.rpartition(".")
+    parts = [name for name, (fused, _) in FUSED_PROJECTIONS.items() if fused == leaf] or [leaf]
+    return [f"model.{parent}.{part}" for part in parts]
+
+
 class LlamaForCausalLM(nn.Module):
     """`config` is the whole model's; with `tp` (tensor parallelism) this is one rank's shard of
     it: its heads, MLP columns and vocabulary rows (ferrum.models.layers.parallel.ShardPlan).

@@ -29,10 +29,13 @@ from ferrum.models.config import ModelConfig
 from ferrum.models.layers import LayerOps, RotaryEmbedding
 from ferrum.models.layers.linear import LinearFactory
 from ferrum.models.layers.parallel import TensorParallel
-from ferrum.models.llama import LlamaForCausalLM, WeightBinding, ignored_checkpoint_tensor
+from ferrum.models.llama import LlamaForCausalLM, WeightBinding, checkpoint_modules, ignored_checkpoint_tensor
 from ferrum.models.load_memory import PeakHostMemory
+from ferrum.models.published_loader import PublishedLayer, plan_published, repack_published
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
+from ferrum.weights.quantization.published.base import PublishedLayers
+from ferrum.weights.quantization.published.detect import check_requested
 from ferrum.weights.quantization.scheme import QuantizationConfig
 from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.sources import WeightSource
@@ -68,8 +71,16 @@ def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: La
                 tp: TensorParallel | None = None, quantization: QuantizationConfig | None = None) -> LlamaForCausalLM:
     """The model's parameters (one rank's shard of them under `tp`) allocated on `device` in `dtype`
     (uninitialised; a quantized layer's storage in its own dtypes), its rotary tables computed there
-    in float32. QuantizationConfigError for a quantization the model or the device cannot take."""
-    linears = LinearFactory.for_device(device, dtype, quantization)
+    in float32. A checkpoint stored quantized (config.published) is served in its own format, which
+    `quantization` may name (vLLM's --quantization gptq etc.). QuantizationConfigError for a
+    quantization the model, the checkpoint or the device cannot take."""
+    published = None
+    if config.published is not None or (quantization is not None and quantization.published):
+        check_requested(quantization.method if quantization is not None else None, config.published,
+                        "config.json")
+        assert config.published is not None
+        published, quantization = PublishedLayers(config.published, checkpoint_modules), None
+    linears = LinearFactory.for_device(device, dtype, quantization, published)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops, tp, linears)
     model = model.to(dtype).to_empty(device=device.torch_device)  # allocated once, in the target dtype
@@ -86,23 +97,45 @@ def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: La
     return model.eval()
 
 
+@dataclass
+class WeightPlan:
+    """What fills the model: `specs` into `into` (parameters, and storage quantized on load), and the
+    layers of a published quantized checkpoint, read and repacked after them."""
+
+    specs: list[TensorSpec]
+    into: dict[str, torch.Tensor | QuantizedTensor]
+    published: list[PublishedLayer]
+
+
 def weight_plan(
     model: LlamaForCausalLM, metadata: WeightMetadata, weights: WeightSource, dtype: torch.dtype,
     quantize_on: str = "cpu",
-) -> tuple[list[TensorSpec], dict[str, torch.Tensor | QuantizedTensor]]:
+) -> WeightPlan:
     """One TensorSpec per checkpoint tensor the model needs and the parameter rows it fills (for a
-    quantized layer: the rows of its storage, the spec ending in Quantize, computed on `quantize_on`).
+    layer quantized on load: the rows of its storage, the spec ending in Quantize, computed on
+    `quantize_on`; a layer of a published quantized checkpoint: its tensors, repacked on `quantize_on`).
     WeightsError (naming `weights`) for a tensor the model does not have, one whose shape is not
     what config.json implies, or tensors missing from the checkpoint."""
     where = weights.display
+    fmt = model.config.published
+    destinations = model.weight_destinations()
     bindings = {b.checkpoint_name: b for b in model.weight_bindings()}
+    published: list[PublishedLayer] = []
+    if fmt is not None:
+        for name, binding in list(bindings.items()):
+            target = _target(destinations[binding.parameter], binding)
+            if isinstance(target, QuantizedTensor):
+                published.append(plan_published(model, fmt, binding, target, metadata, weights, quantize_on))
+                del bindings[name]
+    read = {spec.name for layer in published for spec in layer.specs}
     for name in metadata.tensors:
-        if name not in bindings and not ignored_checkpoint_tensor(name, model.config):
-            raise WeightsError(where, f"tensor {name!r} does not belong to {model.config.architecture}")
+        if name not in bindings and name not in read and not ignored_checkpoint_tensor(name, model.config) and not (
+                fmt is not None and fmt.unused(name)):
+            raise WeightsError(where, f"tensor {name!r} does not belong to {model.config.architecture}"
+                               + (f" ({fmt.describe()})" if fmt is not None else ""))
     missing = [name for name in bindings if name not in metadata.tensors]
     if missing:
         raise WeightsError(where, f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:5])}")
-    destinations = model.weight_destinations()
     specs: list[TensorSpec] = []
     into: dict[str, torch.Tensor | QuantizedTensor] = {}
     for name, binding in bindings.items():
@@ -122,7 +155,8 @@ def weight_plan(
         specs.append(TensorSpec(name, tuple(target.shape), dtype, source=_with_tensor(weights, name),
                                 transformations=steps))
         into[name] = target
-    return specs, into
+    return WeightPlan(specs, into, published)
+
 
 
 def _target(destination: torch.Tensor | QuantizedTensor, binding: WeightBinding) -> torch.Tensor | QuantizedTensor:
@@ -160,9 +194,15 @@ async def load_weights(
     called (from worker threads) as tensors land."""
     metadata = await loader.get_metadata(weights)
     dtype = model.embed_tokens.weight.dtype
-    specs, into = weight_plan(model, metadata, weights, dtype, quantize_on(device))
-    await loader.load(specs, into=into, device=device, progress=progress)
-    return sum(t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size() for t in into.values())
+    plan = weight_plan(model, metadata, weights, dtype, quantize_on(device))
+    await loader.load(plan.specs, into=plan.into, device=device, progress=progress)
+    loaded = sum(t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size()
+                 for t in plan.into.values())
+    if plan.published:
+        assert model.config.published is not None
+        await repack_published(plan.published, model.config.published, loader, device, weights.display)
+        loaded += sum(layer.target.nbytes for layer in plan.published)
+    return loaded
 
 
 def load_model(
@@ -209,7 +249,8 @@ def load_model(
         device.runtime.synchronize()
     done = time.perf_counter()
     peak_device = device.runtime.peak_memory_held() if device.dedicated_memory else 0
-    described = quantization.describe() if quantization is not None else None
+    described = (config.published.describe() if config.published is not None
+                 else quantization.describe() if quantization is not None else None)
     log.info("loaded %.2f GB of weights%s from %s to %s in %.2fs (%.2f GB/s; model set-up before them %.2fs); "
              "peak memory while loading: host %.2f GB%s",
              nbytes / 1e9, f" ({described})" if described else "", weights.display, device.name, done - reading,

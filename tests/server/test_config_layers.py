@@ -199,7 +199,8 @@ def test_quantization_method_alone_or_under_engine(tmp_path: Path, text: str) ->
 @pytest.mark.parametrize("given, fragment", [
     (["--quantization", "bitsandbytes"], "quantization method 'bitsandbytes': bitsandbytes' formats are not supported"),
     (["--quantization", "nf4"], "NF4 (bitsandbytes) is not supported"),
-    (["--quantization", "int3"], "unknown quantization method 'int3'; valid methods: int8, int4, fp8"),
+    (["--quantization", "int3"], "unknown quantization method 'int3'; valid: int8, int4, fp8 (quantized on load), "
+                                 "gptq, awq, compressed-tensors, gguf (the checkpoint's own)"),
 ])
 def test_refused_and_unknown_methods_are_named(given: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError) as info:

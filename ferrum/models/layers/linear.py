@@ -2,7 +2,9 @@
 kernels read of a linear layer (`gemv_weight`).
 
 A layer is made from its module path ("layers.3.self_attn.qkv_proj", "lm_head") and the served
-model's QuantizationConfig: a plain nn.Linear (RowParallelLinear, ParallelLMHead under tensor
+model's QuantizationConfig (quantized on load) or its checkpoint's published format (`PublishedLayers`:
+GPTQ, AWQ, FP8, compressed-tensors, GGUF, repacked into the same storage): a plain nn.Linear
+(RowParallelLinear, ParallelLMHead under tensor
 parallelism) where the layer is not quantized, else a QuantizedLinear of its QuantScheme computing
 through the kernels chosen once for the Device (`quant_kernels`).
 """
@@ -20,6 +22,7 @@ from ferrum.backends.device import Device
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.layers.parallel import ParallelLMHead, RowParallelLinear, TensorParallel
 from ferrum.models.layers.quantized_linear import QuantizedLinear, QuantKernels
+from ferrum.weights.quantization.published.base import PublishedLayers
 from ferrum.weights.quantization.scheme import QuantizationConfig, QuantizationConfigError, QuantScheme
 
 __all__ = ["LinearFactory", "check_skip", "gemv_weight", "quant_kernels"]
@@ -39,26 +42,41 @@ def _gather_vocab(tp: TensorParallel, vocab_size: int, logits: torch.Tensor) -> 
 
 @dataclass(frozen=True)
 class LinearFactory:
-    """Makes every linear layer of a model. `dtype`: the model's (int4's scales and zeros, biases)."""
+    """Makes every linear layer of a model. `dtype`: the model's (int4's scales and zeros, biases).
+    `published`: the checkpoint's own quantization, where it is stored quantized (then `quantization`,
+    on load, is None)."""
 
     quantization: QuantizationConfig | None = None
     dtype: torch.dtype = torch.float32
     kernels: QuantKernels = "cpu"
     fp8_rowwise: bool = True  # CUDA: torch._scaled_mm takes row-wise scales (compute capability 9.0)
+    published: PublishedLayers | None = None
+
+    fp8_unsupported: str | None = None  # why the device cannot run fp8 (None: it can)
 
     @classmethod
-    def for_device(cls, device: Device, dtype: torch.dtype, quantization: QuantizationConfig | None) -> LinearFactory:
-        """QuantizationConfigError where the device cannot run the method (fp8 on CUDA before 8.9)."""
-        if quantization is not None and quantization.method == "fp8" and device.kind == "cuda" and not device.fp8:
+    def for_device(cls, device: Device, dtype: torch.dtype, quantization: QuantizationConfig | None,
+                   published: PublishedLayers | None = None) -> LinearFactory:
+        """A layer in fp8 (quantized on load or published) is a QuantizationConfigError where the device
+        cannot run it (CUDA before compute capability 8.9)."""
+        unsupported = None
+        if device.kind == "cuda" and not device.fp8:
             cc = device.compute_capability or (0, 0)
-            raise QuantizationConfigError(
-                f"quantization fp8 needs compute capability 8.9 or later; {device.name} ({device.description}) "
-                f"has {cc[0]}.{cc[1]}: use int8 or int4"
-            )
-        return cls(quantization, dtype, quant_kernels(device), (device.compute_capability or (9, 0)) >= (9, 0))
+            unsupported = (f"quantization fp8 needs compute capability 8.9 or later; {device.name} "
+                           f"({device.description}) has {cc[0]}.{cc[1]}: use int8 or int4")
+        if unsupported and quantization is not None and quantization.method == "fp8":
+            raise QuantizationConfigError(unsupported)
+        return cls(quantization, dtype, quant_kernels(device), (device.compute_capability or (9, 0)) >= (9, 0),
+                   published, unsupported)
 
-    def scheme_for(self, path: str) -> QuantScheme | None:
-        return None if self.quantization is None else self.quantization.scheme_for(path)
+    def scheme_for(self, path: str, in_features: int) -> QuantScheme | None:
+        if self.published is not None:
+            scheme = self.published.scheme_for(path, in_features)
+        else:
+            scheme = None if self.quantization is None else self.quantization.scheme_for(path)
+        if scheme is not None and scheme.method == "fp8" and self.fp8_unsupported:
+            raise QuantizationConfigError(f"{path}: {self.fp8_unsupported}")
+        return scheme
 
     def _check_in_features(self, scheme: QuantScheme, in_features: int, what: str) -> None:
         """QuantizationConfigError unless the layer's inputs can be stored in `scheme` and read by
@@ -71,7 +89,7 @@ class LinearFactory:
             )
 
     def linear(self, path: str, in_features: int, out_features: int, bias: bool) -> nn.Linear | QuantizedLinear:
-        scheme = self.scheme_for(path)
+        scheme = self.scheme_for(path, in_features)
         if scheme is None:
             return nn.Linear(in_features, out_features, bias=bias)
         self._check_in_features(scheme, in_features, path)
@@ -83,7 +101,7 @@ class LinearFactory:
         """A layer whose input features (`in_features`: this rank's share) are split across ranks:
         its int4 groups must not straddle two ranks: each rank's share is whole groups (unsplit,
         tp.size 1, the last group may be ragged)."""
-        scheme = self.scheme_for(path)
+        scheme = self.scheme_for(path, in_features * tp.size)
         if scheme is None:
             return RowParallelLinear(in_features, out_features, bias, tp)
         if tp.size == 1:
@@ -99,7 +117,7 @@ class LinearFactory:
     def lm_head(self, rows: int, hidden: int, vocab_size: int,
                 tp: TensorParallel) -> nn.Linear | ParallelLMHead | QuantizedLinear:
         """The output head (untied): `rows` of the vocabulary on this rank, gathered under tensor parallelism."""
-        scheme = self.scheme_for("lm_head")
+        scheme = self.scheme_for("lm_head", hidden)
         if scheme is None:
             return nn.Linear(hidden, vocab_size, bias=False) if tp.size == 1 else ParallelLMHead(
                 rows, hidden, vocab_size, tp)

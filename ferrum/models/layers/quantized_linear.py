@@ -10,7 +10,9 @@ ways it computes, one `LinearMethod` per (kernels, method), chosen once when the
 The layer owns its storage: the parts of a `QuantizedTensor` registered as buffers in their own
 dtypes (model.to(dtype) moves them and never casts them). `storage()` is the weight loader's
 destination, `prepare()` runs once after loading (vLLM's process_weights_after_loading),
-`kernel_weight()` is the storage as the GPU kernels read it.
+`kernel_weight()` is the storage as the GPU kernels read it. A published checkpoint may store the
+inputs reordered (GPTQ's act order: `set_input_order`); the layer then reorders its input to match,
+and the fused decode chain, whose kernels read the input in order, is not used.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class QuantizedLinear(nn.Module):
     scale_x: torch.Tensor
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
+    input_order: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
                  kernels: QuantKernels, dtype: torch.dtype, combine: Combine | None = None,
@@ -154,6 +157,13 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.method = linear_method(kernels, scheme, dtype, fp8_rowwise)
         self.repacked = False  # prepare() put the storage into the method's own layout
+        self.register_buffer("input_order", None)
+
+    def set_input_order(self, order: torch.Tensor | None) -> None:
+        """The storage's input j is the layer's input order[j] (int64 [in_features]); None: in order."""
+        if order is not None and tuple(order.shape) != (self.in_features,):
+            raise ValueError(f"input order of {tuple(order.shape)} for {self.in_features} input features")
+        self.input_order = None if order is None else order.to(torch.int64)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -171,8 +181,11 @@ class QuantizedLinear(nn.Module):
         return QuantizedTensor(self.scheme, self.shape, self.dtype, {name: getattr(self, name) for name in names})
 
     def kernel_weight(self) -> QuantWeight:
-        """The storage as the GPU kernels read it (made on every call: cheap, never stale)."""
+        """The storage as the GPU kernels read it (made on every call: cheap, never stale); a layer whose
+        inputs are stored reordered has none (its input is reordered first, in forward)."""
         self._check_layout()
+        if self.input_order is not None:
+            raise RuntimeError("a layer whose inputs are stored reordered (act order) is read through forward()")
         if self.scheme.grouped:
             return QuantWeight(self.scheme.method, self.qweight, self.scale, self.zero, self.scheme.group_size)
         return QuantWeight(self.scheme.method, self.qweight, self.scale)
@@ -182,11 +195,16 @@ class QuantizedLinear(nn.Module):
         self.method.prepare(self)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the storage stands for, [out, in] in the model's dtype (tests, checks)."""
-        return self.method.dequantized(self)
+        """The weight the storage stands for, [out, in] in the model's dtype, its inputs in order (tests, checks)."""
+        weight = self.method.dequantized(self)
+        if self.input_order is None:
+            return weight
+        return torch.empty_like(weight).index_copy_(1, self.input_order, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if self.input_order is not None:
+            flat = flat.index_select(1, self.input_order)
         y = self.method.matmul(self, flat.contiguous())
         if self.combine is not None:
             y = self.combine(y)

@@ -4,7 +4,7 @@ resolved model, ready to load.
 
 required    config.json, tokenizer.json
 optional    tokenizer_config.json, generation_config.json, chat_template.jinja,
-            special_tokens_map.json
+            special_tokens_map.json, quantize_config.json
 weights     model.safetensors.index.json and the shards its weight_map names, else model.safetensors
             (as transformers: other *.safetensors files without an index are not a model's weights)
 
@@ -46,7 +46,7 @@ __all__ = [
     "weights_file",
 ]
 
-ModelLocation: TypeAlias = File | HuggingFace | S3 | Url  # each naming a folder (ferrum.weights.locations.uri)
+ModelLocation: TypeAlias = File | HuggingFace | S3 | Url  # each naming a folder, or a .gguf file (locations.uri)
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -56,6 +56,7 @@ OPTIONAL_FILES: tuple[str, ...] = (
     "generation_config.json",
     "chat_template.jinja",
     "special_tokens_map.json",
+    "quantize_config.json",  # an older GPTQ folder's quantization (AutoGPTQ)
 )
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -133,9 +134,10 @@ def local_weights(folder: Path) -> File:
 class ModelFiles:
     """A model resolved for serving (ferrum.weights.locations.uri.resolve_model): `folder` is a local folder
     with its config.json, tokenizer files (and index, if sharded); `weights` the source of its
-    weights, model.safetensors or the index: a local File, or the remote object itself (S3 or a
+    weights, model.safetensors, the index or a GGUF file: a local File, or the remote object itself (S3 or a
     URL not yet in the cache), which the WeightLoader streams onto the device while writing the
-    verified cache. `complete`: `folder` holds the weights too."""
+    verified cache. `complete`: the weights are local too (in `folder`; a GGUF file's in its place
+    or its cache)."""
 
     location: ModelLocation  # where the model lives
     folder: Path

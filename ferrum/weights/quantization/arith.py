@@ -52,9 +52,10 @@ def _quantize_rows(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch
         valid = (torch.arange(groups * g, device=w.device) < k).float().reshape(1, groups, g)
     grouped = w.reshape(n, groups, g)
     scale, lo = _fit_int4(grouped, valid, scheme.symmetric)
-    # stored in the weight's dtype (a scale never rounded to 0): quantized against the stored scale and zero
-    scale_s = scale.to(weight.dtype).clamp_min(torch.finfo(weight.dtype).tiny)
-    zero_s = torch.zeros_like(scale_s) if scheme.symmetric else (lo + 8.0 * scale).to(weight.dtype)
+    # stored in the params' dtype (a scale never rounded to 0): quantized against the stored scale and zero
+    params = scheme.params or weight.dtype
+    scale_s = scale.to(params).clamp_min(torch.finfo(params).tiny)
+    zero_s = torch.zeros_like(scale_s) if scheme.symmetric else (lo + 8.0 * scale).to(params)
     q = ((grouped - zero_s.float()[..., None]) / scale_s.float()[..., None]).round_().add_(8).clamp_(0, 15)
     q8 = q.reshape(n, groups * g)[:, :k].to(torch.uint8)
     return {"qweight": q8[:, 0::2] | (q8[:, 1::2] << 4), "scale": scale_s, "zero": zero_s}

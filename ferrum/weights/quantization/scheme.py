@@ -6,6 +6,9 @@ for every layer: `QuantizationConfig` (YAML's `quantization:` section, `--quanti
            group_size does not divide K), asymmetric (zero fitted) unless `symmetric`:
            w = (q - 8) * scale + zero                                       (q 0..15, two per byte)
     fp8    float8 e4m3, one scale per output channel: w = q * scale         (compute capability 8.9+ on CUDA)
+
+int4's scales and zeros are stored in the model's dtype unless the scheme names `params`: a published
+checkpoint's values kept exactly (GPTQ's float16 scales, an integer zero point times its scale in float32).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, cast
 
+import torch
+
 QuantMethod: TypeAlias = Literal["int8", "int4", "fp8"]
 METHODS: tuple[QuantMethod, ...] = ("int8", "int4", "fp8")
 # names people pass that Ferrum does not run, and why (refused by name, never ignored)
@@ -21,10 +26,14 @@ REFUSED_METHODS: dict[str, str] = {
     "bitsandbytes": "bitsandbytes' formats are not supported; use int8, int4 or fp8 (quantized on load)",
     "bnb": "bitsandbytes' formats are not supported; use int8, int4 or fp8 (quantized on load)",
     "nf4": "NF4 (bitsandbytes) is not supported; use int4",
-    "gptq": "GPTQ checkpoints are not served yet; quantize a full-precision checkpoint on load instead",
-    "awq": "AWQ checkpoints are not served yet; quantize a full-precision checkpoint on load instead",
 }
+# published checkpoint formats (ferrum.weights.quantization.published): `--quantization gptq` says what the
+# checkpoint must be (vLLM's meaning); fp8 is both (on load for an unquantized checkpoint)
+PUBLISHED: tuple[str, ...] = ("gptq", "awq", "compressed-tensors", "gguf")
+PUBLISHED_ALIASES: dict[str, str] = {
+    "gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
 DEFAULT_GROUP_SIZE = 128
+_PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_SKIP: tuple[str, ...] = ("lm_head",)
 
 
@@ -42,7 +51,27 @@ def parse_method(name: object) -> QuantMethod:
         return cast(QuantMethod, key)
     if key in REFUSED_METHODS:
         raise QuantizationConfigError(f"quantization method {name!r}: {REFUSED_METHODS[key]}")
+    if PUBLISHED_ALIASES.get(key, key) in PUBLISHED:
+        raise QuantizationConfigError(f"{name!r} is a checkpoint format, served as int4, int8 or fp8; name one of "
+                                      f"{', '.join(METHODS)}")
     raise QuantizationConfigError(f"unknown quantization method {name!r}; valid methods: {', '.join(METHODS)}")
+
+
+def parse_quantization(name: object) -> str:
+    """The served model's --quantization: a method quantized on load, or a published format the
+    checkpoint must be in (vLLM's names, canonical spelling); QuantizationConfigError as parse_method."""
+    if isinstance(name, str):
+        key = name.strip().lower()
+        if PUBLISHED_ALIASES.get(key, key) in PUBLISHED:
+            return PUBLISHED_ALIASES.get(key, key)
+    try:
+        return parse_method(name)
+    except QuantizationConfigError as exc:
+        if "unknown" in str(exc):
+            raise QuantizationConfigError(
+                f"unknown quantization method {name!r}; valid: {', '.join(METHODS)} (quantized on load), "
+                f"{', '.join(PUBLISHED)} (the checkpoint's own)") from None
+        raise
 
 
 @dataclass(frozen=True)
@@ -53,9 +82,14 @@ class QuantScheme:
     method: QuantMethod
     group_size: int = DEFAULT_GROUP_SIZE
     symmetric: bool = False  # int4 only: zero fixed at 0 (int8 and fp8 are always symmetric)
+    params: torch.dtype | None = None  # int4 only: the scales' and zeros' dtype; None: the model's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", parse_method(self.method))
+        if self.params is not None and (self.method != "int4" or self.params not in _PARAM_DTYPES):
+            raise QuantizationConfigError(
+                f"{self.method}: params dtype {self.params} is for int4's scales and zeros, one of "
+                f"{', '.join(str(d) for d in _PARAM_DTYPES)}")
         if self.method == "int4":
             g = self.group_size
             if isinstance(g, bool) or not isinstance(g, int) or g < 16 or g & (g - 1):
@@ -91,7 +125,8 @@ class QuantScheme:
 
     def describe(self) -> str:
         if self.method == "int4":
-            return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'})"
+            params = f", {str(self.params).removeprefix('torch.')} scales" if self.params is not None else ""
+            return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}{params})"
         return self.method
 
 
@@ -99,15 +134,17 @@ class QuantScheme:
 class QuantizationConfig:
     """The served model's quantization: `method` for every linear layer except those named in
     `skip` (a layer matches when its name, e.g. "lm_head" or "layers.0.mlp.down_proj", equals an
-    entry or ends with "." + entry). Embeddings are never quantized."""
+    entry or ends with "." + entry). Embeddings are never quantized. A published format's name
+    (`published`) instead says which format the checkpoint must already be in; fp8 is quantized on
+    load, or read as published where the checkpoint is FP8."""
 
-    method: QuantMethod
+    method: str  # a QuantMethod, or one of PUBLISHED
     group_size: int = DEFAULT_GROUP_SIZE
     symmetric: bool | None = None  # None: the method's default (int8/fp8 symmetric, int4 asymmetric)
     skip: tuple[str, ...] = DEFAULT_SKIP
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "method", parse_method(self.method))
+        object.__setattr__(self, "method", parse_quantization(self.method))
         if isinstance(self.skip, str) or not isinstance(self.skip, Iterable):
             raise QuantizationConfigError(f"quantization skip must be a list of layer names, got {self.skip!r}")
         skip = tuple(self.skip)
@@ -118,11 +155,19 @@ class QuantizationConfig:
             raise QuantizationConfigError(
                 f"{self.method} is stored symmetric (one scale per output channel); symmetric: false is for int4"
             )
-        self.scheme  # noqa: B018 - validates group_size
+        if not self.published:
+            self.scheme  # noqa: B018 - validates group_size
+
+    @property
+    def published(self) -> bool:
+        """The method names a published checkpoint format, not a quantization on load."""
+        return self.method in PUBLISHED
 
     @property
     def scheme(self) -> QuantScheme:
-        return QuantScheme(self.method, self.group_size, bool(self.symmetric))
+        if self.published:
+            raise QuantizationConfigError(f"{self.method} names a checkpoint format, not a scheme")
+        return QuantScheme(cast(QuantMethod, self.method), self.group_size, bool(self.symmetric))
 
     def scheme_for(self, layer: str) -> QuantScheme | None:
         """The scheme of linear layer `layer` (its module path, e.g. "layers.3.self_attn.qkv_proj"),
@@ -133,5 +178,7 @@ class QuantizationConfig:
         return self.scheme
 
     def describe(self) -> str:
+        if self.published:
+            return self.method
         skipped = f", {', '.join(self.skip)} unquantized" if self.skip else ""
         return self.scheme.describe() + skipped

@@ -2,7 +2,7 @@
 
     int8   qweight int8 [N, K]             scale float32 [N]
     fp8    qweight float8_e4m3fn [N, K]    scale float32 [N]
-    int4   qweight uint8 [N, K/2]          scale [N, ceil(K/g)], zero [N, ceil(K/g)] (in the weight's own dtype)
+    int4   qweight uint8 [N, K/2]          scale, zero [N, ceil(K/g)] (in scheme.params, else the weight's dtype)
            byte j of a row holds input 2j in its low nibble and input 2j + 1 in its high nibble;
            input k is in group k // g (the last group holds K - (groups - 1) * g inputs)
 
@@ -32,8 +32,8 @@ def part_layout(
         return {"qweight": ((n, k), torch.int8), "scale": ((n,), torch.float32)}
     if scheme.method == "fp8":
         return {"qweight": ((n, k), torch.float8_e4m3fn), "scale": ((n,), torch.float32)}
-    groups = scheme.groups(k)
-    return {"qweight": ((n, k // 2), torch.uint8), "scale": ((n, groups), dtype), "zero": ((n, groups), dtype)}
+    groups, params = scheme.groups(k), scheme.params or dtype
+    return {"qweight": ((n, k // 2), torch.uint8), "scale": ((n, groups), params), "zero": ((n, groups), params)}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,71 @@
+"""FP8 checkpoints (quant_method "fp8": transformers' FP8 and FineGrainedFP8 quantizers, Qwen's and
+DeepSeek's FP8 releases, vLLM's serialized fp8).
+
+Per quantized module M (N outputs, K inputs):
+
+    M.weight             float8_e4m3fn [N, K]
+    M.weight_scale       float32 [] or [1]           per tensor: w = q * scale
+    M.weight_scale_inv   float32 [N / bn, K / bk]    blocks of weight_block_size [bn, bk]: w = q * scale_inv
+    M.input_scale        float32 [] or [1]           activation_scheme static (not read: Ferrum's kernels
+                                                     scale activations per token)
+
+Served as fp8 with one float32 scale per output row: a per-tensor scale is exact; block scales are
+refused by name (they need block-scaled kernels). `modules_to_not_convert` / `ignored_layers` name
+modules stored unquantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ferrum.weights.quantization.published.base import PublishedFormat, Repacked, TensorInfo, expect, matching
+from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantScheme
+from ferrum.weights.quantization.tensor import QuantizedTensor
+
+__all__ = ["Fp8Format"]
+
+
+class Fp8Format(PublishedFormat):
+    name = "fp8"
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        block = config.get("weight_block_size")
+        if block:
+            raise QuantizationConfigError(
+                f"FP8 with weight_block_size {list(block)}: block-scaled FP8 is not served yet (Ferrum's fp8 keeps one "
+                "scale per output row); vLLM and SGLang serve it")
+        fmt = str(config.get("fmt", "e4m3")).lower()
+        if fmt != "e4m3":
+            raise QuantizationConfigError(f"FP8 fmt {fmt!r}: Ferrum serves float8 e4m3")
+        self.activation_scheme = str(config.get("activation_scheme", "dynamic"))
+        self.skip: tuple[str, ...] = tuple(config.get("modules_to_not_convert") or ()) + tuple(
+            config.get("ignored_layers") or ())
+
+    def describe(self) -> str:
+        return f"fp8 (e4m3, per-tensor weight scales, {self.activation_scheme} activations read as per-token)"
+
+    def scheme(self, module: str, k: int) -> QuantScheme | None:
+        if matching(module, self.skip) or module.split(".")[-1] == "lm_head":
+            return None
+        return QuantScheme("fp8")
+
+    def tensors(self, module: str) -> dict[str, str]:
+        return {"weight": f"{module}.weight", "weight_scale": f"{module}.weight_scale"}
+
+    def check(self, module: str, n: int, k: int, infos: Mapping[str, TensorInfo]) -> list[str]:
+        names, problems = self.tensors(module), list[str]()
+        expect(problems, infos, names, "weight", (n, k), (torch.float8_e4m3fn,))
+        info = infos.get("weight_scale")
+        expect(problems, infos, names, "weight_scale", () if info is not None and info[0] == () else (1,),
+               (torch.float32, torch.bfloat16, torch.float16))
+        return problems
+
+    def repack(self, module: str, n: int, k: int, raw: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Repacked:
+        scale = raw["weight_scale"].float().reshape(1).expand(n).contiguous()
+        return Repacked(QuantizedTensor(QuantScheme("fp8"), (n, k), dtype, {"qweight": raw["weight"], "scale": scale}))
+
+    def unused(self, name: str) -> bool:
+        return name.endswith((".input_scale", ".k_scale", ".v_scale"))

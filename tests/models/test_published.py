@@ -1,0 +1,235 @@
+"""Published quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8) served through the linear seam:
+each written byte-exact to its documented packing (tests/models/published_writers.py) from random codes,
+loaded, and compared with the dense weights it stands for served unquantized, in float32 on the CPU: the
+repack is exact, so the logits agree to float32 rounding. Bad checkpoints stop start-up naming the
+file and the tensor. (Fixtures written by the real tools: tests/models/test_published_fixtures.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.scheduler import ScheduledSequence
+from ferrum.engine.sequence import Sequence
+from ferrum.models.config import load_model_config
+from ferrum.models.layers import layer_ops
+from ferrum.models.layers.quantized_linear import QuantizedLinear
+from ferrum.models.llama import LlamaForCausalLM
+from ferrum.models.loader import load_model
+from ferrum.weights.errors import WeightError
+from ferrum.weights.loader import WeightLoader
+from ferrum.weights.locations.model_files import local_weights
+from ferrum.weights.quantization.scheme import QuantizationConfig, QuantizationConfigError
+from tests.engines import host_device, make_runner
+from tests.models import published_writers as w
+from tests.tiny_model import save_hf_model, tiny_config
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A float32 Llama whose linear layers have 128 or 256 inputs (groups of 32 and 128 divide them)."""
+    folder = Path(tmp_path_factory.mktemp("published-base"))
+    config = tiny_config("llama2-mha", hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    save_hf_model(folder, config, dtype=torch.float32)
+    return folder
+
+
+Writer = Callable[[int, int, torch.Generator, str], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def _write(base: Path, out: Path, quantization_config: dict[str, Any], writer: Writer,
+           skip: tuple[str, ...] = ()) -> Path:
+    """`out` (quantized, config.json with `quantization_config`) and `out`-dense (the weights it stands
+    for, unquantized); the modules named in `skip` stay unquantized in both."""
+    dense_dir = out.parent / (out.name + "-dense")
+    for folder in (out, dense_dir):
+        shutil.copytree(base, folder)
+    state = load_file(base / "model.safetensors")
+    quantized, dense = dict(state), dict(state)
+    gen = torch.Generator().manual_seed(5)
+    for name in sorted(state):
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or module.split(".")[-1] not in PROJECTIONS or any(module.endswith(s) for s in skip):
+            continue
+        n, k = state[name].shape
+        tensors, weight = writer(n, k, gen, module)
+        del quantized[name]
+        quantized.update({f"{module}.{role}": t for role, t in tensors.items()})
+        dense[name] = weight.float().contiguous()
+    save_file(quantized, out / "model.safetensors")
+    save_file(dense, dense_dir / "model.safetensors")
+    config = json.loads((base / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    return out
+
+
+def _load(folder: Path, quantization: QuantizationConfig | None = None) -> LlamaForCausalLM:
+    device = host_device()
+    model, _ = load_model(load_model_config(folder), local_weights(folder), device, torch.float32,
+                          layer_ops(device), WeightLoader(), quantization=quantization)
+    return model
+
+
+def _logits(model: LlamaForCausalLM) -> torch.Tensor:
+    """The prefill logits of two fixed prompts."""
+    runner = make_runner(model, host_device(), 64, 8, enforce_eager=True)
+    blocks = BlockManager(num_blocks=32, block_size=8)
+    g = torch.Generator().manual_seed(2)
+    seqs = [Sequence(f"r{i}", torch.randint(0, 512, (n,), generator=g).tolist(), SamplingParams(max_tokens=1), 0.0)
+            for i, n in enumerate((7, 19))]
+    for seq in seqs:
+        blocks.grow(seq, seq.num_tokens)
+    logits, _ = runner.execute([ScheduledSequence(s, s.num_tokens) for s in seqs])
+    return logits.float()
+
+
+def _check_equal(folder: Path, quantization: QuantizationConfig | None = None) -> LlamaForCausalLM:
+    model = _load(folder, quantization)
+    got = _logits(model)
+    ref = _logits(_load(folder.parent / (folder.name + "-dense")))
+    # exact repack: the same weights, summed in another order (observed max |diff| ~1e-6 of logits ~1)
+    assert (got - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+    return model
+
+
+GPTQ_CASES = {
+    "v1-sym-g32": dict(g=32, bits=4, sym=True, desc_act=False, v2=False),
+    "v2-asym-desc_act-g32": dict(g=32, bits=4, sym=False, desc_act=True, v2=True),
+    "v1-asym-per-channel": dict(g=-1, bits=4, sym=False, desc_act=False, v2=False),
+    "v1-8bit-per-channel": dict(g=-1, bits=8, sym=True, desc_act=False, v2=False),
+}
+
+
+@pytest.mark.parametrize("case", list(GPTQ_CASES))
+def test_gptq_repacks_exactly(base: Path, tmp_path: Path, case: str) -> None:
+    c = GPTQ_CASES[case]
+    config = {"quant_method": "gptq", "bits": c["bits"], "group_size": c["g"], "sym": c["sym"],
+              "desc_act": c["desc_act"], "checkpoint_format": "gptq_v2" if c["v2"] else "gptq"}
+    folder = _write(base, tmp_path / case, config,
+                    lambda n, k, gen, m: w.gptq(n, k, c["g"], c["bits"], c["sym"], c["desc_act"], c["v2"], gen, m))
+    model = _check_equal(folder)
+    layers = model.quantized_layers()
+    assert len(layers) == 2 * 4 and "lm_head" not in layers  # qkv, o, gate_up, down per layer
+    method = "int8" if c["bits"] == 8 else "int4"
+    assert {layer.scheme.method for layer in layers.values()} == {method}
+    assert any(layer.input_order is not None for layer in layers.values()) == c["desc_act"]
+
+
+def test_awq_and_its_flag(base: Path, tmp_path: Path) -> None:
+    config = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": ["down_proj"]}
+    folder = _write(base, tmp_path / "awq", config, lambda n, k, gen, m: w.awq(n, k, 32, gen), skip=("down_proj",))
+    model = _check_equal(folder, QuantizationConfig("awq_marlin"))
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedLinear)
+    assert not isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
+
+
+CT_GROUP = {"targets": ["Linear"], "input_activations": None,
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}
+
+
+@pytest.mark.parametrize("case", ["group-sym", "group-asym", "channel"])
+def test_compressed_tensors_pack_quantized(base: Path, tmp_path: Path, case: str) -> None:
+    weights = dict(CT_GROUP["weights"])  # type: ignore[call-overload]
+    if case == "group-asym":
+        weights["symmetric"] = False
+    if case == "channel":
+        weights.update(strategy="channel", group_size=None)
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {**CT_GROUP, "weights": weights}}}
+    g = None if case == "channel" else 32
+    _check_equal(_write(base, tmp_path / case, config,
+                        lambda n, k, gen, m: w.compressed_pack(n, k, g, case != "group-asym", torch.float32, gen)))
+
+
+def test_compressed_tensors_int8_and_fp8(base: Path, tmp_path: Path) -> None:
+    int8 = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}}
+    model = _check_equal(_write(base, tmp_path / "w8a8", int8, lambda n, k, gen, m: w.compressed_int8(n, k, gen)))
+    assert {layer.scheme.method for layer in model.quantized_layers().values()} == {"int8"}
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    model = _check_equal(_write(base, tmp_path / "fp8", fp8, lambda n, k, gen, m: w.fp8(n, k, gen, True)),
+                         QuantizationConfig("fp8"))
+    assert {layer.scheme.method for layer in model.quantized_layers().values()} == {"fp8"}
+
+
+# ------------------------------------------------------------------------------ bad checkpoints
+
+GPTQ_4 = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+
+
+def _gptq(base: Path, folder: Path, config: dict[str, Any] | None = None) -> Path:
+    return _write(base, folder, config or GPTQ_4, lambda n, k, gen, m: w.gptq(n, k, 32, 4, True, False, False, gen))
+
+
+def _edit(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    state = load_file(folder / "model.safetensors")
+    change(state)
+    save_file(state, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing scales", "'model.layers.0.self_attn.q_proj.scales' is missing"),
+    ("wrong bits", "'model.layers.0.self_attn.q_proj.qweight' has shape"),
+    ("g_idx out of range", "'model.layers.1.mlp.down_proj.g_idx': group indices 0..99 are out of range"),
+    ("zeros not symmetric", "'model.layers.0.self_attn.k_proj.qzeros': the config says sym"),
+])
+def test_bad_gptq_checkpoint_names_file_and_tensor(base: Path, tmp_path: Path, case: str, message: str) -> None:
+    folder = _gptq(base, tmp_path / "bad")
+    if case == "missing scales":
+        _edit(folder, lambda s: s.pop("model.layers.0.self_attn.q_proj.scales"))
+    elif case == "wrong bits":
+        (folder / "config.json").write_text(json.dumps(
+            {**json.loads((folder / "config.json").read_text()), "quantization_config": {**GPTQ_4, "bits": 8,
+                                                                                          "group_size": -1}}))
+    elif case == "g_idx out of range":
+        _edit(folder, lambda s: s["model.layers.1.mlp.down_proj.g_idx"].__setitem__(3, 99))
+    else:
+        _edit(folder, lambda s: s.__setitem__("model.layers.0.self_attn.k_proj.qzeros",
+                                              torch.zeros_like(s["model.layers.0.self_attn.k_proj.qzeros"])))
+    with pytest.raises(WeightError) as info:
+        _load(folder)
+    assert str(folder / "model.safetensors") in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({**GPTQ_4, "bits": 3}, "GPTQ with bits=3: Ferrum serves 4- and 8-bit GPTQ"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes': bitsandbytes'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt checkpoints (NVFP4, FP8) are not served"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group"}}}},
+     "format 'nvfp4-pack-quantized' is not served"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-scaled FP8 is not served yet"),
+])
+def test_unserved_schemes_are_refused_by_name(base: Path, tmp_path: Path, config: dict[str, Any],
+                                              message: str) -> None:
+    folder = tmp_path / "unserved"
+    shutil.copytree(base, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    with pytest.raises(QuantizationConfigError, match="config.json") as info:
+        load_model_config(folder)
+    assert message in str(info.value)
+
+
+def test_flag_and_checkpoint_must_agree(base: Path, tmp_path: Path) -> None:
+    folder = _gptq(base, tmp_path / "gptq")
+    with pytest.raises(QuantizationConfigError, match=r"already quantized \(gptq .*--quantization int4 would"):
+        _load(folder, QuantizationConfig("int4"))
+    with pytest.raises(QuantizationConfigError, match="--quantization awq"):
+        _load(folder, QuantizationConfig("awq"))
+    with pytest.raises(QuantizationConfigError, match="expects a gptq checkpoint, but config.json has no"):
+        _load(base, QuantizationConfig("gptq"))
