@@ -1,0 +1,208 @@
+"""Published quantized checkpoints on a CUDA GPU, beside on-load quantization and bf16, in one run.
+
+    python scripts/published_bench.py --out DIR [--shape llama-3.1-8b] [--formats gptq,awq,ct-w4a16,fp8]
+        [--tests]
+
+Writes, from the random bf16 checkpoint of --shape (scripts/make_random_checkpoint.py), one folder per
+format with random integer codes in that format's documented layout (every linear layer quantized,
+the output head in bf16: GPTQ 4-bit group 128 symmetric (checkpoint_format gptq), AWQ GEMM group 128,
+compressed-tensors W4A16 group 128, FP8 per-tensor), then for each, and for bf16, on-load int4 and
+on-load fp8 from the bf16 folder: the start-up time (create_engine, weights to ready) and batch-1
+decode (128-token prompt, 256 tokens) with the fraction of its floor: the bytes of every weight one
+token reads as served (scales and zeros included) over the measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gemv_bench import read_bandwidth  # noqa: E402
+from gpu_suite import RESULTS, checkpoint, gpu_engine, record  # noqa: E402
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP = 128
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the random codes are drawn
+CONFIGS: dict[str, dict[str, Any]] = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": False,
+             "checkpoint_format": "gptq"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
+    "ct-w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                     "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}},
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+}
+# bytes per weight element of a linear layer as served, and per group of GROUP inputs
+SERVED = {"gptq": (0.5, 4), "ct-w4a16": (0.5, 4), "awq": (0.5, 8), "int4": (0.5, 4), "fp8": (1.0, 0),
+          "bf16": (2.0, 0)}
+
+
+def _words(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(-2**31, 2**31 - 1, shape, generator=gen, device=_DEVICE, dtype=torch.int32).cpu()
+
+
+def _scales(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return (torch.rand(shape, generator=gen, device=_DEVICE) * 0.002 + 0.0005).to(dtype).cpu()
+
+
+def quantized_tensors(fmt: str, module: str, n: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random codes of an [n, k] weight in `fmt`'s layout."""
+    g = k // GROUP
+    if fmt == "gptq":
+        return {f"{module}.qweight": _words((k // 8, n), gen), f"{module}.scales": _scales((g, n), gen),
+                f"{module}.qzeros": torch.full((g, n // 8), 0x77777777, dtype=torch.int32),
+                f"{module}.g_idx": (torch.arange(k) // GROUP).to(torch.int32)}
+    if fmt == "awq":
+        return {f"{module}.qweight": _words((k, n // 8), gen), f"{module}.qzeros": _words((g, n // 8), gen),
+                f"{module}.scales": _scales((g, n), gen)}
+    if fmt == "ct-w4a16":
+        return {f"{module}.weight_packed": _words((n, k // 8), gen),
+                f"{module}.weight_scale": _scales((n, g), gen, torch.bfloat16),
+                f"{module}.weight_shape": torch.tensor([n, k])}
+    weight = (torch.randn((n, k), generator=gen, device=_DEVICE) * 64).to(torch.float8_e4m3fn).cpu()
+    return {f"{module}.weight": weight, f"{module}.weight_scale": torch.tensor(0.0003)}
+
+
+def write_published(base: Path, fmt: str, out: Path) -> Path:
+    """`base` (bf16) with every linear layer but the head in `fmt`'s layout (one shard per base shard)."""
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator(device=_DEVICE).manual_seed(3)
+    index_path = base / "model.safetensors.index.json"
+    files = sorted({*json.loads(index_path.read_text())["weight_map"].values()}) if index_path.exists() else [
+        "model.safetensors"]
+    weight_map: dict[str, str] = {}
+    for name in files:
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(base / name), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                module, _, leaf = key.rpartition(".")
+                if leaf == "weight" and module.split(".")[-1] in LINEARS:
+                    n, k = f.get_slice(key).get_shape()
+                    tensors |= quantized_tensors(fmt, module, n, k, gen)
+                else:
+                    tensors[key] = f.get_tensor(key)
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, name)
+    for extra in base.iterdir():
+        if extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
+            shutil.copy(extra, tmp / extra.name)
+    if index_path.exists():
+        (tmp / index_path.name).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((base / "config.json").read_text())
+    (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": CONFIGS[fmt]}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def floor_bytes(folder: Path, served: str) -> int:
+    c = json.loads((folder / "config.json").read_text())
+    h, i, v, layers = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_elem, per_group = SERVED[served]
+
+    def linear(n: int, k: int) -> float:
+        return n * k * per_elem + n * (k // GROUP) * per_group
+
+    per_layer = linear(q + 2 * kv, h) + linear(h, q) + linear(2 * i, h) + linear(h, i) + 2 * 2 * h
+    return int(layers * per_layer + 2 * v * h + 2 * h)
+
+
+def startup_and_batch1(folder: Path, prompt_len: int = 128, new_tokens: int = 256,
+                       **settings: Any) -> tuple[float, float]:
+    """Seconds from create_engine to ready, and seconds per token of one greedy request timed over whole
+    engine.step calls after its prefill (as gpu_suite.time_batch1_decode)."""
+    from ferrum.engine.sampling_params import SamplingParams
+
+    started = time.perf_counter()
+    engine = gpu_engine(folder, max_num_seqs=8, max_model_len=2048, **settings)
+    ready = time.perf_counter() - started
+    vocab = engine.model_config.vocab_size
+    engine.generate([[7 + i % (vocab - 9) for i in range(prompt_len)]],
+                    SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    engine.add_request("b1", [11 + 3 * i % (vocab - 13) for i in range(prompt_len)],
+                       SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.device.runtime.synchronize()
+    started, tokens = time.perf_counter(), 0
+    while engine.has_work:
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    elapsed = time.perf_counter() - started
+    engine.release()
+    del engine
+    torch.cuda.empty_cache()
+    return ready, elapsed / tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, default=Path("published-bench"))
+    p.add_argument("--ckpt", type=Path, default=Path("/tmp/ferrum-ckpt"))
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--formats", default="gptq,awq,ct-w4a16,fp8")
+    p.add_argument("--tests", action="store_true", help="the published formats' GPU tests first")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    record("env", "gpu", props.name, note=f"cc {props.major}.{props.minor}")
+    bandwidth = read_bandwidth()
+    record("env", "read bandwidth (2 GiB sum)", round(bandwidth / 1e9), "GB/s")
+    if args.tests:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "tests/models/test_published.py", "tests/kernels/test_quant_kernels.py"],
+                              capture_output=True, text=True, cwd=ROOT)
+        record("tests", "published formats and quantized kernels on the GPU",
+               done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "no output",
+               note=done.stdout[-2500:].replace("\n", " | ") if done.returncode else "")
+    base = checkpoint(args.shape, args.ckpt)
+    runs: list[tuple[str, Path, dict[str, Any], str]] = [
+        ("bf16", base, {}, "bf16"),
+        ("int4 on load", base, {"quantization": {"method": "int4"}}, "int4"),
+        ("fp8 on load", base, {"quantization": {"method": "fp8"}}, "fp8")]
+    for fmt in filter(None, args.formats.split(",")):
+        started = time.perf_counter()
+        folder = write_published(base, fmt, args.ckpt / f"{args.shape}-{fmt}")
+        record("write", fmt, round(time.perf_counter() - started, 1), "s", str(folder))
+        runs.append((fmt, folder, {}, fmt))
+    base_ms = None
+    for label, folder, settings, served in runs:
+        try:
+            ready, per_token = startup_and_batch1(folder, **settings)
+        except Exception:  # noqa: BLE001 - recorded, the run goes on
+            record("batch1", f"{args.shape} {label}", "failed", note=traceback.format_exc()[-1200:])
+            continue
+        floor = floor_bytes(folder, served) / bandwidth
+        base_ms = per_token if label == "bf16" else base_ms
+        speed = f", {base_ms / per_token:.2f}x bf16" if base_ms else ""
+        record("batch1", f"{args.shape} {label}", round(per_token * 1e3, 3), "ms/token",
+               f"floor {floor * 1e3:.3f} ms ({floor_bytes(folder, served) / 1e9:.2f} GB) -> {floor / per_token:.1%} "
+               f"of floor{speed}; start-up {ready:.1f}s")
+        (args.out / "published_bench.json").write_text(json.dumps(RESULTS, indent=1))
+    print("\n| phase | name | value | unit | note |\n| --- | --- | --- | --- | --- |")
+    for row in RESULTS:
+        print(f"| {row['phase']} | {row['name']} | {row['value']} | {row['unit']} | {row['note']} |")
+    (args.out / "published_bench.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()
