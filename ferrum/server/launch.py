@@ -26,6 +26,7 @@ from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.process_client import ProcessEngineClient
 from ferrum.engine.startup import StartupObserver, StartupProgress
 from ferrum.models.config import load_model_config
+from ferrum.weights.locations.gguf_file import is_gguf_location
 from ferrum.weights.locations.model_files import ModelFiles, local_model_folder
 from ferrum.weights.locations.uri import parse_model_location, resolve_model, resolve_model_folder
 from ferrum.weights.spec.sources import File
@@ -39,7 +40,7 @@ class StartupError(RuntimeError):
 
 def check_local_folder(config: ServerConfig) -> None:
     location = parse_model_location(config.model)
-    if isinstance(location, File):
+    if isinstance(location, File) and not is_gguf_location(location):  # a GGUF file: checked as it resolves
         try:
             os.stat(location.path / "config.json")
         except PermissionError:

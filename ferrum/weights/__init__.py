@@ -38,6 +38,7 @@ from ferrum.weights.spec.sources import (
 from ferrum.weights.spec.tensors import TensorSpec, WeightLoaderCapabilities, WeightMetadata
 from ferrum.weights.spec.transforms import (
     Cast,
+    Dequantize,
     Quantize,
     Reshape,
     Scale,
@@ -54,6 +55,7 @@ __all__ = [
     "S3",
     "Cast",
     "CorruptWeightsError",
+    "Dequantize",
     "File",
     "HuggingFace",
     "IntegrityError",

@@ -16,7 +16,7 @@ opened / fetched once, and works on all groups at once):
                 the cache's file as it grows); the download's verification (`result()`) is awaited
                 before anything is returned. `fetching(source)` starts those downloads ahead, while
                 the caller prepares (builds the model); the loads inside it join them.
-                Other formats: Downloader.fetch, then as a File.
+                Other formats (GGUF included): Downloader.fetch, then as a File.
 
 Transformations, the shape / dtype check and the move to `spec.device` run in threads, as does
 every blocking read: the event loop never blocks on I/O. Plain specs (no transformations, on the
@@ -104,8 +104,10 @@ T = TypeVar("T")
 Loaded: TypeAlias = torch.Tensor | QuantizedTensor  # a spec ending in Quantize makes a QuantizedTensor
 Tensors = dict[str, Loaded]
 
-_READABLE = frozenset({WeightFormat.SAFETENSORS, WeightFormat.PYTORCH, WeightFormat.NUMPY, WeightFormat.RAW})
-_TRANSFORMATIONS = frozenset({"Transpose", "Reshape", "Cast", "Scale", "Slice", "Quantize"})
+_READABLE = frozenset(
+    {WeightFormat.SAFETENSORS, WeightFormat.PYTORCH, WeightFormat.NUMPY, WeightFormat.RAW, WeightFormat.GGUF}
+)
+_TRANSFORMATIONS = frozenset({"Transpose", "Reshape", "Cast", "Scale", "Slice", "Dequantize", "Quantize"})
 
 
 async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:

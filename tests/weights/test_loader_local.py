@@ -286,10 +286,11 @@ def test_capabilities() -> None:
         WeightFormat.PYTORCH,
         WeightFormat.NUMPY,
         WeightFormat.RAW,
+        WeightFormat.GGUF,
     }
     assert caps.sources == {"file", "url", "huggingface", "s3", "memory"}
     assert caps.streaming and caps.concurrent
-    assert caps.transformations == {"Transpose", "Reshape", "Cast", "Scale", "Slice", "Quantize"}
+    assert caps.transformations == {"Transpose", "Reshape", "Cast", "Scale", "Slice", "Dequantize", "Quantize"}
 
 
 async def test_tensor_name_differs_from_spec_name(loader: WeightLoader, tmp_path: Path) -> None:

@@ -142,8 +142,11 @@ def check_skip(quantization: QuantizationConfig, layers: Iterable[str]) -> None:
 
 
 def gemv_weight(linear: nn.Module) -> torch.Tensor | QuantWeight:
-    """What the GEMV kernels read of a linear layer: its quantized storage, or its weight."""
+    """What the GEMV kernels read of a linear layer: its quantized storage, or its weight. (A layer
+    storing its inputs reordered has none: the chain's kernels read their input in order.)"""
     if isinstance(linear, QuantizedLinear):
+        if linear.input_order is not None:
+            raise RuntimeError("a layer whose inputs are stored reordered (act order) runs through forward()")
         return linear.kernel_weight()
     weight = linear.weight
     if not isinstance(weight, torch.Tensor):

@@ -181,11 +181,9 @@ class QuantizedLinear(nn.Module):
         return QuantizedTensor(self.scheme, self.shape, self.dtype, {name: getattr(self, name) for name in names})
 
     def kernel_weight(self) -> QuantWeight:
-        """The storage as the GPU kernels read it (made on every call: cheap, never stale); a layer whose
-        inputs are stored reordered has none (its input is reordered first, in forward)."""
+        """The storage as the GPU kernels read it (made on every call: cheap, never stale); with an
+        input order, its inputs are the reordered ones (forward reorders x first)."""
         self._check_layout()
-        if self.input_order is not None:
-            raise RuntimeError("a layer whose inputs are stored reordered (act order) is read through forward()")
         if self.scheme.grouped:
             return QuantWeight(self.scheme.method, self.qweight, self.scale, self.zero, self.scheme.group_size)
         return QuantWeight(self.scheme.method, self.qweight, self.scale)

@@ -11,6 +11,9 @@ the loader calls them from threads.
                  .npz's metadata reads every member; allow_pickle=False
     RAW          the bare bytes of one tensor; dtype and shape from a RawLayout, or from the TensorSpec
                  when the format is the bare WeightFormat.RAW; the size must match exactly
+    GGUF         header parsed by gguf-py (formats.gguf: float tensors as such, quantized ones as raw
+                 blocks uint8 [rows, bytes_per_row]); tensors are views of a private mmap like
+                 SafeTensors'; from a local file only (a Memory source of GGUF is refused)
     ONNX         refused: UnsupportedError
 
 Local SafeTensors headers are cached by file identity (device, inode, size, mtime, ctime), so that
@@ -51,6 +54,7 @@ from ferrum.weights.errors import (
     UnsupportedError,
     WeightError,
 )
+from ferrum.weights.formats.gguf import GGUF_MAGIC, GGUFHeader, gguf_header, gguf_metadata
 from ferrum.weights.formats.safetensors_header import (
     SafetensorsHeader,
     TensorEntry,
@@ -62,6 +66,7 @@ from ferrum.weights.spec.sources import FormatHint, RawLayout, WeightFormat, che
 from ferrum.weights.spec.tensors import TensorSpec, WeightMetadata
 
 __all__ = [
+    "GGUFWeights",
     "OpenedWeights",
     "StoredBytes",
     "detect_format",
@@ -85,6 +90,7 @@ _EXTENSIONS: Mapping[str, WeightFormat] = {
     ".npy": WeightFormat.NUMPY,
     ".npz": WeightFormat.NUMPY,
     ".raw": WeightFormat.RAW,
+    ".gguf": WeightFormat.GGUF,
     ".onnx": WeightFormat.ONNX,
 }
 
@@ -119,6 +125,8 @@ def detect_format(
         return by_name
     if head.startswith(b"\x93NUMPY"):
         return WeightFormat.NUMPY
+    if head.startswith(GGUF_MAGIC):
+        return WeightFormat.GGUF
     if head.startswith(b"PK\x03\x04"):
         found = _zip_format(zip_names() if zip_names else ())
         if found is not None:
@@ -284,9 +292,7 @@ class SafetensorsReader(OpenedWeights):
         self.header = header
         self._buf = buf
         self._writable = writable
-        self._path = path
-        self._fd: int | None = None
-        self._fd_lock = threading.Lock()
+        self._file = _PreadFile(path, name) if path is not None else None
 
     def metadata(self) -> WeightMetadata:
         return metadata_from_header(self.header)
@@ -305,9 +311,8 @@ class SafetensorsReader(OpenedWeights):
             raise _missing(self.name, stored_name, list(self.header.tensors))
         dtype = _torch_dtype(self.name, stored_name, entry.dtype)
         start = self.header.data_start + entry.begin
-        fd = self._file()
-        if fd is not None:
-            name = self.name
+        if self._file is not None:
+            fd, name = self._file.fd(), self.name
 
             def pread(buffer: memoryview, offset: int) -> None:
                 pread_into(fd, buffer, start + offset, name)
@@ -321,23 +326,73 @@ class SafetensorsReader(OpenedWeights):
 
         return StoredBytes(dtype, entry.shape, copy, data[start : start + entry.nbytes])
 
-    def _file(self) -> int | None:
-        if self._path is None:
-            return None
-        with self._fd_lock:
+    def close(self) -> None:
+        self._buf = None
+        if self._file is not None:
+            self._file.close()
+
+
+class _PreadFile:
+    """A reader's file, opened on first use for pread (one descriptor, shared by its threads)."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self._path = path
+        self._name = name
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    def fd(self) -> int:
+        with self._lock:
             if self._fd is None:
                 try:
                     self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
                 except OSError as exc:
-                    raise WeightError(self.name, f"cannot read: {exc.strerror or exc}") from None
+                    raise WeightError(self._name, f"cannot read: {exc.strerror or exc}") from None
             return self._fd
 
     def close(self) -> None:
-        self._buf = None
-        with self._fd_lock:
+        with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+class GGUFWeights(OpenedWeights):
+    """A GGUF file (formats.gguf) over a private mmap: tensors are views of it; `stored_bytes` reads
+    with pread from the file. Quantized tensors come as their raw blocks (uint8 [rows, bytes_per_row])."""
+
+    format = WeightFormat.GGUF
+
+    def __init__(self, buf: Any, header: GGUFHeader, *, name: str, path: Path) -> None:
+        self.name = name
+        self.header = header
+        self._buf = buf
+        self._file = _PreadFile(path, name)
+
+    def metadata(self) -> WeightMetadata:
+        return gguf_metadata(self.header)
+
+    def tensor(self, stored_name: str, spec: TensorSpec | None = None) -> torch.Tensor:
+        info = self.header.tensors.get(stored_name)
+        if info is None:
+            raise _missing(self.name, stored_name, list(self.header.tensors))
+        return _from_buffer(self._buf, info.offset, info.nbytes, info.dtype, info.shape, writable=True)
+
+    def stored_bytes(self, stored_name: str) -> StoredBytes | None:
+        info = self.header.tensors.get(stored_name)
+        if info is None:
+            raise _missing(self.name, stored_name, list(self.header.tensors))
+        fd, name, start = self._file.fd(), self.name, info.offset
+
+        def pread(buffer: memoryview, offset: int) -> None:
+            pread_into(fd, buffer, start + offset, name)
+
+        mapped = memoryview(self._buf)[start : start + info.nbytes] if self._buf is not None else None
+        return StoredBytes(info.dtype, info.shape, pread, mapped)
+
+    def close(self) -> None:
+        self._buf = None
+        self._file.close()
 
 
 def pread_into(fd: int, buffer: memoryview, position: int, name: str) -> None:
@@ -673,6 +728,8 @@ def open_local(
         return _HEADERS.reader(buf, st, name=label, path=path)
     if fmt is WeightFormat.RAW:
         return RawReader(buf, size, layout, name=label, stem=stem, writable=True)
+    if fmt is WeightFormat.GGUF:
+        return GGUFWeights(buf, gguf_header(path, name=label, stat=st), name=label, path=path)
     _release(buf)
     if fmt is WeightFormat.PYTORCH:
         return _pytorch_reader(_torch_load(path, name=label), name=label, stem=stem)
@@ -701,6 +758,8 @@ def open_bytes(data: bytes, hint: FormatHint, *, name: str) -> OpenedWeights:
         return _pytorch_reader(_torch_load(data, name=name), name=name, stem="tensor")
     if fmt is WeightFormat.NUMPY:
         return _numpy_bytes_reader(data, name=name)
+    if fmt is WeightFormat.GGUF:
+        raise UnsupportedError(name, "a GGUF is read from a file (gguf-py maps it), not from bytes in memory")
     raise UnsupportedError(name, "ONNX weights are not supported (convert them to SafeTensors)")
 
 

@@ -6,15 +6,19 @@ and the files of each one resolved for serving.
     https://host/path/ (http://)   a folder URL: its files are fetched by name
     a path (or file:///path)       a local model folder, used where it is
 
+or a GGUF file, served like a model folder (see `gguf_file`): a path, URL or S3 key ending in
+".gguf", or hf://org/name[@revision]/path/model.gguf;
+
 or a mapping, as YAML gives it:
 
-    {source: hf, repo: org/name, revision: v1.0}
+    {source: hf, repo: org/name, revision: v1.0}             (file: model.gguf for a GGUF in it)
     {source: s3, bucket: b, prefix: models/x, region: eu-west-1, endpoint: http://...}
     {source: url, url: https://host/x/, sha256: {model.safetensors: <hex>}, headers: {...}}
     {source: local, path: models/x}
 
 A location is one of File (a folder), HuggingFace (filename ""), S3 (a prefix) or Url (ending in
-"/"); `sha256` (s3 and url) pins files by name (the source's `pins`). Which files make a model
+"/"), or the same types naming a .gguf file; `sha256` (s3 and url) pins files by name (the source's
+`pins`; a GGUF file's own sha256). Which files make a model
 folder is decided for each of them by one rule (`model_files.model_folder_files`).
 
 Two ways to resolve one:
@@ -26,6 +30,9 @@ Two ways to resolve one:
   `ferrum.weights.hub`); a local folder is used as it is.
 - `resolve_model_folder(location, config)` -> a local folder with every file (`ferrum pull`): for the
   Hub its snapshot folder, for S3 and URLs `<cache_dir>/models/<name>` (see `remote_folder`).
+
+A GGUF file resolves (both ways) to the folder of the files its metadata stands for and, as its
+weights, the file itself: a remote one fetched into its cache first (see `gguf_file`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ferrum.weights.errors import SourceNotFoundError, WeightError
+from ferrum.weights.locations.gguf_file import GGUF_SUFFIX, is_gguf_location, resolve_gguf
 from ferrum.weights.locations.model_files import (
     FOLDER_NAMES,
     INDEX_FILE,
@@ -78,7 +86,7 @@ class ModelLocationError(ValueError):
 _LOCATION_TYPES = (File, HuggingFace, S3, Url)
 T = TypeVar("T")
 _MAPPING_KEYS: Mapping[str, frozenset[str]] = {
-    "hf": frozenset({"repo", "revision"}),
+    "hf": frozenset({"repo", "revision", "file"}),
     "s3": frozenset({"bucket", "prefix", "region", "endpoint", "sha256"}),
     "url": frozenset({"url", "headers", "sha256"}),
     "local": frozenset({"path"}),
@@ -89,17 +97,36 @@ _SOURCE_ALIASES = {"huggingface": "hf", "hub": "hf", "http": "url", "https": "ur
 # ------------------------------------------------------------------------------------------ parsing
 
 
-def _hub(repo_id: str, revision: str | None, text: str) -> HuggingFace:
+def _hub(repo_id: str, revision: str | None, text: str, filename: str = "") -> HuggingFace:
+    if filename and not filename.lower().endswith(GGUF_SUFFIX):
+        raise ModelLocationError(
+            f"model location {text}: a Hub location is a repository, or a {GGUF_SUFFIX} file in one; not {filename}"
+        )
     try:
-        return HuggingFace(repo_id, "", revision)
+        return HuggingFace(repo_id, filename, revision)
     except ValueError as exc:
         raise ModelLocationError(f"model location {text}: {exc}") from None
+
+
+def _hub_url(rest: str, text: str) -> HuggingFace:
+    """hf://org/name[@revision], or hf://org/name[@revision]/path/model.gguf."""
+    parts = rest.strip("/").split("/")
+    if len(parts) > 2 and parts[-1].lower().endswith(GGUF_SUFFIX):
+        repo, _, revision = "/".join(parts[:2]).partition("@")
+        return _hub(repo, revision or None, text, "/".join(parts[2:]))
+    repo, _, revision = rest.strip("/").partition("@")
+    return _hub(repo.strip("/"), revision or None, text)
 
 
 def _s3(
     bucket: str, prefix: str, region: str | None, endpoint: str | None, sha256: Mapping[str, str], text: str
 ) -> S3:
     prefix = prefix.strip("/")
+    if prefix.lower().endswith(GGUF_SUFFIX):  # a GGUF file, pinned by its name
+        try:
+            return S3(bucket, prefix, region, endpoint, sha256.get(posixpath.basename(prefix)))
+        except ValueError as exc:
+            raise ModelLocationError(f"model location {text}: {exc}") from None
     prefix = f"{prefix}/" if prefix else ""
     try:
         return S3(bucket, prefix, region, endpoint, pins=sha256)
@@ -113,10 +140,14 @@ def _url(url: str, headers: Mapping[str, str], sha256: Mapping[str, str], text: 
     except (TypeError, ValueError, WeightError) as exc:
         raise ModelLocationError(f"model location {text}: {exc}") from None
     parts = urllib.parse.urlsplit(url)
-    if posixpath.basename(parts.path).endswith((".safetensors", ".json", ".bin")):
+    name = urllib.parse.unquote(posixpath.basename(parts.path))
+    if name.lower().endswith(GGUF_SUFFIX):  # a GGUF file, pinned by its name
+        return Url(url, MappingProxyType(dict(headers)), sha256.get(name))
+    if name.endswith((".safetensors", ".json", ".bin")):
         raise ModelLocationError(
             f"model location {text}: a URL location is the model's folder (ending in '/'), whose "
-            "config.json, tokenizer.json and weights are fetched by name; not a single file"
+            f"config.json, tokenizer.json and weights are fetched by name, or a {GGUF_SUFFIX} file; not a single "
+            "file of a folder"
         )
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
     folder = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
@@ -170,7 +201,7 @@ def _from_mapping(raw: Mapping[str, Any]) -> ModelLocation:
     if not main:
         raise ModelLocationError(f"model location {text}: `{need}` is required")
     if source == "hf":
-        return _hub(main, _optional_str(raw, "revision", text), text)
+        return _hub(main, _optional_str(raw, "revision", text), text, _optional_str(raw, "file", text) or "")
     if source == "s3":
         return _s3(
             main,
@@ -210,8 +241,7 @@ def parse_model_location(value: str | os.PathLike[str] | Mapping[str, Any] | Mod
         return File(Path(value).expanduser())
     scheme, rest = match.group(1).lower(), value[match.end() :]
     if scheme == "hf":
-        repo, _, revision = rest.strip("/").partition("@")
-        return _hub(repo.strip("/"), revision or None, text)
+        return _hub_url(rest, text)
     if scheme == "s3":
         bucket, _, prefix = rest.partition("/")
         return _s3(bucket, prefix, None, None, {}, text)
@@ -226,8 +256,12 @@ def parse_model_location(value: str | os.PathLike[str] | Mapping[str, Any] | Mod
 
 
 def model_display_name(value: str | os.PathLike[str] | Mapping[str, Any] | ModelLocation) -> str:
-    """The model's name for clients when none is configured: the folder's / repo's / prefix's last part."""
+    """The model's name for clients when none is configured: the folder's / repo's / prefix's last part
+    (a GGUF file's name without .gguf)."""
     location = parse_model_location(value)
+    if is_gguf_location(location):
+        path = location.filename if not isinstance(location, File) else location.path.name
+        return posixpath.basename(path)[: -len(GGUF_SUFFIX)] or "model"
     if isinstance(location, File):
         return location.path.name or str(location.path)
     if isinstance(location, HuggingFace):
@@ -328,6 +362,8 @@ async def resolve_model_folder(
     from ferrum.weights.locations.remote_folder import materialize
 
     parsed = parse_model_location(location)
+    if is_gguf_location(parsed):
+        return (await resolve_gguf(parsed, config)).folder
     if isinstance(parsed, File):
         local_model_folder(parsed.path)
         return parsed.path
@@ -345,6 +381,8 @@ async def resolve_model(
     from ferrum.weights.locations.remote_folder import complete_folder, stage_small_files
 
     parsed = parse_model_location(location)
+    if is_gguf_location(parsed):
+        return await resolve_gguf(parsed, config)
     if isinstance(parsed, File):
         files = local_model_folder(parsed.path)
         return ModelFiles(parsed, parsed.path, File(parsed.path / files.weights), complete=True)

@@ -73,6 +73,7 @@ class WeightFormat(enum.Enum):
     PYTORCH = "pytorch"  # torch.load(weights_only=True) only
     NUMPY = "numpy"  # .npy / .npz, allow_pickle=False
     RAW = "raw"  # bare little-endian bytes of one tensor; dtype and shape given explicitly
+    GGUF = "gguf"  # llama.cpp's single-file models: float tensors as such, quantized ones as raw blocks
     ONNX = "onnx"  # recognised, refused (UnsupportedError)
 
 

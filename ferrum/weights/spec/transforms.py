@@ -5,6 +5,8 @@
     Cast(dtype)
     Scale(factor)                   floating / complex tensors only (Cast first for integers)
     Slice(dim, start, end=None, step=1)   Python slice semantics along one dim, step >= 1
+    Dequantize(block_type)          raw GGUF blocks uint8 [..., bytes per row] -> float32 [..., values per row]
+                                    (ggml's own dequantization, gguf-py's: Q8_0, Q5_K, Q6_K, ...)
     Quantize(scheme, compute_device="cpu")   the last step only: a floating [N, K] tensor becomes a
                                     QuantizedTensor (packed values, scales, zeros), computed on
                                     `compute_device` (the model's GPU, where it has one)
@@ -32,6 +34,7 @@ from ferrum.weights.spec.dtypes import as_dtype, as_shape, dtype_name
 
 __all__ = [
     "Cast",
+    "Dequantize",
     "Quantize",
     "Reshape",
     "Scale",
@@ -171,6 +174,35 @@ class Slice(TensorTransformation):
         dim = _dim(tensor, self.dim, self, where, name)
         index: Sequence[slice] = (slice(None),) * dim + (slice(self.start, self.end, self.step),)
         return tensor[tuple(index)]
+
+
+@dataclass(frozen=True)
+class Dequantize(TensorTransformation):
+    """A GGUF tensor's raw blocks (uint8 rows) to the float32 values they stand for, by gguf-py's
+    dequantization of `block_type` (a ggml type name, e.g. "Q6_K")."""
+
+    block_type: str
+
+    def __post_init__(self) -> None:
+        from gguf import GGMLQuantizationType
+
+        if self.block_type not in GGMLQuantizationType.__members__:
+            raise ValueError(f"Dequantize: unknown ggml type {self.block_type!r}")
+
+    def apply(self, tensor: torch.Tensor, *, where: str, name: str) -> torch.Tensor:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        kind = GGMLQuantizationType[self.block_type]
+        size = GGML_QUANT_SIZES[kind][1]
+        if tensor.dtype != torch.uint8 or tensor.dim() == 0 or tensor.shape[-1] % size:
+            raise TransformError(where, f"tensor {name!r}: {self!r}: needs uint8 rows of whole {size}-byte blocks, "
+                                 f"got {tuple(tensor.shape)} {dtype_name(tensor.dtype)}")
+        try:
+            values = dequantize(tensor.contiguous().numpy(), kind)
+        except NotImplementedError:
+            raise TransformError(where, f"tensor {name!r}: gguf-py cannot dequantize {self.block_type}") from None
+        return torch.from_numpy(values.astype("float32", copy=False))
 
 
 @dataclass(frozen=True)

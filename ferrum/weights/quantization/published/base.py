@@ -83,8 +83,32 @@ class PublishedFormat(abc.ABC):
         `scheme`'s layout, `dtype` the model's; RepackError naming a tensor whose values are wrong."""
 
     def unused(self, name: str) -> bool:
-        """A checkpoint tensor of the format that serving does not read (it is not an unknown tensor)."""
+        """A checkpoint tensor of the format that serving does not read (it is not an unknown tensor);
+        `name` as stored."""
         return False
+
+    def stored_name(self, name: str) -> str:
+        """The name the checkpoint stores HF tensor `name` under (GGUF's own names)."""
+        return name
+
+    def checkpoint_name(self, stored: str) -> str | None:
+        """The HF name of stored tensor `stored` (None: it has none, e.g. GGUF's rope_freqs)."""
+        return stored
+
+    def dense(self, name: str, stored: TensorInfo) -> DenseTensor:
+        """How HF tensor `name`, served unquantized, is read from its stored (shape, dtype)."""
+        return DenseTensor(tuple(stored[0]))
+
+
+@dataclass(frozen=True)
+class DenseTensor:
+    """A tensor served unquantized from a published checkpoint: its logical shape, the block type to
+    dequantize it from (None: stored as a plain tensor) and the heads whose row halves to put back in
+    HF order (GGUF's llama attn_q / attn_k; None: in order)."""
+
+    shape: tuple[int, ...]
+    dequantize: str | None = None
+    interleaved_heads: int | None = None
 
 
 def expect(problems: list[str], infos: Mapping[str, TensorInfo], tensors: Mapping[str, str], role: str,

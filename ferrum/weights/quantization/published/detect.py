@@ -15,6 +15,7 @@ from ferrum.weights.quantization.published.awq import AwqFormat
 from ferrum.weights.quantization.published.base import PublishedFormat
 from ferrum.weights.quantization.published.compressed_tensors import CompressedTensorsFormat
 from ferrum.weights.quantization.published.fp8 import Fp8Format
+from ferrum.weights.quantization.published.gguf import GgufFormat
 from ferrum.weights.quantization.published.gptq import GptqFormat
 from ferrum.weights.quantization.scheme import PUBLISHED_ALIASES, QuantizationConfigError
 
@@ -64,6 +65,8 @@ def checkpoint_format(quantization_config: Mapping[str, Any] | None, model_confi
             return CompressedTensorsFormat(quantization_config, model_config)
         if method == "fp8":
             return Fp8Format(quantization_config)
+        if method == "gguf":
+            return GgufFormat(quantization_config, model_config)
     except QuantizationConfigError as exc:
         raise QuantizationConfigError(f"{where}: {exc}") from None
     if method in _REFUSED:

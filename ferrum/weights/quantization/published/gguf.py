@@ -1,0 +1,166 @@
+"""GGUF files' quantized tensors (llama.cpp's block formats) through the seam.
+
+A GGUF model is served from the file itself (ferrum.weights.formats.gguf reads it; the model folder's
+config.json is derived from its metadata, with `quantization_config` {"quant_method": "gguf",
+"architecture", "tensor_types": {HF tensor name: ggml type}}). Each tensor is stored as raw blocks,
+uint8 [rows, bytes per row]:
+
+    Q4_0   blocks of 32: d float16, 16 bytes of codes (byte j: input j low nibble, input j + 16 high);
+           w = d * (q - 8)
+    Q4_1   blocks of 32: d, m float16, 16 bytes as Q4_0;  w = d * q + m
+    Q4_K   super-blocks of 256: d, dmin float16, 12 bytes of eight 6-bit scales sc and mins m, 128 bytes of
+           codes (each 32 bytes: one sub-block of 32 in the low nibbles, the next in the high);
+           w = d * sc * q - dmin * m
+
+are repacked at load into the seam's int4 with groups of 32: Q4_0 symmetric with float16 scales (exact),
+Q4_1 and Q4_K with float32 scales and zero = offset + 8 * scale (the scales exact; the zero exact
+unless the offset and 8 * scale lie more than 2^13 apart in magnitude, then rounded to float32: the
+log counts such groups). Tensors of other types (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, ...) and the
+embeddings are dequantized at load to the model's dtype (`dense_steps`), said in the log: their
+block formats have no kernels here yet. llama.cpp stored the rows of attn_q / attn_k of llama files
+in another order; they are put back (`hf_row_order`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ferrum.weights.gguf_names import gguf_tensor_name, hf_row_order, hf_tensor_name
+from ferrum.weights.quantization.published.base import (
+    DenseTensor,
+    PublishedFormat,
+    Repacked,
+    TensorInfo,
+    expect,
+    pack_int4_rows,
+)
+from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantScheme
+from ferrum.weights.quantization.tensor import QuantizedTensor
+
+__all__ = ["GgufFormat", "decode_int4_blocks"]
+
+log = logging.getLogger(__name__)
+
+# type -> (inputs per block, bytes per block)
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+REPACKED = tuple(BLOCKS)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of each block [B, bytes], as float32 [B]."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16)[:, 0].float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Code bytes [B, S, 16 or 32] (a run of one sub-block's low nibbles, then its high ones) -> [B, S, 2 * len]."""
+    return torch.cat((qs & 0xF, qs >> 4), dim=-1)
+
+
+def decode_int4_blocks(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw blocks [B, bytes] of a 4-bit type -> (codes uint8 [B, inputs per block] in input order,
+    scale and offset float64 [B, groups of 32]) with w = q * scale + offset."""
+    b = blocks.shape[0]
+    if type_name in ("Q4_0", "Q4_1"):
+        start = 2 if type_name == "Q4_0" else 4
+        d = _f16(blocks, 0).double()
+        offset = -8.0 * d if type_name == "Q4_0" else _f16(blocks, 2).double()
+        q = _nibbles(blocks[:, None, start:start + 16]).reshape(b, 32)
+        return q, d[:, None], offset[:, None]
+    d, dmin = _f16(blocks, 0).double(), _f16(blocks, 2).double()
+    sm = blocks[:, 4:16].to(torch.int32).reshape(b, 3, 4)
+    low, high, mixed = sm[:, 0], sm[:, 1], sm[:, 2]
+    sc = torch.cat((low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)), dim=1)  # [B, 8]
+    mn = torch.cat((high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)), dim=1)
+    q = _nibbles(blocks[:, 16:].reshape(b, 4, 32)).reshape(b, 256)
+    return q, d[:, None] * sc.double(), -(dmin[:, None] * mn.double())
+
+
+class GgufFormat(PublishedFormat):
+    name = "gguf"
+
+    def __init__(self, config: Mapping[str, Any], model_config: Mapping[str, Any]) -> None:
+        types = config.get("tensor_types")
+        if not isinstance(types, Mapping):
+            raise QuantizationConfigError("gguf quantization_config has no tensor_types (derived from the file)")
+        self.types: dict[str, str] = {str(k): str(v) for k, v in types.items()}
+        self.architecture = str(config.get("architecture", ""))
+        self.heads = int(model_config.get("num_attention_heads", 0))
+        self.kv_heads = int(model_config.get("num_key_value_heads") or self.heads)
+        linear = {t for name, t in self.types.items() if name.endswith(("proj.weight", "lm_head.weight"))}
+        self.dequantized = sorted(linear - set(REPACKED) - {"F32", "F16", "BF16"})
+        if self.dequantized:
+            log.warning("GGUF linear layers of type %s have no kernels here: dequantized at load to the model's "
+                        "dtype", ", ".join(self.dequantized))
+
+    def describe(self) -> str:
+        kinds = sorted(set(self.types.values()))
+        return f"gguf ({', '.join(kinds)})"
+
+    def type_of(self, name: str) -> str | None:
+        """The ggml type of HF tensor `name` in the file (None: the file has no such tensor)."""
+        return self.types.get(name)
+
+    def scheme(self, module: str, k: int) -> QuantScheme | None:
+        kind = self.types.get(f"{module}.weight")
+        if kind not in REPACKED or module.split(".")[-1] == "embed_tokens":
+            return None
+        return QuantScheme("int4", 32, kind == "Q4_0", torch.float16 if kind == "Q4_0" else torch.float32)
+
+    def stored_name(self, name: str) -> str:
+        return gguf_tensor_name(name) or name
+
+    def checkpoint_name(self, stored: str) -> str | None:
+        return hf_tensor_name(stored)
+
+    def unused(self, name: str) -> bool:
+        return name == "rope_freqs.weight"  # llama 3's rope scaling, read into config.json's
+
+    def dense(self, name: str, stored: TensorInfo) -> DenseTensor:
+        kind = self.types.get(name, "F32")
+        shape = tuple(stored[0])
+        if kind not in ("F32", "F16", "BF16"):
+            size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+            shape = (*shape[:-1], shape[-1] // size[1] * size[0])
+        leaf = name.split(".")[-2] if "." in name else name
+        permuted = self.architecture == "llama" and leaf in ("q_proj", "k_proj")
+        heads = (self.heads if leaf == "q_proj" else self.kv_heads) if permuted else None
+        return DenseTensor(shape, None if kind in ("F32", "F16", "BF16") else kind, heads)
+
+    def tensors(self, module: str) -> dict[str, str]:
+        return {"blocks": self.stored_name(f"{module}.weight")}
+
+    def check(self, module: str, n: int, k: int, infos: Mapping[str, TensorInfo]) -> list[str]:
+        kind = self.types[f"{module}.weight"]
+        per, size = BLOCKS[kind]
+        problems: list[str] = []
+        if k % per:
+            return [f"{module}: {k} inputs do not fill {kind} blocks of {per}"]
+        expect(problems, infos, self.tensors(module), "blocks", (n, k // per * size), (torch.uint8,))
+        return problems
+
+    def repack(self, module: str, n: int, k: int, raw: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Repacked:
+        kind = self.types[f"{module}.weight"]
+        scheme = self.scheme(module, k)
+        assert scheme is not None and scheme.params is not None
+        per, size = BLOCKS[kind]
+        rows = raw["blocks"]
+        order = hf_row_order(self.stored_name(f"{module}.weight"), n, architecture=self.architecture,
+                             num_heads=self.heads, num_kv_heads=self.kv_heads)
+        if order is not None:
+            rows = rows[order.to(rows.device)]
+        q, scale, offset = decode_int4_blocks(kind, rows.reshape(n * (k // per), size))
+        scale, offset = scale.reshape(n, k // 32), offset.reshape(n, k // 32)
+        zero = offset + 8.0 * scale
+        stored_zero = zero.to(scheme.params)
+        if scheme.params == torch.float32:
+            rounded = int((stored_zero.double() != zero).sum())
+            if rounded:
+                log.info("%s: %d of %d groups' zeros rounded to float32", module, rounded, zero.numel())
+        parts = {"qweight": pack_int4_rows(q.reshape(n, k)), "scale": scale.to(scheme.params).contiguous(),
+                 "zero": stored_zero.contiguous()}
+        return Repacked(QuantizedTensor(scheme, (n, k), dtype, parts))
