@@ -74,7 +74,7 @@ def quantized_tensors(fmt: str, module: str, n: int, k: int, gen: torch.Generato
         return {f"{module}.weight_packed": _words((n, k // 8), gen),
                 f"{module}.weight_scale": _scales((n, g), gen, torch.bfloat16),
                 f"{module}.weight_shape": torch.tensor([n, k])}
-    weight = (torch.randn((n, k), generator=gen, device=_DEVICE) * 64).to(torch.float8_e4m3fn).cpu()
+    weight = (torch.randn((n, k), generator=gen, device=_DEVICE) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).cpu()
     return {f"{module}.weight": weight, f"{module}.weight_scale": torch.tensor(0.0003)}
 
 

@@ -96,6 +96,6 @@ def compressed_int8(n: int, k: int, gen: torch.Generator) -> tuple[dict[str, tor
 
 
 def fp8(n: int, k: int, gen: torch.Generator, per_tensor: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    q = (torch.randn(n, k, generator=gen) * 100).to(torch.float8_e4m3fn)
+    q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.rand(() if per_tensor else (n, 1), generator=gen) * 0.001 + 0.0002
     return {"weight": q, "weight_scale": s}, q.float() * s

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ferrum.backends.device import Device
 from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.observer import StepRecord
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
@@ -26,11 +27,12 @@ from ferrum.models.layers import layer_ops
 from ferrum.models.layers.quantized_linear import QuantizedLinear
 from ferrum.models.llama import LlamaForCausalLM
 from ferrum.models.loader import load_model
+from ferrum.tokenizer.synthetic import write_synthetic_tokenizer
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
 from ferrum.weights.locations.model_files import local_weights
 from ferrum.weights.quantization.scheme import QuantizationConfig, QuantizationConfigError
-from tests.engines import host_device, make_runner
+from tests.engines import host_device, local_engine, make_runner
 from tests.models import published_writers as w
 from tests.tiny_model import save_hf_model, tiny_config
 
@@ -279,3 +281,30 @@ def test_flag_and_checkpoint_must_agree(base: Path, tmp_path: Path) -> None:
         _load(folder, QuantizationConfig("awq"))
     with pytest.raises(QuantizationConfigError, match="expects a gptq checkpoint, but config.json has no"):
         _load(base, QuantizationConfig("gptq"))
+
+
+def _tp_logits(folder: Path, size: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    engine = local_engine(folder, tensor_parallel_size=size, dtype="float32", max_num_seqs=4,
+                          max_num_batched_tokens=64, kv_cache_memory_gb=0.01)
+    records: list[StepRecord] = []
+    remove = engine.add_observer(records.append)
+    try:
+        tokens = engine.generate([[5, 17, 42, 7, 99, 3, 250], [9] * 12], SamplingParams(max_tokens=3, temperature=0))
+    finally:
+        remove()
+        engine.release()
+    return tokens, [r.logits for r in records if r.logits is not None and r.logits.numel()]
+
+
+def test_tensor_parallel_ranks_keep_their_shards_of_published_layers(base: Path, tmp_path: Path) -> None:
+    """Two ranks (gloo) of a GPTQ checkpoint (asymmetric, groups of 32): each repacks a layer's
+    tensors and keeps its rows (q/k/v, gate/up) or whole input groups (o_proj, down_proj): the logits
+    equal one process's up to summation order."""
+    config = {**GPTQ_4, "sym": False, "checkpoint_format": "gptq_v2"}
+    folder = _write(base, tmp_path / "tp", config, lambda n, k, gen, m: w.gptq(n, k, 32, 4, False, False, True, gen))
+    write_synthetic_tokenizer(folder, 512)
+    one_tokens, one_logits = _tp_logits(folder, 1)
+    two_tokens, two_logits = _tp_logits(folder, 2)
+    assert two_tokens == one_tokens and len(two_logits) == len(one_logits) > 0
+    for got, want in zip(two_logits, one_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
