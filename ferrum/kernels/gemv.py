@@ -93,7 +93,7 @@ class KernelWeight:
     stride_wn: int
     stride_sn: int
     quant: int  # PLAIN, PER_CHANNEL, INT4 or INT8
-    group: int  # int4's inputs per scale; 1 otherwise
+    group: int  # int4's inputs per scale, int8 / fp8 with groups theirs; 1: a scale per row
     out_rows: int
     in_features: int
 
@@ -117,6 +117,19 @@ def kernel_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
     if q.dim() != 2 or q.stride(1) != 1:
         raise ValueError(f"{weight.kind} weight: qweight must be 2-D with unit stride along K, got "
                          f"{tuple(q.shape)} strides {q.stride()}")
+    if weight.kind in ("int8", "fp8") and weight.group_size:
+        stored = torch.int8 if weight.kind == "int8" else torch.float8_e4m3fn
+        k, g = weight.in_features, weight.group_size
+        groups = -(-k // g)
+        if (q.dtype != stored or scale.dtype != torch.float32 or tuple(scale.shape) != (n, groups)
+                or scale.stride(1) != 1 or k % 4 or q.stride(0) % 4 or g < 16 or g & (g - 1)):
+            raise ValueError(f"{weight.kind} weight with groups of {g}: expected qweight {stored} [N, K] with K a "
+                             f"multiple of 4, a float32 scale [N, ceil(K/group)] = [{n}, {groups}] with unit stride "
+                             f"along the groups and a power-of-two group >= 16; got qweight {q.dtype} "
+                             f"{tuple(q.shape)}, scale {scale.dtype} {tuple(scale.shape)} {scale.stride()}")
+        words = q.view(torch.int32)
+        return KernelWeight(words, scale, scale, words.stride(0), scale.stride(0),
+                            INT8 if weight.kind == "int8" else FP8, g, n, k)
     if weight.kind in ("int8", "fp8"):
         stored = torch.int8 if weight.kind == "int8" else torch.float8_e4m3fn
         if q.dtype != stored or scale.dtype != torch.float32 or tuple(scale.shape) != (n,) or scale.stride(0) != 1:
@@ -371,7 +384,10 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
         x1 = tl.sum(tl.where(p[None, None, :] == 1, xf, 0.0), axis=2)[:, :, None]
         x2 = tl.sum(tl.where(p[None, None, :] == 2, xf, 0.0), axis=2)[:, :, None]
         x3 = tl.sum(tl.where(p[None, None, :] == 3, xf, 0.0), axis=2)[:, :, None]
-        return acc + (x0 * f0[None, :, :] + x1 * f1[None, :, :] + x2 * f2[None, :, :] + x3 * f3[None, :, :])
+        fp8_part = x0 * f0[None, :, :] + x1 * f1[None, :, :] + x2 * f2[None, :, :] + x3 * f3[None, :, :]
+        if GROUP > 1:  # block scales: each word's group's
+            return acc + fp8_part * _word_scales(s_cols, nmask, k0, K, w.shape[0], GROUP, PLANES, WHOLE_K)[None, :, :]
+        return acc + fp8_part
     if PLANES == 4:
         w = w ^ -2139062144  # 0x80808080: each byte's q + 128
     # each word's sum starts from minus its x times the planes' offsets: the offsets cancel within
@@ -396,9 +412,21 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
         s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
         z = tl.load(z_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
         acc += part * s[None, :, :] + (x_even + x_odd)[:, :, None] * z[None, :, :]
+    elif GROUP > 1:  # int8 with a scale per group
+        acc += part * _word_scales(s_cols, nmask, k0, K, w.shape[0], GROUP, PLANES, WHOLE_K)[None, :, :]
     else:
         acc += part
     return acc
+
+
+@triton.jit
+def _word_scales(s_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, KW: tl.constexpr,
+                 GROUP: tl.constexpr, PLANES: tl.constexpr, WHOLE_K: tl.constexpr) -> tl.tensor:
+    """The scales [KW, BLOCK_N] of the groups the slice's words at k0 are in (a word never spans two;
+    words past K, whose x is 0, read none)."""
+    g = (k0 + PLANES * _chunk1(KW)) // GROUP
+    gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]
+    return tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -488,7 +516,7 @@ def _products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.ten
     else:
         acc, acc2, sumsq = _tile_products(X, W, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, ROWS,
                                           BLOCK_N, BLOCK_K, NORM, GATED, WHOLE_K, PDL)
-    if QUANT == 1 or QUANT == 3 or QUANT == 5:  # int8 / fp8: the per-output-channel scales
+    if (QUANT == 1 or QUANT == 3 or QUANT == 5) and GROUP == 1:  # int8 / fp8: the per-output-channel scales
         acc = acc * tl.load(S + n, mask=nmask, other=0.0)[None, :]
         if GATED:
             acc2 = acc2 * tl.load(S + n2, mask=nmask, other=0.0)[None, :]

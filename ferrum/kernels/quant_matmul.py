@@ -140,9 +140,9 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM and not (n >= WIDE_N and m <= WIDE_GEMM_UP_TO):
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
-    elif w.kind == "int8" and m > 16 and k % 8 == 0 and n % 8 == 0:
+    elif w.kind == "int8" and m > 16 and k % 8 == 0 and n % 8 == 0 and not w.group_size:
         y = _w8a8_int8(flat, w, bias)
-    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0 and fp8_rowwise:
+    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0 and fp8_rowwise and not w.group_size:
         y = _w8a8_fp8(flat, w, bias)
     else:
         y = triton_gemm(flat, w, bias)
@@ -270,8 +270,8 @@ def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = Non
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _w8a16_kernel[grid](
         x, w.qweight, kw.scale, bias if bias is not None else x, out, m, n, k,
-        x.stride(0), w.qweight.stride(0), out.stride(0), BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+        x.stride(0), w.qweight.stride(0), kw.stride_sn, out.stride(0), BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, GROUP=kw.group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -421,11 +421,12 @@ def _sum_splits_kernel(P: tl.tensor, B: tl.tensor, OUT: tl.tensor, MN: tl.tensor
 
 @triton.jit
 def _w8a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, B: tl.tensor, OUT: tl.tensor, M: tl.tensor,
-                  N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor, stride_om: tl.tensor,
-                  BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr) -> None:
+                  N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor,
+                  stride_om: tl.tensor, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr) -> None:
     """One [BLOCK_M, BLOCK_N] tile of the output from int8 / fp8 [N, K] tiles converted to x's dtype,
-    the per-channel scale on the float32 sums; programs in GROUP_M-row bands (the weight's tiles
+    the per-channel scale on the float32 sums (GROUP > 1: each input's group scale on the weight
+    before the product, as dequantizing would); programs in GROUP_M-row bands (the weight's tiles
     reused from L2 across a band)."""
     pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -438,9 +439,15 @@ def _w8a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, B: tl.tensor, OUT: t
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0).to(x.dtype)
+        wmask = nmask[:, None] & (k < K)[None, :]
+        if GROUP > 1:
+            s = tl.load(S + rn[:, None] * stride_sn + (k // GROUP)[None, :], mask=wmask, other=0.0)
+            w = (tl.load(w_rows + k[None, :], mask=wmask, other=0.0).to(tl.float32) * s).to(x.dtype)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
-    acc = acc * tl.load(S + rn, mask=nmask, other=0.0)[None, :]
+    if GROUP == 1:
+        acc = acc * tl.load(S + rn, mask=nmask, other=0.0)[None, :]
     if BIAS:
         acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),

@@ -2,6 +2,7 @@
 
     int8   qweight int8 [N, K], scale float32 [N]:               w = q * scale
     fp8    qweight float8_e4m3fn [N, K], scale float32 [N]:      w = q * scale
+           (with group_size: scale float32 [N, ceil(K/group_size)], a scale per group of a row's inputs)
     int4   qweight uint8 [N, K/2] (input 2j in byte j's low nibble, 2j + 1 in its high nibble),
            scale and zero [N, ceil(K/group_size)] in the activations' dtype:  w = (q - 8) * scale + zero,
            input k in group k // group_size (the last group shorter where group_size does not divide K)
@@ -24,7 +25,7 @@ class QuantWeight:
     qweight: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None = None  # int4 only
-    group_size: int = 0  # int4 only
+    group_size: int = 0  # int4's; int8 / fp8: 0 for a scale per row, else inputs per scale
 
     @property
     def out_features(self) -> int:

@@ -129,17 +129,18 @@ def _sharded(repacked: Repacked, item: PublishedLayer, where: str) -> Repacked:
                                     "cannot be split across tensor-parallel ranks; serve it with "
                                     "tensor_parallel_size 1")
     scheme = item.target.scheme
-    if weight.scheme.method != "int4":
-        parts = {name: part[:, shard.start:shard.end] if part.dim() == 2 else part
-                 for name, part in weight.parts.items()}
-    else:
+    per = 2 if weight.scheme.method == "int4" else 1  # inputs a byte
+    parts = {"qweight": weight.parts["qweight"][:, shard.start // per:shard.end // per]}
+    if weight.scheme.grouped:
         g = weight.scheme.group_size
         if shard.start % g or (shard.end % g and shard.end != weight.shape[1]):
-            raise PublishedWeightsError(where, f"{item.module}: its int4 groups of {g} straddle two "
+            raise PublishedWeightsError(where, f"{item.module}: its {weight.scheme.method} groups of {g} straddle two "
                                         "tensor-parallel ranks' inputs")
-        parts = {"qweight": weight.parts["qweight"][:, shard.start // 2:shard.end // 2]}
         for name in ("scale", "zero"):
-            parts[name] = weight.parts[name][:, shard.start // g:-(-shard.end // g)]
+            if name in weight.parts:
+                parts[name] = weight.parts[name][:, shard.start // g:-(-shard.end // g)]
+    else:
+        parts["scale"] = weight.parts["scale"]
     return Repacked(QuantizedTensor(scheme, (weight.shape[0], shard.end - shard.start), weight.dtype, parts))
 
 

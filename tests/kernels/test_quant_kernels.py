@@ -46,11 +46,13 @@ def rms_normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def quantized(w: torch.Tensor, kind: str, group: int = GROUP) -> tuple[QuantWeight, torch.Tensor]:
-    """w [N, K] in `kind`, as the kernels take it, and the weight it stands for (float64, on the CPU)."""
-    qt = quantize(w, QuantScheme(kind, group))  # type: ignore[arg-type]
+    """w [N, K] in `kind` ("int8-g" / "fp8-g": a scale per group), as the kernels take it, and the
+    weight it stands for (float64, on the CPU)."""
+    method, per_group = kind.removesuffix("-g"), kind.endswith("-g")
+    qt = quantize(w, QuantScheme(method, group, per_group=per_group))  # type: ignore[arg-type]
     parts = {name: part.to(DEVICE) for name, part in qt.parts.items()}
-    kernel = QuantWeight(kind, parts["qweight"], parts["scale"], parts.get("zero"),  # type: ignore[arg-type]
-                         group if kind == "int4" else 0)
+    kernel = QuantWeight(method, parts["qweight"], parts["scale"], parts.get("zero"),  # type: ignore[arg-type]
+                         group if method == "int4" or per_group else 0)
     return kernel, dequantize(qt, torch.float64)
 
 
@@ -60,6 +62,7 @@ TABLES = [  # K = 128, int4 groups of 32
     GemvTable(features_per_program=8, whole_k_with_norm=16, whole_k_without_norm=16, k_slice=16),  # half a group
 ]
 CASES = [(kind, table) for kind in KINDS for table in TABLES if kind == "int4" or table.k_slice != 16]
+CASES += [(kind, table) for kind in ("int8-g", "fp8-g") for table in TABLES]  # block scales: groups of 32
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -171,6 +174,7 @@ def test_int4_dequantized_by_the_kernel_as_by_the_loader() -> None:
 
 GEMMS = [  # W8A16: K = 96, a partial tile; W4A16: K = 256, two tiles of four groups of 32 (a scale a word)
     ("int8", qm.GemmConfig(16, 16, 64, 4, 2)), ("fp8", qm.GemmConfig(16, 16, 64, 4, 2)),
+    ("int8-g", qm.GemmConfig(16, 16, 64, 4, 2)), ("fp8-g", qm.GemmConfig(16, 16, 64, 4, 2)),  # groups of 32
     ("int4", qm.GemmConfig(16, 16, 128, 4, 2)),
     ("int4", qm.GemmConfig(16, 16, 128, 4, 2, split_k=3, permute_x=True)),  # the third split has no tile
 ]
@@ -226,7 +230,8 @@ def test_rows_quantized_per_token(dtype: torch.dtype) -> None:
 
 @gpu_only
 @pytest.mark.parametrize("m", [1, 8, 17, 300])
-@pytest.mark.parametrize(("kind", "bound"), [("int4", 1e-2), ("int8", 2e-2), ("fp8", 5e-2)])
+@pytest.mark.parametrize(("kind", "bound"), [("int4", 1e-2), ("int8", 2e-2), ("fp8", 5e-2), ("int8-g", 1e-2),
+                                             ("fp8-g", 5e-2)])
 def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
     """Each method's paths (quant_matmul.py's table): the GEMV at 1 row, the Triton GEMM at 8, W8A8 or
     the W4A16 GEMM at 17, W8A8 or dequantize + cuBLAS at 300; the bounds are the module's."""
@@ -238,7 +243,7 @@ def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
     y = qm.quant_matmul(x.to(DEVICE), qw, bias.to(DEVICE))
     assert y.shape == (m, n) and y.dtype == DTYPE
     assert rel_err(y, x.double() @ ref_w.T + bias.double()) < bound
-    if kind != "int4":  # K off _int_mm's / _scaled_mm's multiples of 8 / 16: the Triton GEMM (W8A16)
+    if kind in ("int8", "fp8"):  # K off _int_mm's / _scaled_mm's multiples of 8 / 16: the Triton GEMM (W8A16)
         qo, ref_o = quantized(ref_w[:, : k - 4].to(DTYPE), kind)
         xo = x[:, : k - 4]
         assert rel_err(qm.quant_matmul(xo.to(DEVICE), qo), xo.double() @ ref_o.T) < 1e-2

@@ -99,3 +99,21 @@ def fp8(n: int, k: int, gen: torch.Generator, per_tensor: bool) -> tuple[dict[st
     q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.rand(() if per_tensor else (n, 1), generator=gen) * 0.001 + 0.0002
     return {"weight": q, "weight_scale": s}, q.float() * s
+
+
+def fp8_block(n: int, k: int, block: tuple[int, int], gen: torch.Generator) -> tuple[dict[str, torch.Tensor],
+                                                                                   torch.Tensor]:
+    """transformers' FineGrainedFP8 / DeepSeek layout: weight_scale_inv [ceil(N/bn), ceil(K/bk)]."""
+    q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    s = torch.rand(rows, cols, generator=gen) * 0.001 + 0.0002
+    per = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return {"weight": q, "weight_scale_inv": s}, q.float() * per
+
+
+def gguf_q8_0(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's Q8_0 rows [N, K/32 * 34] (d float16, 32 int8 a block) and the weight they stand for."""
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).to(torch.int8)
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 0.001).half()
+    rows = torch.cat((d.view(torch.uint8), q.view(torch.uint8)), dim=2).reshape(n, -1)
+    return rows, (q.float() * d.float()).reshape(n, k)

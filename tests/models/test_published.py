@@ -112,6 +112,7 @@ GPTQ_CASES = {
     "v2-asym-desc_act-g32": dict(g=32, bits=4, sym=False, desc_act=True, v2=True),
     "v1-asym-per-channel": dict(g=-1, bits=4, sym=False, desc_act=False, v2=False),
     "v1-8bit-per-channel": dict(g=-1, bits=8, sym=True, desc_act=False, v2=False),
+    "v2-8bit-g32-desc_act": dict(g=32, bits=8, sym=True, desc_act=True, v2=True),
 }
 
 
@@ -168,6 +169,21 @@ def test_compressed_tensors_int8_and_fp8(base: Path, tmp_path: Path) -> None:
     model = _check_equal(_write(base, tmp_path / "fp8", fp8, lambda n, k, gen, m: w.fp8(n, k, gen, True)),
                          QuantizationConfig("fp8"))
     assert {layer.scheme.method for layer in model.quantized_layers().values()} == {"fp8"}
+    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [48, 32]}  # rows ragged
+    model = _check_equal(_write(base, tmp_path / "fp8-block", block,
+                                lambda n, k, gen, m: w.fp8_block(n, k, (48, 32), gen)))
+    assert {layer.scheme.describe() for layer in model.quantized_layers().values()} == {"fp8 (group 32)"}
+    int8_group = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                      "num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+
+    def int8_groups(n: int, k: int, gen: torch.Generator, m: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        q = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
+        s = (torch.rand(n, k // 32, generator=gen) * 0.002 + 0.0005).to(torch.bfloat16)
+        return {"weight": q, "weight_scale": s}, q.float() * s.float().repeat_interleave(32, 1)
+
+    model = _check_equal(_write(base, tmp_path / "w8a16-g32", int8_group, int8_groups))
+    assert {layer.scheme.describe() for layer in model.quantized_layers().values()} == {"int8 (group 32)"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -260,7 +276,7 @@ def test_bad_gptq_checkpoint_names_file_and_tensor(base: Path, tmp_path: Path, c
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group"}}}},
      "format 'nvfp4-pack-quantized' is not served"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-scaled FP8 is not served yet"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "FP8 weight_block_size [128, 100]: Ferrum serves"),
 ])
 def test_unserved_schemes_are_refused_by_name(base: Path, tmp_path: Path, config: dict[str, Any],
                                               message: str) -> None:

@@ -82,6 +82,11 @@ class LinearFactory:
         """QuantizationConfigError unless the layer's inputs can be stored in `scheme` and read by
         this factory's kernels (the GPU's read int4 as 32-bit words of 8 inputs)."""
         scheme.check_in_features(in_features, what)
+        if self.kernels == "kernels" and scheme.per_group and in_features % 4:
+            raise QuantizationConfigError(
+                f"{what}: the GPU kernels read {scheme.method} with group scales as words of 4 inputs; "
+                f"{in_features} input features is not a multiple of 4"
+            )
         if self.kernels == "kernels" and scheme.method == "int4" and in_features % 8:
             raise QuantizationConfigError(
                 f"{what}: the GPU kernels read int4 as words of 8 inputs; {in_features} input features is not a "

@@ -125,7 +125,7 @@ def linear_method(kernels: QuantKernels, scheme: QuantScheme, dtype: torch.dtype
     if kernels == "kernels":
         return KernelsMethod(fp8_rowwise)
     half = dtype in (torch.bfloat16, torch.float16)
-    if kernels == "cpu" and half and scheme.method == "int8":
+    if kernels == "cpu" and half and scheme.method == "int8" and not scheme.per_group:
         return CpuInt8Method()
     if kernels == "cpu" and half and scheme.method == "int4":
         return CpuInt4Method()
@@ -184,9 +184,10 @@ class QuantizedLinear(nn.Module):
         """The storage as the GPU kernels read it (made on every call: cheap, never stale); with an
         input order, its inputs are the reordered ones (forward reorders x first)."""
         self._check_layout()
-        if self.scheme.grouped:
+        if self.scheme.method == "int4":
             return QuantWeight(self.scheme.method, self.qweight, self.scale, self.zero, self.scheme.group_size)
-        return QuantWeight(self.scheme.method, self.qweight, self.scale)
+        return QuantWeight(self.scheme.method, self.qweight, self.scale,
+                           group_size=self.scheme.group_size if self.scheme.per_group else 0)
 
     def prepare(self) -> None:
         """Once, after loading: the method's repacking (the CPU's int4 layout)."""

@@ -39,6 +39,11 @@ def _quantize_rows(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch
     """The parts of rows of a weight (every part is per row: blocks of rows quantize alone)."""
     n, k = weight.shape
     w = weight.float()
+    if scheme.per_group:  # int8 / fp8 with a scale per group: each group as a row of its own
+        g, groups = scheme.group_size, scheme.groups(k)
+        padded = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n * groups, g)
+        rows = _quantize_rows(padded, QuantScheme(scheme.method))
+        return {"qweight": rows["qweight"].reshape(n, groups * g)[:, :k], "scale": rows["scale"].reshape(n, groups)}
     if scheme.method == "int8":
         scale = w.abs().amax(dim=1).clamp_min(_TINY) / 127.0
         return {"qweight": (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), "scale": scale}
@@ -147,9 +152,10 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     """The weight the bundle stands for, [N, K] in `dtype` (default: the bundle's own)."""
     dtype = dtype or qt.dtype
     q, scale = qt.parts["qweight"], qt.parts["scale"].float()
-    if qt.scheme.method in ("int8", "fp8"):
-        return (q.float() * scale[:, None]).to(dtype)
     g, k = qt.scheme.group_size, qt.shape[1]
+    if qt.scheme.method in ("int8", "fp8"):
+        per = scale.repeat_interleave(g, dim=1)[:, :k] if qt.scheme.per_group else scale[:, None]
+        return (q.float() * per).to(dtype)
     scale = scale.repeat_interleave(g, dim=1)[:, :k]  # input k's group is k // g (the last one may be ragged)
     zero = qt.parts["zero"].float().repeat_interleave(g, dim=1)[:, :k]
     return ((unpack_int4(q).float() - 8.0) * scale + zero).to(dtype)

@@ -7,6 +7,10 @@ for every layer: `QuantizationConfig` (YAML's `quantization:` section, `--quanti
            w = (q - 8) * scale + zero                                       (q 0..15, two per byte)
     fp8    float8 e4m3, one scale per output channel: w = q * scale         (compute capability 8.9+ on CUDA)
 
+int8 and fp8 may instead keep a float32 scale per group of `group_size` inputs of a row (`per_group`:
+published checkpoints' block scales, GGUF's Q8_0, 8-bit GPTQ with groups); on-load quantization keeps
+one per row.
+
 int4's scales and zeros are stored in the model's dtype unless the scheme names `params`: a published
 checkpoint's values kept exactly (GPTQ's float16 scales, an integer zero point times its scale in float32).
 """
@@ -83,21 +87,25 @@ class QuantScheme:
     group_size: int = DEFAULT_GROUP_SIZE
     symmetric: bool = False  # int4 only: zero fixed at 0 (int8 and fp8 are always symmetric)
     params: torch.dtype | None = None  # int4 only: the scales' and zeros' dtype; None: the model's
+    per_group: bool = False  # int8 / fp8: a scale per group of group_size inputs (int4 always has groups)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", parse_method(self.method))
+        if self.per_group and self.method == "int4":
+            object.__setattr__(self, "per_group", False)
         if self.params is not None and (self.method != "int4" or self.params not in _PARAM_DTYPES):
             raise QuantizationConfigError(
                 f"{self.method}: params dtype {self.params} is for int4's scales and zeros, one of "
                 f"{', '.join(str(d) for d in _PARAM_DTYPES)}")
-        if self.method == "int4":
+        if self.grouped:
             g = self.group_size
             if isinstance(g, bool) or not isinstance(g, int) or g < 16 or g & (g - 1):
-                raise QuantizationConfigError(f"int4 group_size must be a power of two >= 16, got {g!r}")
+                raise QuantizationConfigError(f"{self.method} group_size must be a power of two >= 16, got {g!r}")
 
     @property
     def grouped(self) -> bool:
-        return self.method == "int4"
+        """Scales per group of group_size inputs (int4; int8 / fp8 per_group), not per output row."""
+        return self.method == "int4" or self.per_group
 
     def groups(self, in_features: int) -> int:
         """int4's groups a row of `in_features` inputs: ceil(K / group_size), the last one ragged
@@ -119,7 +127,7 @@ class QuantScheme:
         self.check_in_features(in_features, what)
         if self.grouped and in_features % self.group_size:
             raise QuantizationConfigError(
-                f"{what}: {in_features} input features do not split into int4 groups of {self.group_size} "
+                f"{what}: {in_features} input features do not split into {self.method} groups of {self.group_size} "
                 "(a group would straddle two ranks)"
             )
 
@@ -127,7 +135,7 @@ class QuantScheme:
         if self.method == "int4":
             params = f", {str(self.params).removeprefix('torch.')} scales" if self.params is not None else ""
             return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}{params})"
-        return self.method
+        return f"{self.method} (group {self.group_size})" if self.per_group else self.method
 
 
 @dataclass(frozen=True)

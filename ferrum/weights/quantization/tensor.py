@@ -1,7 +1,7 @@
 """`QuantizedTensor`: the typed bundle one weight [N, K] becomes, its parts by name:
 
-    int8   qweight int8 [N, K]             scale float32 [N]
-    fp8    qweight float8_e4m3fn [N, K]    scale float32 [N]
+    int8   qweight int8 [N, K]             scale float32 [N] (per_group: [N, ceil(K/g)])
+    fp8    qweight float8_e4m3fn [N, K]    scale float32 [N] (per_group: [N, ceil(K/g)])
     int4   qweight uint8 [N, K/2]          scale, zero [N, ceil(K/g)] (in scheme.params, else the weight's dtype)
            byte j of a row holds input 2j in its low nibble and input 2j + 1 in its high nibble;
            input k is in group k // g (the last group holds K - (groups - 1) * g inputs)
@@ -28,10 +28,11 @@ def part_layout(
     scheme: QuantScheme, n: int, k: int, dtype: torch.dtype
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The parts (name -> (shape, dtype)) that a [n, k] weight of `dtype` is stored as."""
+    scales = (n, scheme.groups(k)) if scheme.per_group else (n,)
     if scheme.method == "int8":
-        return {"qweight": ((n, k), torch.int8), "scale": ((n,), torch.float32)}
+        return {"qweight": ((n, k), torch.int8), "scale": (scales, torch.float32)}
     if scheme.method == "fp8":
-        return {"qweight": ((n, k), torch.float8_e4m3fn), "scale": ((n,), torch.float32)}
+        return {"qweight": ((n, k), torch.float8_e4m3fn), "scale": (scales, torch.float32)}
     groups, params = scheme.groups(k), scheme.params or dtype
     return {"qweight": ((n, k // 2), torch.uint8), "scale": ((n, groups), params), "zero": ((n, groups), params)}
 

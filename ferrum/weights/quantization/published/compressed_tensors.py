@@ -12,8 +12,9 @@ quantized module M (N outputs, K inputs):
     w = (q - zero_point) * scale, q signed
 
 Served as: 4-bit groups or channels in the seam's int4 (zero = -zero_point * scale; scales and zeros
-in the checkpoint's dtype when symmetric, float32 otherwise: exact); 8-bit channel-wise integers as
-int8 and FP8 channel- or tensor-wise as fp8 (one float32 scale per output row). Activation schemes
+in the checkpoint's dtype when symmetric, float32 otherwise: exact); 8-bit symmetric integers as int8
+and FP8 as fp8, with float32 scales per output row (channel, tensor) or per group of a row's inputs
+(group; block: each row takes its row block's). Activation schemes
 (static input scales) are not read: Ferrum's kernels quantize activations per token, dynamically;
 `k_scale` / `v_scale` of a `kv_cache_scheme` are held for the KV cache and not read yet.
 """
@@ -37,7 +38,7 @@ from ferrum.weights.quantization.published.base import (
     unpack_int32,
 )
 from ferrum.weights.quantization.published.gptq import one_group_size
-from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantScheme
+from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantMethod, QuantScheme
 from ferrum.weights.quantization.tensor import QuantizedTensor
 
 __all__ = ["CompressedTensorsFormat"]
@@ -50,6 +51,7 @@ _UNUSED_SUFFIXES = (".input_scale", ".input_zero_point", ".k_scale", ".v_scale",
 
 @dataclass(frozen=True)
 class _Group:
+    label: str
     targets: tuple[str, ...]
     bits: int
     kind: str  # int | float
@@ -71,6 +73,7 @@ class CompressedTensorsFormat(PublishedFormat):
         default_fmt = str(config.get("format", "dense"))
         self.ignore: tuple[str, ...] = tuple(config.get("ignore") or ())
         self.checkpoint_dtype = _dtype(model_config)
+        self.row_blocks: dict[str, int] = {}  # block strategy: rows a scale block spans, by config group
         self.groups: list[_Group] = []
         for label, group in (config.get("config_groups") or {}).items():
             weights = group.get("weights")
@@ -92,23 +95,30 @@ class CompressedTensorsFormat(PublishedFormat):
         if fmt not in _FORMATS:
             raise QuantizationConfigError(f"{what}: format {fmt!r} is not served; Ferrum reads {', '.join(_FORMATS)}")
         if kind == "int" and bits == 4 and strategy in ("group", "channel"):
-            if strategy == "group" and (group_size < 16 or group_size & (group_size - 1)):
-                raise QuantizationConfigError(f"{what}: group_size {group_size}: Ferrum's int4 kernels take "
-                                              "power-of-two groups of 16 or more")
-        elif kind == "int" and bits == 8 and strategy == "channel" and symmetric:
             pass
-        elif kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
+        elif kind == "int" and bits == 8 and strategy in ("channel", "group") and symmetric:
             pass
+        elif kind == "float" and bits == 8 and strategy in ("channel", "tensor", "group", "block"):
+            if strategy == "block":
+                block = list(weights.get("block_structure") or ())
+                if len(block) != 2:
+                    raise QuantizationConfigError(f"{what}: block strategy without a block_structure [rows, inputs]")
+                group_size = int(block[1])
+                self.row_blocks[label] = int(block[0])
         else:
             raise QuantizationConfigError(
                 f"{what}{'' if symmetric else ', asymmetric'}: not served; Ferrum serves 4-bit integer groups or "
-                "channels, 8-bit symmetric integer channels (W8A8) and FP8 channels or tensors (NVFP4, MXFP4 "
-                "and block-wise FP8 run on vLLM)")
-        return _Group(tuple(targets), bits, kind, strategy, group_size, symmetric, fmt)
+                "channels, 8-bit symmetric integer channels or groups and FP8 tensors, channels, groups or "
+                "blocks (NVFP4 and MXFP4 "
+                "run on vLLM)")
+        if strategy in ("group", "block") and (group_size < 16 or group_size & (group_size - 1)):
+            raise QuantizationConfigError(f"{what}: groups of {group_size} inputs: Ferrum's kernels take "
+                                          "power-of-two groups of 16 or more")
+        return _Group(label, tuple(targets), bits, kind, strategy, group_size, symmetric, fmt)
 
     def describe(self) -> str:
-        kinds = sorted({f"{g.kind}{g.bits} {g.strategy}" + (f" {g.group_size}" if g.strategy == "group" else "")
-                        for g in self.groups})
+        kinds = sorted({f"{g.kind}{g.bits} {g.strategy}" + (f" {g.group_size}" if g.strategy in ("group", "block")
+                                                              else "") for g in self.groups})
         return f"compressed-tensors ({', '.join(kinds)})"
 
     def _group_of(self, module: str) -> _Group | None:
@@ -123,10 +133,10 @@ class CompressedTensorsFormat(PublishedFormat):
         group = self._group_of(module)
         if group is None:
             return None
-        if group.kind == "float":
-            return QuantScheme("fp8")
-        if group.bits == 8:
-            return QuantScheme("int8")
+        per_group = group.strategy in ("group", "block")
+        if group.kind == "float" or group.bits == 8:
+            method: QuantMethod = "fp8" if group.kind == "float" else "int8"
+            return QuantScheme(method, group.group_size, per_group=True) if per_group else QuantScheme(method)
         size = group.group_size if group.strategy == "group" else one_group_size(k)
         return QuantScheme("int4", size, group.symmetric, self.checkpoint_dtype if group.symmetric else torch.float32)
 
@@ -148,13 +158,15 @@ class CompressedTensorsFormat(PublishedFormat):
         assert group is not None
         names, problems = self.tensors(module), list[str]()
         per = 32 // group.bits
-        groups = -(-k // group.group_size) if group.strategy == "group" else 1
+        groups = -(-k // group.group_size) if group.strategy in ("group", "block") else 1
         if group.fmt == "pack-quantized":
             expect(problems, infos, names, "weight_packed", (n, -(-k // per)), (torch.int32,))
         else:
             dtype = torch.float8_e4m3fn if group.kind == "float" else torch.int8
             expect(problems, infos, names, "weight", (n, k), (dtype,))
         scale_shape: tuple[int, ...] = (1,) if group.strategy == "tensor" else (n, groups)
+        if group.strategy == "block":
+            scale_shape = (-(-n // self.row_blocks[group.label]), groups)
         info = infos.get("weight_scale")
         if info is not None and group.strategy == "tensor" and tuple(info[0]) == ():
             scale_shape = ()
@@ -176,8 +188,13 @@ class CompressedTensorsFormat(PublishedFormat):
         scheme = self.scheme(module, k)
         assert group is not None and scheme is not None
         scale = raw["weight_scale"]
+        if group.strategy == "block":  # each row takes its row block's scales
+            scale = scale.repeat_interleave(self.row_blocks[group.label], dim=0)[:n]
         if scheme.method == "fp8":
-            rows = scale.float().reshape(-1).expand(n) if group.strategy == "tensor" else scale.float().reshape(n)
+            if scheme.per_group:
+                rows = scale.float()
+            else:
+                rows = scale.float().reshape(-1).expand(n) if group.strategy == "tensor" else scale.float().reshape(n)
             return Repacked(QuantizedTensor(scheme, (n, k), dtype,
                                             {"qweight": raw["weight"], "scale": rows.contiguous()}))
         if group.fmt == "pack-quantized":
@@ -185,8 +202,9 @@ class CompressedTensorsFormat(PublishedFormat):
         else:
             q = raw["weight"].to(torch.int32) + (1 << (group.bits - 1))
         if scheme.method == "int8":
+            scale8 = scale.float() if scheme.per_group else scale.float().reshape(n)
             return Repacked(QuantizedTensor(scheme, (n, k), dtype, {
-                "qweight": (q - 128).to(torch.int8), "scale": scale.float().reshape(n).contiguous()}))
+                "qweight": (q - 128).to(torch.int8), "scale": scale8.contiguous()}))
         order = None
         if "weight_g_idx" in raw:
             order = act_order(raw["weight_g_idx"], scheme.group_size, scale.shape[1], f"{module}.weight_g_idx")

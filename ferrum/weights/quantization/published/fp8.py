@@ -9,9 +9,9 @@ Per quantized module M (N outputs, K inputs):
     M.input_scale        float32 [] or [1]           activation_scheme static (not read: Ferrum's kernels
                                                      scale activations per token)
 
-Served as fp8 with one float32 scale per output row: a per-tensor scale is exact; block scales are
-refused by name (they need block-scaled kernels). `modules_to_not_convert` / `ignored_layers` name
-modules stored unquantized.
+Served as fp8 with float32 scales: a per-tensor scale as one per output row, block scales as one per
+group of bk inputs of each row (the row's block's: exact, 1/bn of the scales' size more memory).
+`modules_to_not_convert` / `ignored_layers` name modules stored unquantized.
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ class Fp8Format(PublishedFormat):
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         block = config.get("weight_block_size")
+        self.block: tuple[int, int] | None = None
         if block:
-            raise QuantizationConfigError(
-                f"FP8 with weight_block_size {list(block)}: block-scaled FP8 is not served yet (Ferrum's fp8 keeps one "
-                "scale per output row); vLLM and SGLang serve it")
+            if (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)
+                    or block[1] < 16 or block[1] & (block[1] - 1)):
+                raise QuantizationConfigError(
+                    f"FP8 weight_block_size {list(block)}: Ferrum serves blocks [rows, inputs] whose inputs are a "
+                    "power of two >= 16")
+            self.block = (int(block[0]), int(block[1]))
         fmt = str(config.get("fmt", "e4m3")).lower()
         if fmt != "e4m3":
             raise QuantizationConfigError(f"FP8 fmt {fmt!r}: Ferrum serves float8 e4m3")
@@ -45,27 +49,37 @@ class Fp8Format(PublishedFormat):
             config.get("ignored_layers") or ())
 
     def describe(self) -> str:
-        return f"fp8 (e4m3, per-tensor weight scales, {self.activation_scheme} activations read as per-token)"
+        scales = f"{self.block[0]}x{self.block[1]} block" if self.block else "per-tensor"
+        return f"fp8 (e4m3, {scales} weight scales, {self.activation_scheme} activations read as per-token)"
 
     def scheme(self, module: str, k: int) -> QuantScheme | None:
         if matching(module, self.skip) or module.split(".")[-1] == "lm_head":
             return None
-        return QuantScheme("fp8")
+        return QuantScheme("fp8", self.block[1], per_group=True) if self.block else QuantScheme("fp8")
 
     def tensors(self, module: str) -> dict[str, str]:
-        return {"weight": f"{module}.weight", "weight_scale": f"{module}.weight_scale"}
+        scale = "weight_scale_inv" if self.block else "weight_scale"
+        return {"weight": f"{module}.weight", scale: f"{module}.{scale}"}
 
     def check(self, module: str, n: int, k: int, infos: Mapping[str, TensorInfo]) -> list[str]:
         names, problems = self.tensors(module), list[str]()
         expect(problems, infos, names, "weight", (n, k), (torch.float8_e4m3fn,))
+        floats = (torch.float32, torch.bfloat16, torch.float16)
+        if self.block:
+            expect(problems, infos, names, "weight_scale_inv", (-(-n // self.block[0]), -(-k // self.block[1])), floats)
+            return problems
         info = infos.get("weight_scale")
-        expect(problems, infos, names, "weight_scale", () if info is not None and info[0] == () else (1,),
-               (torch.float32, torch.bfloat16, torch.float16))
+        expect(problems, infos, names, "weight_scale", () if info is not None and info[0] == () else (1,), floats)
         return problems
 
     def repack(self, module: str, n: int, k: int, raw: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Repacked:
-        scale = raw["weight_scale"].float().reshape(1).expand(n).contiguous()
-        return Repacked(QuantizedTensor(QuantScheme("fp8"), (n, k), dtype, {"qweight": raw["weight"], "scale": scale}))
+        scheme = self.scheme(module, k)
+        assert scheme is not None
+        if self.block:  # each row takes its row block's scales (exact: float32 values copied)
+            scale = raw["weight_scale_inv"].float().repeat_interleave(self.block[0], dim=0)[:n].contiguous()
+        else:
+            scale = raw["weight_scale"].float().reshape(1).expand(n).contiguous()
+        return Repacked(QuantizedTensor(scheme, (n, k), dtype, {"qweight": raw["weight"], "scale": scale}))
 
     def unused(self, name: str) -> bool:
         return name.endswith((".input_scale", ".k_scale", ".v_scale"))

@@ -11,14 +11,15 @@ uint8 [rows, bytes per row]:
     Q4_K   super-blocks of 256: d, dmin float16, 12 bytes of eight 6-bit scales sc and mins m, 128 bytes of
            codes (each 32 bytes: one sub-block of 32 in the low nibbles, the next in the high);
            w = d * sc * q - dmin * m
+    Q8_0   blocks of 32: d float16, 32 int8;  w = d * q
 
 are repacked at load into the seam's int4 with groups of 32: Q4_0 symmetric with float16 scales (exact),
 Q4_1 and Q4_K with float32 scales and zero = offset + 8 * scale (the scales exact; the zero exact
 unless the offset and 8 * scale lie more than 2^13 apart in magnitude, then rounded to float32: the
-log counts such groups). Tensors of other types (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, ...) and the
-embeddings are dequantized at load to the model's dtype (`dense_steps`), said in the log: their
-block formats have no kernels here yet. llama.cpp stored the rows of attn_q / attn_k of llama files
-in another order; they are put back (`hf_row_order`).
+log counts such groups); Q8_0 into int8 with a float32 scale per group of 32 (exact). Tensors of
+other types (Q5_0, Q5_1, Q5_K, Q6_K, ...) and the embeddings are dequantized at load to the model's
+dtype (`dense`), said in the log: their block formats have no kernels here yet. llama.cpp stored the
+rows of attn_q / attn_k of llama files in another order; they are put back (`hf_row_order`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ __all__ = ["GgufFormat", "decode_int4_blocks"]
 log = logging.getLogger(__name__)
 
 # type -> (inputs per block, bytes per block)
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34)}
 REPACKED = tuple(BLOCKS)
 
 
@@ -109,6 +110,8 @@ class GgufFormat(PublishedFormat):
         kind = self.types.get(f"{module}.weight")
         if kind not in REPACKED or module.split(".")[-1] == "embed_tokens":
             return None
+        if kind == "Q8_0":
+            return QuantScheme("int8", 32, per_group=True)
         return QuantScheme("int4", 32, kind == "Q4_0", torch.float16 if kind == "Q4_0" else torch.float32)
 
     def stored_name(self, name: str) -> str:
@@ -146,16 +149,22 @@ class GgufFormat(PublishedFormat):
     def repack(self, module: str, n: int, k: int, raw: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Repacked:
         kind = self.types[f"{module}.weight"]
         scheme = self.scheme(module, k)
-        assert scheme is not None and scheme.params is not None
+        assert scheme is not None
         per, size = BLOCKS[kind]
         rows = raw["blocks"]
         order = hf_row_order(self.stored_name(f"{module}.weight"), n, architecture=self.architecture,
                              num_heads=self.heads, num_kv_heads=self.kv_heads)
         if order is not None:
             rows = rows[order.to(rows.device)]
+        if kind == "Q8_0":  # d float16, then 32 int8: w = d * q
+            blocks = rows.reshape(n * (k // per), size)
+            scale8 = _f16(blocks, 0).reshape(n, k // per)
+            q8 = blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k)
+            return Repacked(QuantizedTensor(scheme, (n, k), dtype, {"qweight": q8, "scale": scale8.contiguous()}))
         q, scale, offset = decode_int4_blocks(kind, rows.reshape(n * (k // per), size))
         scale, offset = scale.reshape(n, k // 32), offset.reshape(n, k // 32)
         zero = offset + 8.0 * scale
+        assert scheme.params is not None
         stored_zero = zero.to(scheme.params)
         if scheme.params == torch.float32:
             rounded = int((stored_zero.double() != zero).sum())

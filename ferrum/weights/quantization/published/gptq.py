@@ -11,8 +11,8 @@ Per quantized module M, with K inputs, N outputs, G groups and b bits (4 or 8):
     w[n, k] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n]
 
 Served as: 4-bit in the seam's int4 ((q - 8) * scale + zero with zero = (8 - z) * scale: float16 scales
-and zeros when symmetric (z = 8, zero 0), float32 otherwise, exact either way); 8-bit, one group
-per row and symmetric, as int8 (q - 128, the row's scale). group_size -1 is one group a row (the
+and zeros when symmetric (z = 8, zero 0), float32 otherwise, exact either way); 8-bit symmetric as
+int8 (q - 128, float32 scales per group, or per row for group_size -1). group_size -1 is one group a row (the
 scheme's group size is K rounded up to a power of two: one ragged group). With desc_act the inputs
 are stored sorted by group, and the layer reorders its input to match (`Repacked.input_order`).
 """
@@ -72,11 +72,10 @@ class GptqFormat(PublishedFormat):
         self.lm_head = bool(config.get("lm_head", False))
         skip = config.get("modules_to_not_convert") or ()
         self.skip: tuple[str, ...] = tuple(skip)
-        if self.bits == 8 and (self.group_size != -1 or not self.symmetric):
+        if self.bits == 8 and not self.symmetric:
             raise QuantizationConfigError(
-                f"8-bit GPTQ with group_size {self.group_size} and sym={self.symmetric}: Ferrum serves 8-bit "
-                "GPTQ only with one symmetric group per row (group_size -1, sym true), as int8; groups of "
-                "8-bit weights run on vLLM's GPTQ kernels")
+                f"8-bit GPTQ with sym={self.symmetric}: Ferrum serves symmetric 8-bit GPTQ (as int8, a scale per "
+                "group or row); asymmetric 8-bit runs on vLLM's GPTQ kernels")
 
     def describe(self) -> str:
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
@@ -90,9 +89,9 @@ class GptqFormat(PublishedFormat):
     def scheme(self, module: str, k: int) -> QuantScheme | None:
         if matching(module, self.skip) or (module.split(".")[-1] == "lm_head" and not self.lm_head):
             return None
-        if self.bits == 8:
-            return QuantScheme("int8")
         group = one_group_size(k) if self.group_size == -1 else self.group_size
+        if self.bits == 8:
+            return QuantScheme("int8") if self.group_size == -1 else QuantScheme("int8", group, per_group=True)
         if group < 16 or group & (group - 1):
             raise QuantizationConfigError(
                 f"GPTQ group_size {self.group_size}: Ferrum's int4 kernels take power-of-two groups of 16 or more")
@@ -140,7 +139,8 @@ class GptqFormat(PublishedFormat):
                               f"(checkpoint_format {self.checkpoint_format!r})")
         if self.bits == 8:
             qweight = (q - mid).to(torch.int8)
-            parts = {"qweight": qweight, "scale": scales[0].float()}
+            scale = scales.t().float().contiguous() if scheme.per_group else scales[0].float()
+            parts = {"qweight": qweight, "scale": scale}
         else:
             assert scheme.params is not None
             scale = scales.t().to(scheme.params)  # [N, G]
