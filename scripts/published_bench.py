@@ -46,10 +46,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
                      "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}},
     "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "gptq-w8": {"quant_method": "gptq", "bits": 8, "group_size": GROUP, "sym": True, "desc_act": False,
+                "checkpoint_format": "gptq"},
 }
 # bytes per weight element of a linear layer as served, and per group of GROUP inputs
 SERVED = {"gptq": (0.5, 4), "ct-w4a16": (0.5, 4), "awq": (0.5, 8), "int4": (0.5, 4), "fp8": (1.0, 0),
-          "bf16": (2.0, 0)}
+          "bf16": (2.0, 0), "fp8-block": (1.0, 4), "gptq-w8": (1.0, 4)}
 
 
 def _words(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -70,11 +73,18 @@ def quantized_tensors(fmt: str, module: str, n: int, k: int, gen: torch.Generato
     if fmt == "awq":
         return {f"{module}.qweight": _words((k, n // 8), gen), f"{module}.qzeros": _words((g, n // 8), gen),
                 f"{module}.scales": _scales((g, n), gen)}
+    if fmt == "gptq-w8":
+        return {f"{module}.qweight": _words((k // 4, n), gen), f"{module}.scales": _scales((g, n), gen),
+                f"{module}.qzeros": torch.full((g, n // 4), 0x7F7F7F7F, dtype=torch.int32),
+                f"{module}.g_idx": (torch.arange(k) // GROUP).to(torch.int32)}
     if fmt == "ct-w4a16":
         return {f"{module}.weight_packed": _words((n, k // 8), gen),
                 f"{module}.weight_scale": _scales((n, g), gen, torch.bfloat16),
                 f"{module}.weight_shape": torch.tensor([n, k])}
     weight = (torch.randn((n, k), generator=gen, device=_DEVICE) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).cpu()
+    if fmt == "fp8-block":
+        blocks = (-(-n // 128), -(-k // 128))
+        return {f"{module}.weight": weight, f"{module}.weight_scale_inv": _scales(blocks, gen, torch.float32)}
     return {f"{module}.weight": weight, f"{module}.weight_scale": torch.tensor(0.0003)}
 
 
@@ -161,6 +171,8 @@ def main() -> None:
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--formats", default="gptq,awq,ct-w4a16,fp8")
     p.add_argument("--tests", action="store_true", help="the published formats' GPU tests first")
+    p.add_argument("--offline", default="", help="labels to run `ferrum bench offline` for (256 requests), e.g. "
+                   "bf16,int4 on load,gptq")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
@@ -198,6 +210,22 @@ def main() -> None:
                f"floor {floor * 1e3:.3f} ms ({floor_bytes(folder, served) / 1e9:.2f} GB) -> {floor / per_token:.1%} "
                f"of floor{speed}; start-up {ready:.1f}s")
         (args.out / "published_bench.json").write_text(json.dumps(RESULTS, indent=1))
+    wanted = set(filter(None, args.offline.split(",")))
+    for label, folder, settings, _ in runs:
+        if label not in wanted:
+            continue
+        out = args.out / f"offline-{label.replace(' ', '-')}.json"
+        cmd = [sys.executable, "-m", "ferrum.cli", "bench", "offline", "--model", str(folder), "--max-model-len",
+               "2048", "--num-prompts", "256", "--output-json", str(out)]
+        if settings:
+            cmd += ["--quantization", settings["quantization"]["method"]]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode or not out.exists():
+            record("offline", f"{args.shape} {label}", "failed", note=done.stderr[-800:])
+            continue
+        res = json.loads(out.read_text())
+        record("offline", f"{args.shape} {label}", round(res["output_tokens_per_s"]), "output tok/s",
+               f"{res['elapsed_s']:.1f}s")
     print("\n| phase | name | value | unit | note |\n| --- | --- | --- | --- | --- |")
     for row in RESULTS:
         print(f"| {row['phase']} | {row['name']} | {row['value']} | {row['unit']} | {row['note']} |")

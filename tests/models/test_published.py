@@ -201,6 +201,9 @@ def test_published_layers_on_the_gpu(base: Path, tmp_path: Path) -> None:
         "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"},
                 lambda n, k, gen, m: w.awq(n, k, 32, gen)),
         "fp8": ({"quant_method": "fp8"}, lambda n, k, gen, m: w.fp8(n, k, gen, True)),
+        "fp8-block": ({"quant_method": "fp8", "weight_block_size": [48, 32]},
+                      lambda n, k, gen, m: w.fp8_block(n, k, (48, 32), gen)),
+        "gptq-8bit-g32": ({**GPTQ_4, "bits": 8}, lambda n, k, gen, m: w.gptq(n, k, 32, 8, True, False, False, gen)),
     }
     for name, (config, writer) in cases.items():
         folder = _write(base, tmp_path / name, config, writer)
