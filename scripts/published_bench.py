@@ -171,6 +171,7 @@ def main() -> None:
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--formats", default="gptq,awq,ct-w4a16,fp8")
     p.add_argument("--tests", action="store_true", help="the published formats' GPU tests first")
+    p.add_argument("--no-batch1", action="store_true", help="skip the start-up and batch-1 runs")
     p.add_argument("--offline", default="", help="labels to run `ferrum bench offline` for (256 requests), e.g. "
                    "bf16,int4 on load,gptq")
     args = p.parse_args()
@@ -197,7 +198,7 @@ def main() -> None:
         record("write", fmt, round(time.perf_counter() - started, 1), "s", str(folder))
         runs.append((fmt, folder, {}, fmt))
     base_ms = None
-    for label, folder, settings, served in runs:
+    for label, folder, settings, served in [] if args.no_batch1 else runs:
         try:
             ready, per_token = startup_and_batch1(folder, **settings)
         except Exception:  # noqa: BLE001 - recorded, the run goes on
