@@ -21,7 +21,8 @@ above."; temperature 0, max_tokens 64, `ignore_eos: true` (a top-level body fiel
 and Ferrum both take), so every answer runs to 64 tokens (checked: the table flags any that did not).
 The prompts come from --seed: the same for every server and pass; each concurrency level has its own
 16, so that the second level finds no whole prompt of the first in a server's prompt cache (each server
-is restarted every pass). Requests and metrics are `ferrum bench serve`'s (ferrum.bench.serve.run_serve):
+is restarted every pass). Requests and metrics are `ferrum bench serve`'s (ferrum.bench.client.send and
+ferrum.bench.metrics.summarize), each request on a new connection (llama-server drops some reused ones):
 output tok/s = output tokens / wall time of the level; TTFT = time to the first content delta;
 TPOT = (e2e - TTFT) / (output tokens - 1). Server processes, CPU accounting and the quiet wait between
 servers are scripts/bench_serve.py's.
@@ -42,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,10 +63,12 @@ from bench_serve import (  # noqa: E402
     wait_for_quiet,
 )
 
+from ferrum.bench.client import Target, send  # noqa: E402
 from ferrum.bench.errors import BenchError  # noqa: E402
+from ferrum.bench.metrics import RequestRecord, summarize  # noqa: E402
 from ferrum.bench.report import level_json  # noqa: E402
-from ferrum.bench.serve import LevelRun, ServeOptions, run_serve  # noqa: E402
-from ferrum.bench.workload import LengthRange, WorkloadSpec  # noqa: E402
+from ferrum.bench.serve import LevelRun  # noqa: E402
+from ferrum.bench.workload import WARMUP_TEXT, BenchRequest, LengthRange  # noqa: E402
 
 INSTRUCTION = "Write a long story about the words above."
 
@@ -167,16 +171,42 @@ def server_commands(args: argparse.Namespace, gguf: Path, folder: Path) -> dict[
     }
 
 
+async def _served_model(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/v1/models") as response:
+        if response.status != 200:
+            raise BenchError(f"GET {url}/v1/models answered HTTP {response.status}")
+        return str((await response.json())["data"][0]["id"])
+
+
+async def _level(url: str, prompts: tuple[str, ...], concurrency: int, args: argparse.Namespace,
+                 warmup: bool) -> LevelRun:
+    # A new connection per request: llama-server drops some kept-alive connections after a streamed
+    # answer ("Can not write request body" on reuse), so no server gets reused connections.
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout, sock_connect=30)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        target = Target(url, await _served_model(session, url), ignore_eos=True, endpoint="chat")
+        if warmup:
+            record = await send(session, target, BenchRequest((), 16, text=WARMUP_TEXT))
+            if not record.ok:
+                raise BenchError(f"the warm-up request failed: {record.error}")
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(text: str) -> RequestRecord:
+            async with slots:
+                return await send(session, target, BenchRequest((), args.max_tokens, text=text))
+
+        started = time.perf_counter()
+        records = await asyncio.gather(*(one(text) for text in prompts))
+        duration = time.perf_counter() - started
+    return LevelRun(summarize(records, duration, concurrency), tuple(records))
+
+
 def run_level(url: str, prompts: tuple[str, ...], concurrency: int, args: argparse.Namespace,
               warmup: bool) -> LevelRun:
-    """One concurrency level, request i asking prompt i, through `ferrum bench serve`'s runner."""
-    spec = WorkloadSpec(
-        num_prompts=len(prompts), output_len=LengthRange(args.max_tokens, args.max_tokens), seed=args.seed,
-        ignore_eos=True, prompts=prompts,
-    )
-    options = ServeOptions(url, spec, (concurrency,), timeout_s=args.request_timeout, endpoint="chat",
-                           warmup=warmup)
-    return asyncio.run(run_serve(options)).levels[0]
+    """One concurrency level, request i asking prompt i (all sent at once, at most `concurrency` in
+    flight), after one untimed warm-up request when `warmup`; `ferrum bench serve`'s client and metrics."""
+    return asyncio.run(_level(url, prompts, concurrency, args, warmup))
 
 
 def race_server(name: str, server: ServerProcess, levels: list[tuple[int, tuple[str, ...]]],

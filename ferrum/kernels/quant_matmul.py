@@ -41,6 +41,10 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            (scale = max|x_row| / 448), then torch._scaled_mm with row-wise scales
                            (scale_a [M, 1], scale_b [1, N] float32, compute capability 9.0);
                            otherwise (and on 8.9 GPUs) the Triton GEMM (W8A16)
+                   int8 / fp8 with group scales (block-scaled checkpoints): M < GROUPED_DEQUANTIZE_FROM the
+                           Triton W8A16 GEMM, each tile's weights times their group's scale before the
+                           dot; from there the weight dequantized once by a Triton kernel, then cuBLAS
+                           (the W8A16 GEMM ran an 8B offline workload, prefill-heavy, at 0.11x bf16)
 
 Expected error against x @ dequantize(w).T in float32, relative (Frobenius), for activations
 without outliers (tests/kernels/test_quant_kernels.py checks these bounds):
@@ -66,6 +70,7 @@ from ferrum.kernels.quant_weight import QuantWeight
 
 GEMV_ROWS = 1  # up to this many rows: the fused GEMV
 DEQUANTIZE_FROM = 128  # int4 from this many rows: dequantize + cuBLAS
+GROUPED_DEQUANTIZE_FROM = 32  # int8 / fp8 with group scales: from this many rows, dequantize + cuBLAS
 WIDE_GEMM_UP_TO = 256  # ... except the wide projections (N >= WIDE_N) up to this many rows
 WIDE_N = 16384
 
@@ -140,6 +145,8 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM and not (n >= WIDE_N and m <= WIDE_GEMM_UP_TO):
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
+    elif w.kind in ("int8", "fp8") and w.group_size and m >= GROUPED_DEQUANTIZE_FROM:
+        y = torch.nn.functional.linear(flat, dequantize_grouped(w, flat.dtype), bias)
     elif w.kind == "int8" and m > 16 and k % 8 == 0 and n % 8 == 0 and not w.group_size:
         y = _w8a8_int8(flat, w, bias)
     elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0 and fp8_rowwise and not w.group_size:
@@ -218,6 +225,33 @@ def _scale_kernel(ACC: tl.tensor, XS: tl.tensor, WS: tl.tensor, B: tl.tensor, OU
     if BIAS:
         y += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+
+
+def dequantize_grouped(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 / fp8 weight with group scales as [N, K] in `dtype` (q * its group's scale, rounded once)."""
+    kw = kernel_weight(w)
+    n, k = kw.out_rows, kw.in_features
+    out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
+    block_n, block_k = 32, min(kw.group, 128)
+    _dequantize_grouped_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        w.qweight, kw.scale, out, n, k, w.qweight.stride(0), kw.stride_sn, out.stride(0), GROUP=kw.group,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+@triton.jit
+def _dequantize_grouped_kernel(W: tl.tensor, S: tl.tensor, OUT: tl.tensor, N: tl.tensor, K: tl.tensor,
+                               stride_wn: tl.tensor, stride_sn: tl.tensor, stride_on: tl.tensor, GROUP: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
+    """One [BLOCK_N, BLOCK_K] block (within one group: BLOCK_K divides GROUP) of q * scale."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    kk = k0 + tl.arange(0, BLOCK_K)
+    mask = (rn < N)[:, None] & (kk < K)[None, :]
+    q = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=rn < N, other=0.0)
+    tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], (q * s[:, None]).to(OUT.dtype.element_ty),
+             mask=mask)
 
 
 def dequantize_int4(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -73,6 +73,7 @@ class WeightLoadReport:
     peak_host_bytes: int = 0  # the process's resident set at its highest while building and loading
     peak_device_bytes: int = 0  # a device with memory of its own: its allocator's peak (reserved) while loading
     quantization: str | None = None  # the quantization the weights were loaded in, described; None: unquantized
+    published: str | None = None  # the published format the checkpoint was stored in (gptq, awq, ...), if any
 
 
 def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: LayerOps,
@@ -284,7 +285,7 @@ def load_model(
              nbytes / 1e9 / max(done - reading, 1e-9), reading - started, host.peak / 1e9,
              f", {device.name} {peak_device / 1e9:.2f} GB" if device.dedicated_memory else "")
     return model, WeightLoadReport(weights.kind, nbytes, done - reading, loader.bytes_read, host.peak, peak_device,
-                                   described)
+                                   described, config.published.name if config.published is not None else None)
 
 
 def run_beside(coroutine: Coroutine[Any, Any, T], work: Callable[[], R]) -> tuple[R, T]:

@@ -505,12 +505,17 @@ class Server:
     # -- the small routes --------------------------------------------------------------------------
     def model_card(self) -> ModelCard:
         engine = self.serving_engine()
+        quantization = self.quantization
+        load = engine.weight_load
+        if load is not None and load.published is not None:  # the checkpoint's own format
+            quantization = ModelQuantization(method=load.published, group_size=None, symmetric=None, skip=[],
+                                             checkpoint=load.quantization)
         return ModelCard(
             id=self.model_name,
             created=self.created,
             root=self.model_name,
             max_model_len=engine.max_model_len,
-            quantization=self.quantization,
+            quantization=quantization,
         )
 
 
@@ -552,7 +557,7 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
 
 def model_quantization(config: QuantizationConfig | None) -> ModelQuantization | None:
     """The served model's quantization as /v1/models shows it (symmetric resolved to the method's own)."""
-    if config is None:
+    if config is None or config.published:  # a published format: the loaded checkpoint says (model_card)
         return None
     grouped = config.scheme.grouped
     return ModelQuantization(method=config.method, group_size=config.group_size if grouped else None,

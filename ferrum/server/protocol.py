@@ -738,12 +738,14 @@ class CompletionChunk(BaseModel):
 
 
 class ModelQuantization(BaseModel):
-    """How the served model's linear layers' weights are stored (quantized as they loaded)."""
+    """How the served model's linear layers' weights are stored: quantized as they loaded, or as the
+    published checkpoint stored them (`checkpoint` describes its format; method is its name)."""
 
-    method: str  # int8 | int4 | fp8
+    method: str  # int8 | int4 | fp8; a published checkpoint's format: gptq | awq | fp8 | compressed-tensors | gguf
     group_size: int | None  # int4: inputs per scale; null for int8 and fp8 (one scale per output channel)
-    symmetric: bool
+    symmetric: bool | None  # null for a published checkpoint (its config says, per layer)
     skip: list[str]  # linear layers kept in the serving dtype
+    checkpoint: str | None = None  # a published checkpoint's format, described
 
 
 class ModelCard(BaseModel):

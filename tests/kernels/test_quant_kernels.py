@@ -166,6 +166,13 @@ def test_each_kind_has_its_table() -> None:
         KernelConfig.from_mapping({"gemv_int8": {"slices": 2}})
 
 
+@pytest.mark.parametrize("kind", ["int8-g", "fp8-g"])
+def test_grouped_dequantized_by_the_kernel_as_by_the_loader(kind: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    qw, ref_w = quantized((torch.randn(40, 160, generator=gen) / 8).to(DTYPE), kind)  # a ragged last group
+    assert rel_err(qm.dequantize_grouped(qw, DTYPE), ref_w) < 4e-3  # the rounding to DTYPE only
+
+
 def test_int4_dequantized_by_the_kernel_as_by_the_loader() -> None:
     gen = torch.Generator().manual_seed(2)
     qw, ref_w = quantized((torch.randn(40, 128, generator=gen) / 8).to(DTYPE), "int4")

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from ferrum.backends.cpu import CPUBackend
+from ferrum.models.loader import WeightLoadReport
 from ferrum.server.api import backend_card, create_app
 from ferrum.weights.quantization.scheme import QuantizationConfig
 from tests.live_server import server_process
@@ -21,13 +22,14 @@ class ReadyEngine:
     """What the model routes ask of an engine."""
 
     max_model_len = 64
+    weight_load: WeightLoadReport | None = None
 
     def is_ready(self) -> bool:
         return True
 
 
-async def _get(quantization: QuantizationConfig | None, path: str) -> Any:
-    app = create_app(ReadyEngine(), "tiny", quantization=quantization,  # type: ignore[arg-type]
+async def _get(quantization: QuantizationConfig | None, path: str, engine: ReadyEngine | None = None) -> Any:
+    app = create_app(engine or ReadyEngine(), "tiny", quantization=quantization,  # type: ignore[arg-type]
                      backends=lambda: [backend_card(CPUBackend(), True)])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         response = await client.get(path)
@@ -38,9 +40,20 @@ async def _get(quantization: QuantizationConfig | None, path: str) -> Any:
 async def test_models_show_the_served_quantization() -> None:
     assert (await _get(None, "/v1/models"))["data"][0]["quantization"] is None
     int4 = (await _get(QuantizationConfig("int4"), "/v1/models"))["data"][0]["quantization"]
-    assert int4 == {"method": "int4", "group_size": 128, "symmetric": False, "skip": ["lm_head"]}
+    assert int4 == {"method": "int4", "group_size": 128, "symmetric": False, "skip": ["lm_head"], "checkpoint": None}
     int8 = (await _get(QuantizationConfig("int8", skip=()), "/v1/models/tiny"))["quantization"]
-    assert int8 == {"method": "int8", "group_size": None, "symmetric": True, "skip": []}
+    assert int8 == {"method": "int8", "group_size": None, "symmetric": True, "skip": [], "checkpoint": None}
+
+
+async def test_models_show_a_published_checkpoints_format() -> None:
+    """A checkpoint stored quantized: its format as loaded, with or without --quantization naming it."""
+    engine = ReadyEngine()
+    engine.weight_load = WeightLoadReport("file", 1, 0.1, quantization="gptq (4-bit, group 128, symmetric, gptq)",
+                                          published="gptq")
+    for flag in (None, QuantizationConfig("gptq")):
+        card = (await _get(flag, "/v1/models/tiny", engine))["quantization"]
+        assert card == {"method": "gptq", "group_size": None, "symmetric": None, "skip": [],
+                        "checkpoint": "gptq (4-bit, group 128, symmetric, gptq)"}
 
 
 async def test_backends_show_the_methods_they_run() -> None:
@@ -56,7 +69,8 @@ def test_a_server_quantized_on_load_says_so(tmp_path: Path) -> None:
                         "--kv-cache-memory-gb", "0.01", "--quantization", "int8",
                         env={"OMP_NUM_THREADS": "1"}) as server:
         card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
-        assert card["quantization"] == {"method": "int8", "group_size": None, "symmetric": True, "skip": ["lm_head"]}
+        assert card["quantization"] == {"method": "int8", "group_size": None, "symmetric": True, "skip": ["lm_head"],
+                                         "checkpoint": None}
         body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3, response.text
