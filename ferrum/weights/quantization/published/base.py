@@ -17,6 +17,7 @@ Ferrum's kernels compute per token). `PublishedLayers` answers for a model's own
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 TensorInfo = tuple[tuple[int, ...], torch.dtype]
+log = logging.getLogger(__name__)
 
 
 class RepackError(ValueError):
@@ -55,6 +57,9 @@ class PublishedFormat(abc.ABC):
     """A published checkpoint's quantization (config.json's quantization_config)."""
 
     name: ClassVar[str]  # vLLM's --quantization name for it
+    # a fused layer whose parts are stored in different schemes may be served unquantized (every part can
+    # be read dense: `dense`); otherwise it is an error
+    dense_fallback: ClassVar[bool] = False
 
     @abc.abstractmethod
     def describe(self) -> str: ...
@@ -191,6 +196,10 @@ class PublishedLayers:
         distinct = set(schemes.values())
         if len(distinct) > 1:
             listed = "; ".join(f"{name}: {s.describe() if s else 'unquantized'}" for name, s in schemes.items())
+            if self.format.dense_fallback:
+                log.warning("%s: its parts are stored in different formats (%s): served unquantized, dequantized "
+                            "at load", path, listed)
+                return None
             raise QuantizationConfigError(
                 f"{path} is made of {', '.join(names)}, which the checkpoint stores differently ({listed}); "
                 "Ferrum fuses them into one layer and needs one scheme")

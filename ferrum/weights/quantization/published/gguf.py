@@ -12,12 +12,16 @@ uint8 [rows, bytes per row]:
            codes (each 32 bytes: one sub-block of 32 in the low nibbles, the next in the high);
            w = d * sc * q - dmin * m
     Q8_0   blocks of 32: d float16, 32 int8;  w = d * q
+    Q5_0   blocks of 32: d float16, the 32 fifth bits, 16 bytes of low nibbles as Q4_0;  w = d * (q - 16)
+    Q6_K   super-blocks of 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales sc, d;
+           w = d * sc * (q - 32) in sub-blocks of 16
 
 are repacked at load into the seam's int4 with groups of 32: Q4_0 symmetric with float16 scales (exact),
 Q4_1 and Q4_K with float32 scales and zero = offset + 8 * scale (the scales exact; the zero exact
 unless the offset and 8 * scale lie more than 2^13 apart in magnitude, then rounded to float32: the
-log counts such groups); Q8_0 into int8 with a float32 scale per group of 32 (exact). Tensors of
-other types (Q5_0, Q5_1, Q5_K, Q6_K, ...) and the embeddings are dequantized at load to the model's
+log counts such groups); Q8_0, Q5_0 and Q6_K into int8 with a float32 scale per group of 32 (Q6_K:
+16) (exact; Q6_K's 6.56 bits a weight become 10). Tensors of other types (Q5_1, Q5_K, Q2_K, Q3_K,
+the IQ types...) and the embeddings are dequantized at load to the model's
 dtype (`dense`), said in the log: their block formats have no kernels here yet. llama.cpp stored the
 rows of attn_q / attn_k of llama files in another order; they are put back (`hf_row_order`).
 """
@@ -48,8 +52,10 @@ __all__ = ["GgufFormat", "decode_int4_blocks"]
 log = logging.getLogger(__name__)
 
 # type -> (inputs per block, bytes per block)
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34)}
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q5_0": (32, 22),
+          "Q6_K": (256, 210)}
 REPACKED = tuple(BLOCKS)
+INT8_GROUPS = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16}  # types served as int8 with a scale per group of this many
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -60,6 +66,26 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """Code bytes [B, S, 16 or 32] (a run of one sub-block's low nibbles, then its high ones) -> [B, S, 2 * len]."""
     return torch.cat((qs & 0xF, qs >> 4), dim=-1)
+
+
+def decode_int8_blocks(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw blocks [B, bytes] of a symmetric type -> (codes int8 [B, inputs per block] in input order,
+    scale float32 [B, groups]) with w = q * scale (exact: float16 d times an int8 sub-scale)."""
+    b = blocks.shape[0]
+    if type_name == "Q8_0":  # d, then 32 int8
+        return blocks[:, 2:].contiguous().view(torch.int8), _f16(blocks, 0)[:, None]
+    if type_name == "Q5_0":  # d, 32 high bits (uint32), 16 bytes of low nibbles; q - 16
+        high = blocks[:, 2:6].contiguous().view(torch.int32)  # bit i: input i's fifth bit
+        bits = (high >> torch.arange(32, device=blocks.device, dtype=torch.int32)) & 1
+        low = _nibbles(blocks[:, None, 6:22]).reshape(b, 32).to(torch.int32)
+        return (low | (bits << 4)).sub_(16).to(torch.int8), _f16(blocks, 0)[:, None]
+    # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d; q - 32 in sub-blocks of 16
+    ql = blocks[:, :128].reshape(b, 2, 1, 64) >> torch.tensor([0, 4], device=blocks.device).reshape(1, 1, 2, 1)
+    qh = blocks[:, 128:192].reshape(b, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], device=blocks.device).reshape(
+        1, 1, 4, 1)
+    q = ((ql & 0xF).reshape(b, 8, 32).to(torch.int32) | ((qh & 3).reshape(b, 8, 32).to(torch.int32) << 4)) - 32
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    return q.reshape(b, 256).to(torch.int8), _f16(blocks, 208)[:, None] * scales
 
 
 def decode_int4_blocks(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,6 +109,7 @@ def decode_int4_blocks(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tens
 
 class GgufFormat(PublishedFormat):
     name = "gguf"
+    dense_fallback = True  # llama.cpp's mixes (Q4_K_M: attn_v in Q6_K beside Q4_K q/k) fuse into a dense qkv
 
     def __init__(self, config: Mapping[str, Any], model_config: Mapping[str, Any]) -> None:
         types = config.get("tensor_types")
@@ -110,8 +137,8 @@ class GgufFormat(PublishedFormat):
         kind = self.types.get(f"{module}.weight")
         if kind not in REPACKED or module.split(".")[-1] == "embed_tokens":
             return None
-        if kind == "Q8_0":
-            return QuantScheme("int8", 32, per_group=True)
+        if kind in INT8_GROUPS:
+            return QuantScheme("int8", INT8_GROUPS[kind], per_group=True)
         return QuantScheme("int4", 32, kind == "Q4_0", torch.float16 if kind == "Q4_0" else torch.float32)
 
     def stored_name(self, name: str) -> str:
@@ -156,11 +183,10 @@ class GgufFormat(PublishedFormat):
                              num_heads=self.heads, num_kv_heads=self.kv_heads)
         if order is not None:
             rows = rows[order.to(rows.device)]
-        if kind == "Q8_0":  # d float16, then 32 int8: w = d * q
-            blocks = rows.reshape(n * (k // per), size)
-            scale8 = _f16(blocks, 0).reshape(n, k // per)
-            q8 = blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k)
-            return Repacked(QuantizedTensor(scheme, (n, k), dtype, {"qweight": q8, "scale": scale8.contiguous()}))
+        if kind in INT8_GROUPS:
+            q8, scale8 = decode_int8_blocks(kind, rows.reshape(n * (k // per), size))
+            parts = {"qweight": q8.reshape(n, k), "scale": scale8.reshape(n, k // INT8_GROUPS[kind]).contiguous()}
+            return Repacked(QuantizedTensor(scheme, (n, k), dtype, parts))
         q, scale, offset = decode_int4_blocks(kind, rows.reshape(n * (k // per), size))
         scale, offset = scale.reshape(n, k // 32), offset.reshape(n, k // 32)
         zero = offset + 8.0 * scale

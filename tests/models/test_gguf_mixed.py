@@ -1,0 +1,121 @@
+"""A llama GGUF mixing block types as llama.cpp's Q4_K_M files do (Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, F16 and
+F32 tensors; attn_q / attn_k rows in llama.cpp's order), written by gguf-py, served by Ferrum in float32
+on the CPU: the logits equal HF transformers' loading the same file (its own dequantization, float32),
+to float32 rounding; each type is served as said (int4, int8 with group scales, or dequantized)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.scheduler import ScheduledSequence
+from ferrum.engine.sequence import Sequence
+from ferrum.models.config import load_model_config
+from ferrum.models.layers import layer_ops
+from ferrum.models.layers.quantized_linear import QuantizedLinear
+from ferrum.models.loader import load_model
+from ferrum.weights.formats.gguf import gguf_header
+from ferrum.weights.formats.gguf_model import gguf_config
+from ferrum.weights.loader import WeightLoader
+from ferrum.weights.spec.sources import File
+from tests.engines import host_device, make_runner
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+Q = gguf.GGMLQuantizationType
+
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 128
+# per layer: each projection's type (K-quants need K a multiple of 256)
+TYPES = [
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
+     "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
+    {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q5_K, "attn_output": Q.Q4_0, "ffn_gate": Q.Q5_0,
+     "ffn_up": Q.Q5_0, "ffn_down": Q.F16},
+]
+SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
+          "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+          "ffn_down": (HIDDEN, FFN)}
+
+
+def _blocks(kind: gguf.GGMLQuantizationType, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """A [rows, K] tensor of `kind`: gguf-py's quantizer where it has one, else random codes with sane scales."""
+    if kind in (Q.F16, Q.F32):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float16 if kind == Q.F16 else np.float32)
+    values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    try:
+        return gguf.quants.quantize(values, kind)
+    except NotImplementedError:  # K-quants: random blocks, their float16 d (and dmin) small
+        per, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (shape[0] * shape[1] // per, size), dtype=np.uint8)
+        scales = (rng.random((len(raw), 2)) * 0.002 + 0.0005).astype(np.float16).view(np.uint8)
+        if kind == Q.Q6_K:
+            raw[:, size - 2:] = scales[:, :2]
+        else:  # Q4_K, Q5_K: d, dmin first
+            raw[:, :4] = scales
+        return raw.reshape(shape[0], -1)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = Path(tmp_path_factory.mktemp("gguf-mixed")) / "mixed.gguf"
+    rng = np.random.default_rng(4)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(len(TYPES))
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.5).astype(np.float16))
+    writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    writer.add_tensor("output.weight", _blocks(Q.Q6_K, (VOCAB, HIDDEN), rng), raw_dtype=Q.Q6_K)
+    for i, types in enumerate(TYPES):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        for name, kind in types.items():
+            data = _blocks(kind, SHAPES[name], rng)
+            writer.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=None if kind in (Q.F16, Q.F32) else kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_mixed_gguf_logits_equal_transformers(mixed: Path, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(__import__("json").dumps(gguf_config(gguf_header(mixed), mixed)))
+    device = host_device()
+    model, report = load_model(load_model_config(tmp_path), File(mixed), device, torch.float32, layer_ops(device),
+                               WeightLoader())
+    served = {name: layer.scheme.describe() for name, layer in model.quantized_layers().items()}
+    assert served["layers.0.self_attn.o_proj"] == "int4 (group 32, asymmetric, float32 scales)"  # Q4_K
+    assert served["layers.0.mlp.gate_up_proj"] == "int4 (group 32, asymmetric, float32 scales)"
+    assert served["layers.0.mlp.down_proj"] == "int8 (group 16)"  # Q6_K
+    assert served["lm_head"] == "int8 (group 16)"  # Q6_K
+    assert served["layers.1.self_attn.o_proj"] == "int4 (group 32, symmetric, float16 scales)"  # Q4_0
+    assert served["layers.1.mlp.gate_up_proj"] == "int8 (group 32)"  # Q5_0
+    assert "layers.1.mlp.down_proj" not in served  # F16
+    # q/k and v in different types (Q4_K and Q6_K as Q4_K_M files have them; Q8_0 and Q5_K): the fused
+    # projection is served dense, dequantized at load
+    assert "layers.0.self_attn.qkv_proj" not in served and "layers.1.self_attn.qkv_proj" not in served
+    hf = transformers.AutoModelForCausalLM.from_pretrained(mixed.parent, gguf_file=mixed.name,
+                                                           dtype=torch.float32).eval()
+    ids = [3, 17, 99, 5, 64, 2, 120, 31, 8, 77, 45]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, [4, len(ids) - 1]]
+    runner = make_runner(model, device, 16, 8, enforce_eager=True)
+    blocks = BlockManager(num_blocks=16, block_size=8)
+    seqs = [Sequence(f"p{n}", ids[:n], SamplingParams(max_tokens=1), 0.0) for n in (5, len(ids))]
+    for seq in seqs:
+        blocks.grow(seq, seq.num_tokens)
+    got, _ = runner.execute([ScheduledSequence(s, s.num_tokens) for s in seqs])
+    assert (got.float() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+    assert isinstance(model.lm_head, QuantizedLinear)
