@@ -52,7 +52,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 # bytes per weight element of a linear layer as served, and per group of GROUP inputs
 SERVED = {"gptq": (0.5, 4), "ct-w4a16": (0.5, 4), "awq": (0.5, 8), "int4": (0.5, 4), "fp8": (1.0, 0),
-          "bf16": (2.0, 0), "fp8-block": (1.0, 4), "gptq-w8": (1.0, 4)}
+          "bf16": (2.0, 0), "fp8-block": (1.0, 4), "gptq-w8": (1.0, 4),
+          "gguf-q4k": (0.5, 32)}  # Q4_K as int4 groups of 32 with float32 scales and zeros (8 bytes a group)
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
 def _words(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -88,8 +91,66 @@ def quantized_tensors(fmt: str, module: str, n: int, k: int, gen: torch.Generato
     return {f"{module}.weight": weight, f"{module}.weight_scale": torch.tensor(0.0003)}
 
 
+def write_gguf_q4k(base: Path, out: Path) -> Path:
+    """`base`'s shapes as a llama GGUF: every projection Q4_K (random codes, small float16 d and dmin),
+    embeddings and output F16, norms F32, a byte-level BPE vocabulary of the model's size (one merge)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = out / "model.Q4_K.gguf"
+    if path.exists():
+        return path
+    out.mkdir(parents=True, exist_ok=True)
+    c = json.loads((base / "config.json").read_text())
+    rng = np.random.default_rng(5)
+    writer = GGUFWriter(path.with_suffix(".tmp"), "llama")
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(8192)
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_rope_freq_base(float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1e4)))
+    writer.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
+    writer.add_vocab_size(c["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    alphabet = [chr(b) for b in range(33, 127)] + ['!"']
+    writer.add_token_list(alphabet + [f"t{i}" for i in range(c["vocab_size"] - len(alphabet))])
+    writer.add_token_merges(['! "'])
+    writer.add_bos_token_id(c["vocab_size"] - 2)
+    writer.add_eos_token_id(c["vocab_size"] - 1)
+    h = c["hidden_size"]
+    writer.add_tensor("token_embd.weight", (rng.standard_normal((c["vocab_size"], h)) * 0.02).astype(np.float16))
+    writer.add_tensor("output.weight", (rng.standard_normal((c["vocab_size"], h)) * 0.02).astype(np.float16))
+    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    shapes = {}
+    index = base / "model.safetensors.index.json"
+    first = json.loads(index.read_text())["weight_map"]["model.layers.0.mlp.down_proj.weight"] if index.exists() else (
+        "model.safetensors")
+    with safe_open(str(base / first), "pt") as f:
+        for key in f.keys():  # noqa: SIM118
+            if key.startswith("model.layers.0.") and key.split(".")[-2] in LINEARS:
+                shapes[key.split(".")[-2]] = tuple(f.get_slice(key).get_shape())
+    for layer in range(c["num_hidden_layers"]):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(h, dtype=np.float32))
+        for proj, (n, k) in shapes.items():
+            blocks = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
+            blocks[:, :4] = (rng.random((len(blocks), 2)) * 0.002 + 0.0005).astype(np.float16).view(np.uint8)
+            writer.add_tensor(f"blk.{layer}.{GGUF_NAMES[proj]}.weight", blocks.reshape(n, -1),
+                              raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.with_suffix(".tmp").rename(path)
+    return path
+
+
 def write_published(base: Path, fmt: str, out: Path) -> Path:
     """`base` (bf16) with every linear layer but the head in `fmt`'s layout (one shard per base shard)."""
+    if fmt == "gguf-q4k":
+        return write_gguf_q4k(base, out)
     if (out / "config.json").exists():
         return out
     tmp = out.with_name(out.name + ".tmp")
@@ -124,8 +185,8 @@ def write_published(base: Path, fmt: str, out: Path) -> Path:
     return out
 
 
-def floor_bytes(folder: Path, served: str) -> int:
-    c = json.loads((folder / "config.json").read_text())
+def floor_bytes(folder: Path, served: str, base: Path) -> int:
+    c = json.loads(((base if folder.suffix == ".gguf" else folder) / "config.json").read_text())
     h, i, v, layers = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
     hd = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -204,11 +265,12 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - recorded, the run goes on
             record("batch1", f"{args.shape} {label}", "failed", note=traceback.format_exc()[-1200:])
             continue
-        floor = floor_bytes(folder, served) / bandwidth
+        floor_b = floor_bytes(folder, served, base)
+        floor = floor_b / bandwidth
         base_ms = per_token if label == "bf16" else base_ms
         speed = f", {base_ms / per_token:.2f}x bf16" if base_ms else ""
         record("batch1", f"{args.shape} {label}", round(per_token * 1e3, 3), "ms/token",
-               f"floor {floor * 1e3:.3f} ms ({floor_bytes(folder, served) / 1e9:.2f} GB) -> {floor / per_token:.1%} "
+               f"floor {floor * 1e3:.3f} ms ({floor_b / 1e9:.2f} GB) -> {floor / per_token:.1%} "
                f"of floor{speed}; start-up {ready:.1f}s")
         (args.out / "published_bench.json").write_text(json.dumps(RESULTS, indent=1))
     wanted = set(filter(None, args.offline.split(",")))
