@@ -6,6 +6,7 @@ to float32 rounding; each type is served as said (int4, int8 with group scales, 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v
           "ffn_down": (HIDDEN, FFN)}
 
 
-def _blocks(kind: gguf.GGMLQuantizationType, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+def _blocks(kind: Any, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
     """A [rows, K] tensor of `kind`: gguf-py's quantizer where it has one, else random codes with sane scales."""
     if kind in (Q.F16, Q.F32):
         return (rng.standard_normal(shape) * 0.05).astype(np.float16 if kind == Q.F16 else np.float32)

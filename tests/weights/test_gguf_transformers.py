@@ -15,8 +15,8 @@ import torch
 
 from ferrum.weights import WeightLoaderConfig
 from ferrum.weights.formats.gguf import gguf_header
-from ferrum.weights.formats.gguf_model import hf_row_order, hf_tensor_name
 from ferrum.weights.formats.readers import open_local
+from ferrum.weights.gguf_names import hf_row_order, hf_tensor_name
 from ferrum.weights.locations.gguf_file import gguf_model_folder
 
 pytestmark = pytest.mark.slow
