@@ -12,7 +12,6 @@ cannot be split along its inputs: a clear error).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -88,7 +87,7 @@ def _whole(model: LlamaForCausalLM, module: str, dim: int) -> int:
 
 
 async def repack_published(layers: list[PublishedLayer], fmt: PublishedFormat, loader: WeightLoader,
-                           device: Device, where: str, progress: Callable[[int], None] | None = None) -> int:
+                           device: Device, where: str) -> int:
     """Reads and repacks every layer into its storage, a decoder layer at a time; the bytes read."""
     by_block: dict[int, list[PublishedLayer]] = {}
     for item in layers:
@@ -107,8 +106,6 @@ async def repack_published(layers: list[PublishedLayer], fmt: PublishedFormat, l
                 raise PublishedWeightsError(where, f"{fmt.describe()}: {exc}") from None
             _fill(item, _sharded(repacked, item, where), orders, where)
         del raw
-        if progress is not None:
-            progress(nbytes)
     with torch.no_grad():
         for item in layers:
             order = orders.get(id(item.layer))
