@@ -100,3 +100,19 @@ def test_tool_written_checkpoint_equals_the_tools_dequantization(name: str) -> N
     got = _last_logits(model, ids, lengths)
     want = ref["logits_dequantized"][0, [n - 1 for n in lengths]]
     assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item()), name
+
+
+def test_kv_cache_scales_are_kept() -> None:
+    """compressed-tensors' kv_cache_scheme: each attention layer holds the checkpoint's k_scale / v_scale."""
+    folder = FIXTURES / "ct-fp8-static-kv"
+    model = _model(folder)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for i, layer in enumerate(model.layers):
+            attention = layer.get_submodule("self_attn")
+            for name in ("k_scale", "v_scale"):
+                stored = f.get_tensor(f"model.layers.{i}.self_attn.{name}").float()
+                kept = getattr(attention, name)
+                assert kept is not None and torch.equal(kept.detach().float(), stored.reshape(1)), (i, name)
+    assert _model(FIXTURES / "ct-fp8-dynamic").layers[0].get_submodule("self_attn").k_scale is None

@@ -44,6 +44,13 @@ class Attention(nn.Module):
             else linears.row_parallel(f"{prefix}.o_proj", self.q_size, config.hidden_size, False, tp))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        # a checkpoint's FP8 KV-cache scales (compressed-tensors' kv_cache_scheme), loaded as parameters;
+        # nothing reads them yet (the KV cache is stored in the serving dtype)
+        self.k_scale: nn.Parameter | None = None
+        self.v_scale: nn.Parameter | None = None
+        if linears.published is not None and linears.published.format.kv_cache_scales:
+            self.k_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+            self.v_scale = nn.Parameter(torch.ones(1), requires_grad=False)
 
     def forward(self, x: torch.Tensor, cache: KVCache, batch: AttentionInputs) -> torch.Tensor:
         out = batch.attend(self, self.qkv_proj(x), cache)  # rope, cache write and attention

@@ -61,6 +61,11 @@ class PublishedFormat(abc.ABC):
     # be read dense: `dense`); otherwise it is an error
     dense_fallback: ClassVar[bool] = False
 
+    @property
+    def kv_cache_scales(self) -> bool:
+        """The checkpoint holds each attention layer's k_scale and v_scale (an FP8 KV cache's scales)."""
+        return False
+
     @abc.abstractmethod
     def describe(self) -> str: ...
 

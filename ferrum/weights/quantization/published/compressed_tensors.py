@@ -16,7 +16,8 @@ in the checkpoint's dtype when symmetric, float32 otherwise: exact); 8-bit symme
 and FP8 as fp8, with float32 scales per output row (channel, tensor) or per group of a row's inputs
 (group; block: each row takes its row block's). Activation schemes
 (static input scales) are not read: Ferrum's kernels quantize activations per token, dynamically;
-`k_scale` / `v_scale` of a `kv_cache_scheme` are held for the KV cache and not read yet.
+`k_scale` / `v_scale` of a `kv_cache_scheme` are loaded into each attention layer (`kv_cache_scales`)
+for an FP8 KV cache; nothing reads them yet.
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ class CompressedTensorsFormat(PublishedFormat):
             raise QuantizationConfigError(f"{what}: groups of {group_size} inputs: Ferrum's kernels take "
                                           "power-of-two groups of 16 or more")
         return _Group(label, tuple(targets), bits, kind, strategy, group_size, symmetric, fmt)
+
+    @property
+    def kv_cache_scales(self) -> bool:
+        return self.kv_cache
 
     def describe(self) -> str:
         kinds = sorted({f"{g.kind}{g.bits} {g.strategy}" + (f" {g.group_size}" if g.strategy in ("group", "block")
