@@ -326,9 +326,14 @@ def phase_correct(args) -> None:
 def time_batch1_decode(folder: Path, prompt_len: int = 128, new_tokens: int = 256, **overrides) -> float:
     """Seconds per token of one greedy request, timed over whole engine.step calls (schedule, graph
     replays, detokenisation) after its prefill."""
+    return batch1_per_token(gpu_engine(folder, max_num_seqs=8, max_model_len=2048, **overrides), prompt_len,
+                            new_tokens)
+
+
+def batch1_per_token(engine, prompt_len: int = 128, new_tokens: int = 256) -> float:
+    """time_batch1_decode on an engine already made; the engine is released after."""
     from ferrum.engine.sampling_params import SamplingParams
 
-    engine = gpu_engine(folder, max_num_seqs=8, max_model_len=2048, **overrides)
     rng = random.Random(1)
     vocab = engine.model_config.vocab_size
     engine.generate([[rng.randrange(vocab - 2) for _ in range(prompt_len)]],

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from gemv_bench import read_bandwidth  # noqa: E402
-from gpu_suite import RESULTS, checkpoint, gpu_engine, record  # noqa: E402
+from gpu_suite import RESULTS, batch1_per_token, checkpoint, gpu_engine, record  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 128
@@ -199,30 +199,11 @@ def floor_bytes(folder: Path, served: str, base: Path) -> int:
     return int(layers * per_layer + 2 * v * h + 2 * h)
 
 
-def startup_and_batch1(folder: Path, prompt_len: int = 128, new_tokens: int = 256,
-                       **settings: Any) -> tuple[float, float]:
-    """Seconds from create_engine to ready, and seconds per token of one greedy request timed over whole
-    engine.step calls after its prefill (as gpu_suite.time_batch1_decode)."""
-    from ferrum.engine.sampling_params import SamplingParams
-
+def startup_and_batch1(folder: Path, **settings: Any) -> tuple[float, float]:
+    """Seconds from create_engine to ready, and gpu_suite's batch-1 seconds per token on that engine."""
     started = time.perf_counter()
     engine = gpu_engine(folder, max_num_seqs=8, max_model_len=2048, **settings)
-    ready = time.perf_counter() - started
-    vocab = engine.model_config.vocab_size
-    engine.generate([[7 + i % (vocab - 9) for i in range(prompt_len)]],
-                    SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    engine.add_request("b1", [11 + 3 * i % (vocab - 13) for i in range(prompt_len)],
-                       SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-    engine.step()
-    engine.device.runtime.synchronize()
-    started, tokens = time.perf_counter(), 0
-    while engine.has_work:
-        tokens += sum(len(out.new_token_ids) for out in engine.step())
-    elapsed = time.perf_counter() - started
-    engine.release()
-    del engine
-    torch.cuda.empty_cache()
-    return ready, elapsed / tokens
+    return time.perf_counter() - started, batch1_per_token(engine)
 
 
 def main() -> None:
