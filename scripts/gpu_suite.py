@@ -330,6 +330,29 @@ def time_batch1_decode(folder: Path, prompt_len: int = 128, new_tokens: int = 25
                             new_tokens)
 
 
+def record_offline(name: str, folder: Path, out: Path, quantization: str | None = None) -> None:
+    """`ferrum bench offline` (256 requests, 100-1024 in and out) on `folder` as a subprocess, recorded
+    under phase "offline" as `name` (its output JSON at `out`)."""
+    cmd = [sys.executable, "-m", "ferrum.cli", "bench", "offline", "--model", str(folder), "--max-model-len", "2048",
+           "--num-prompts", "256", "--output-json", str(out)]
+    if quantization is not None:
+        cmd += ["--quantization", quantization]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode or not out.exists():
+        record("offline", name, "failed", note=done.stderr[-800:])
+        return
+    res = json.loads(out.read_text())
+    record("offline", name, round(res["output_tokens_per_s"]), "output tok/s", f"{res['elapsed_s']:.1f}s")
+
+
+def print_results(path: Path) -> None:
+    """The recorded results as a markdown table, and as JSON at `path`."""
+    print("\n| phase | name | value | unit | note |\n| --- | --- | --- | --- | --- |")
+    for row in RESULTS:
+        print(f"| {row['phase']} | {row['name']} | {row['value']} | {row['unit']} | {row['note']} |")
+    path.write_text(json.dumps(RESULTS, indent=1))
+
+
 def batch1_per_token(engine, prompt_len: int = 128, new_tokens: int = 256) -> float:
     """time_batch1_decode on an engine already made; the engine is released after."""
     from ferrum.engine.sampling_params import SamplingParams

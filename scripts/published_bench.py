@@ -33,7 +33,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from gemv_bench import read_bandwidth  # noqa: E402
-from gpu_suite import RESULTS, batch1_per_token, checkpoint, gpu_engine, record  # noqa: E402
+from gpu_suite import (  # noqa: E402 - shared GPU timing
+    RESULTS,
+    batch1_per_token,
+    checkpoint,
+    gpu_engine,
+    print_results,
+    record,
+    record_offline,
+)
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 128
@@ -256,25 +264,10 @@ def main() -> None:
         (args.out / "published_bench.json").write_text(json.dumps(RESULTS, indent=1))
     wanted = set(filter(None, args.offline.split(",")))
     for label, folder, settings, _ in runs:
-        if label not in wanted:
-            continue
-        out = args.out / f"offline-{label.replace(' ', '-')}.json"
-        cmd = [sys.executable, "-m", "ferrum.cli", "bench", "offline", "--model", str(folder), "--max-model-len",
-               "2048", "--num-prompts", "256", "--output-json", str(out)]
-        if settings:
-            cmd += ["--quantization", settings["quantization"]["method"]]
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        if done.returncode or not out.exists():
-            record("offline", f"{args.shape} {label}", "failed", note=done.stderr[-800:])
-            continue
-        res = json.loads(out.read_text())
-        record("offline", f"{args.shape} {label}", round(res["output_tokens_per_s"]), "output tok/s",
-               f"{res['elapsed_s']:.1f}s")
-    print("\n| phase | name | value | unit | note |\n| --- | --- | --- | --- | --- |")
-    for row in RESULTS:
-        print(f"| {row['phase']} | {row['name']} | {row['value']} | {row['unit']} | {row['note']} |")
-    (args.out / "published_bench.json").write_text(json.dumps(RESULTS, indent=1))
-
+        if label in wanted:
+            record_offline(f"{args.shape} {label}", folder, args.out / f"offline-{label.replace(' ', '-')}.json",
+                           settings["quantization"]["method"] if settings else None)
+    print_results(args.out / "published_bench.json")
 
 if __name__ == "__main__":
     main()

@@ -34,7 +34,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from gemv_bench import read_bandwidth  # noqa: E402 - a 2 GiB sum, as the GEMV benches measure it
-from gpu_suite import RESULTS, checkpoint, gpu_engine, record, time_batch1_decode  # noqa: E402 - shared GPU timing
+from gpu_suite import (  # noqa: E402 - shared GPU timing
+    RESULTS,
+    checkpoint,
+    gpu_engine,
+    print_results,
+    record,
+    record_offline,
+    time_batch1_decode,
+)
 
 
 def linear_bytes(n: int, k: int, method: str, group: int = 128) -> int:
@@ -160,23 +168,10 @@ def main() -> None:
                            f"floor {floor * 1e3:.3f} ms -> {floor / (res['ms_per_token'] / 1e3):.1%} of floor")
         if args.offline:
             for method in methods:
-                out = args.out / f"offline-{shape}-{method}.json"
-                cmd = [sys.executable, "-m", "ferrum.cli", "bench", "offline", "--model", str(folder),
-                       "--max-model-len", "2048", "--num-prompts", "256", "--output-json", str(out)]
-                if method != "bf16":
-                    cmd += ["--quantization", method]
-                done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-                if done.returncode or not out.exists():
-                    record("offline", f"{shape} {method}", "failed", note=done.stderr[-800:])
-                    continue
-                res = json.loads(out.read_text())
-                record("offline", f"{shape} {method}", round(res["output_tokens_per_s"]), "output tok/s",
-                       f"{res['elapsed_s']:.1f}s")
+                record_offline(f"{shape} {method}", folder, args.out / f"offline-{shape}-{method}.json",
+                               None if method == "bf16" else method)
         (args.out / "quant_bench.json").write_text(json.dumps(RESULTS, indent=1))
-    print("\n| phase | name | value | unit | note |\n| --- | --- | --- | --- | --- |")
-    for row in RESULTS:
-        print(f"| {row['phase']} | {row['name']} | {row['value']} | {row['unit']} | {row['note']} |")
-    (args.out / "quant_bench.json").write_text(json.dumps(RESULTS, indent=1))
+    print_results(args.out / "quant_bench.json")
 
 
 if __name__ == "__main__":
