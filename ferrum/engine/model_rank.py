@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +30,9 @@ from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.sequence import Sequence
 from ferrum.engine.startup import StartupProgress
 from ferrum.engine.torch_runner import TorchModelRunner
+from ferrum.kernels.config import KernelConfig
 from ferrum.models.attention import AttentionBackend, select_attention
+from ferrum.models.attention.cpu_paged import CpuPagedAttention
 from ferrum.models.attention.layout import KVCacheLayout
 from ferrum.models.attention.torch_paged import TorchPagedAttention
 from ferrum.models.config import ModelConfig
@@ -68,7 +71,8 @@ class ModelRank:
         self.shard = ShardPlan(model_config, self.tp.rank, self.tp.size)
         self.model_config = model_config
         self.layout = KVCacheLayout.of(self.shard.rank_config(), dtype, config.block_size)
-        self.attention = select_attention(device, self.layout, config.kernels)
+        self.cpu_kernels = device.kind == "cpu" and config.kernels.cpu and load_cpu_kernels(config.kernels)
+        self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels)
         self._report = report
         plan = plan_host(device, self.layout, config) if not device.dedicated_memory else None
         if plan is not None:  # sized before loading, so that a cache too small fails fast
@@ -98,8 +102,9 @@ class ModelRank:
                 self._report(StartupProgress("loading", done, total))
 
         try:
-            return load_model(self.model_config, files.weights, self.device, self.dtype, layer_ops(self.device),
-                              loader, progress, tp=self.tp, quantization=self.config.quantization)
+            return load_model(self.model_config, files.weights, self.device, self.dtype,
+                              layer_ops(self.device, self.cpu_kernels), loader, progress, tp=self.tp,
+                              quantization=self.config.quantization)
         finally:
             run_sync(loader.aclose())
 
@@ -152,7 +157,7 @@ def runner_for(
     """The runner for `attention`, by its type: TorchModelRunner over torch_paged, GPUModelRunner
     over triton_paged (its module, and Triton, imported only then). `config` has its device defaults
     filled in; `graph_sizes`: the GPU runner's decode graphs (default: every bucket)."""
-    if isinstance(attention, TorchPagedAttention):
+    if isinstance(attention, (TorchPagedAttention, CpuPagedAttention)):
         return TorchModelRunner(model, device, layout, num_blocks, attention)
     from ferrum.engine.gpu_runner import GPUModelRunner
     from ferrum.models.attention.triton_paged import TritonPagedAttention
@@ -161,6 +166,20 @@ def runner_for(
         return GPUModelRunner(model, device, layout, num_blocks, attention, config, max_model_len,
                               graph_sizes=graph_sizes)
     raise TypeError(f"no model runner for {type(attention).__name__} attention")
+
+
+def load_cpu_kernels(kernels: KernelConfig) -> bool:
+    """Builds (once per machine) and loads the CPU kernels; False, with the reason logged, where they
+    cannot be built: the plain PyTorch path then serves."""
+    from ferrum.kernels.cpu.build import CpuKernelBuildError
+    from ferrum.kernels.cpu.build import load_cpu_kernels as load
+
+    try:
+        load(Path(kernels.cpu_cache_dir))
+    except CpuKernelBuildError as exc:
+        log.warning("CPU kernels unavailable, serving with plain PyTorch ops (slower): %s", exc)
+        return False
+    return True
 
 
 def _widest_sample(rows: int, vocab: int, device: Device) -> None:

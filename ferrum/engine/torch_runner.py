@@ -1,5 +1,6 @@
 """TorchModelRunner: the model and its paged KV cache on any torch device, attention in plain
-PyTorch (torch_paged). The CPU's runner: one eager forward a step, logits back on the host."""
+PyTorch (torch_paged) or the CPU's kernels (cpu_paged). The CPU's runner: one eager forward a step,
+logits back on the host."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ferrum.backends.device import Device
 from ferrum.engine.runner import GreedyBurst, advance, pack_step, score_prompts
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
+from ferrum.models.attention.cpu_paged import CpuPagedAttention
 from ferrum.models.attention.layout import KVCacheLayout
 from ferrum.models.attention.torch_paged import TorchPagedAttention
 from ferrum.models.llama import LlamaForCausalLM
@@ -19,7 +21,7 @@ class TorchModelRunner:
 
     def __init__(
         self, model: LlamaForCausalLM, device: Device, layout: KVCacheLayout, num_blocks: int,
-        attention: TorchPagedAttention,
+        attention: TorchPagedAttention | CpuPagedAttention,
     ) -> None:
         if device.packed_bf16_linears and layout.dtype == torch.bfloat16:
             from ferrum.models.layers.packed_linear import pack_linears

@@ -69,7 +69,11 @@ class KernelConfig:
     process), NCCL.
     one_shot_push: the one-shot kernel writes each rank's tensor into every rank's buffer (one NVLink
     trip: the data travels with the flag) rather than having each rank read the others' (false: pull,
-    two trips one after the other; ferrum.kernels.all_reduce)."""
+    two trips one after the other; ferrum.kernels.all_reduce).
+    cpu: on the CPU, attention, the norms, rope and silu * mul run the C++ kernels of
+    ferrum.kernels.cpu, compiled once per machine into `cpu_cache_dir` (false: plain PyTorch, the
+    torch_paged attention backend). Where they cannot be built (no C++ compiler), the log says why
+    and the plain path serves."""
 
     pdl: bool = True
     max_decode_splits: int = 32
@@ -80,6 +84,8 @@ class KernelConfig:
     gemv_int4: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 2048))
     one_shot_all_reduce_kb: int = 512
     one_shot_push: bool = True
+    cpu: bool = True
+    cpu_cache_dir: str = "~/.cache/ferrum/kernels"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pdl, bool):
@@ -92,6 +98,10 @@ class KernelConfig:
             raise ValueError(f"kernels.one_shot_all_reduce_kb must be in 0..65536, got {self.one_shot_all_reduce_kb!r}")
         if not isinstance(self.one_shot_push, bool):
             raise ValueError(f"kernels.one_shot_push must be true or false, got {self.one_shot_push!r}")
+        if not isinstance(self.cpu, bool):
+            raise ValueError(f"kernels.cpu must be true or false, got {self.cpu!r}")
+        if not isinstance(self.cpu_cache_dir, str) or not self.cpu_cache_dir:
+            raise ValueError(f"kernels.cpu_cache_dir must be a folder, got {self.cpu_cache_dir!r}")
         for name in _TABLES:
             if not isinstance(getattr(self, name), GemvTable):
                 raise ValueError(f"kernels.{name} must be a GemvTable, got {getattr(self, name)!r}")

@@ -1,6 +1,7 @@
 """Attention over the paged KV cache, one backend chosen once per engine from its `Device`:
 
-    torch_paged    plain PyTorch (SDPA over gathered cache slots): every device; the CPU's path
+    torch_paged    plain PyTorch (SDPA over gathered cache slots): every device
+    cpu_paged      the CPU's C++ kernels (ferrum.kernels.cpu), reading the paged cache in place: the CPU
     triton_paged   Triton kernels that read the paged cache directly (ferrum.kernels): GPUs
 
 A runner packs each step's tokens the same way whatever the backend (`PackedStep`, packed_step.py:
@@ -36,12 +37,18 @@ class AttentionBackend(Protocol):
         ...
 
 
-def select_attention(device: Device, layout: KVCacheLayout, kernels: KernelConfig) -> AttentionBackend:
-    """triton_paged where Triton compiles for the device, torch_paged elsewhere."""
+def select_attention(device: Device, layout: KVCacheLayout, kernels: KernelConfig,
+                     cpu_kernels: bool = False) -> AttentionBackend:
+    """triton_paged where Triton compiles for the device, cpu_paged on the CPU once its kernels are
+    loaded (`cpu_kernels`: ferrum.kernels.cpu.build), torch_paged elsewhere."""
     if device.triton:
         from ferrum.models.attention.triton_paged import TritonPagedAttention
 
         return TritonPagedAttention(device, layout, kernels)
+    if cpu_kernels and device.kind == "cpu":
+        from ferrum.models.attention.cpu_paged import CpuPagedAttention
+
+        return CpuPagedAttention(device, layout)
     from ferrum.models.attention.torch_paged import TorchPagedAttention
 
     return TorchPagedAttention(device, layout)

@@ -3,6 +3,8 @@
 torch    the plain PyTorch ops, in HF's order of operations (every device)
 triton   ferrum.kernels.norm: one kernel for the residual add + RMSNorm, one for silu * mul
          (devices Triton compiles for; in tests, Triton's interpreter on the CPU)
+cpu      ferrum.kernels.cpu's C++ ops, the same two fused, in the torch path's order of operations
+         (the CPU, once its kernels are built: ferrum.kernels.cpu.build)
 """
 
 from __future__ import annotations
@@ -63,6 +65,24 @@ def triton_ops() -> LayerOps:
     return LayerOps("triton", rms_norm, norm.silu_and_mul)
 
 
-def layer_ops(device: Device) -> LayerOps:
-    """Triton's kernels where they compile for the device, torch elsewhere."""
-    return triton_ops() if device.triton else torch_ops()
+def cpu_ops() -> LayerOps:
+    """The CPU kernels' ops (torch.ops.ferrum_cpu: loaded by ferrum.kernels.cpu.build first)."""
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = torch.ops.ferrum_cpu.rms_norm(x, weight, eps, residual)
+        return normed, summed
+
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.ferrum_cpu.silu_and_mul(gate_up)
+        return out
+
+    return LayerOps("cpu", rms_norm, silu_and_mul)
+
+
+def layer_ops(device: Device, cpu_kernels: bool = False) -> LayerOps:
+    """Triton's kernels where they compile for the device, the CPU kernels where they are loaded
+    (`cpu_kernels`), torch elsewhere."""
+    if device.triton:
+        return triton_ops()
+    return cpu_ops() if cpu_kernels and device.kind == "cpu" else torch_ops()

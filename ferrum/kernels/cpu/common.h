@@ -1,0 +1,50 @@
+// Shared by the CPU kernels: conversions and the float32 vector loops they are built from (written
+// for the compiler to vectorize: -O3 -march=native -fopenmp-simd).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace ferrum_cpu {
+
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// v rounded to T's precision, as a float (what torch's T arithmetic stores after each op)
+template <typename T>
+inline float rounded(float v) {
+  return static_cast<float>(T(v));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                     int64_t block_size, double scale);
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                            const c10::optional<at::Tensor>& residual);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
+                int64_t num_kv_heads);
+
+}  // namespace ferrum_cpu

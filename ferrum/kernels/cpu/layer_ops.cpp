@@ -1,0 +1,135 @@
+// The decoder layer's small ops on the CPU, each one pass over its rows, in the order of operations
+// of the plain-PyTorch path (ferrum.models.layers.ops, ferrum.models.layers.rotary): the same
+// roundings to the activations' dtype after each step, so that both paths agree.
+
+#include "common.h"
+
+namespace ferrum_cpu {
+
+// (x [+ residual]) -> (RMSNorm of it times weight, x [+ residual]); float32 statistics.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps,
+                                            const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 1 && weight.size(0) == x_in.size(1),
+              "rms_norm: x must be [T, N] and weight [N]");
+  TORCH_CHECK(weight.scalar_type() == x_in.scalar_type(), "rms_norm: weight and x must share a dtype");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor summed = x;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "rms_norm: residual must be shaped and typed like x");
+    summed = at::empty_like(x);
+  }
+  const at::Tensor res = residual.has_value() ? residual->contiguous() : x;
+  at::Tensor normed = at::empty_like(x);
+  const at::Tensor w = weight.contiguous();
+  const int64_t T = x.size(0), N = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = res.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* sp = summed.data_ptr<scalar_t>();
+    scalar_t* np = normed.data_ptr<scalar_t>();
+    const bool add = residual.has_value();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> h(N);
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* xr = xp + t * N;
+        if (add) {
+          const scalar_t* rr = rp + t * N;
+          scalar_t* out = sp + t * N;
+          for (int64_t i = 0; i < N; ++i) {
+            out[i] = scalar_t(to_float(xr[i]) + to_float(rr[i]));
+            h[i] = to_float(out[i]);
+          }
+        } else {
+          for (int64_t i = 0; i < N; ++i) h[i] = to_float(xr[i]);
+        }
+        const float inv = 1.f / std::sqrt(dot(h.data(), h.data(), N) / float(N) + float(eps));
+        scalar_t* out = np + t * N;
+        for (int64_t i = 0; i < N; ++i) out[i] = scalar_t(to_float(wp[i]) * rounded<scalar_t>(h[i] * inv));
+      }
+    });
+  });
+  return {normed, summed};
+}
+
+// [T, 2n] (gate then up) -> silu(gate) * up [T, n]
+at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
+  TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.size(1) % 2 == 0, "silu_and_mul: expected [T, 2n]");
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t T = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, n}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T * n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / n, c = i % n;
+        const float g = to_float(gp[t * 2 * n + c]), u = to_float(gp[t * 2 * n + n + c]);
+        op[i] = scalar_t(rounded<scalar_t>(g / (1.f + std::exp(-g))) * u);
+      }
+    });
+  });
+  return out;
+}
+
+// Rotates the q and k heads of qkv [T, (H + 2 KV) * D] in place by each row's position (the
+// half-split layout; cos and sin rounded to the dtype first, as the torch path does) and writes
+// each row's k and v heads to its slot of the caches [slots, KV, D].
+void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
+                int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_write: qkv must be [T, width] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == qkv.scalar_type() &&
+                  v_cache.scalar_type() == qkv.scalar_type(),
+              "rope_write: the caches must be contiguous [slots, KV, D] in qkv's dtype");
+  const int64_t T = qkv.size(0), D = k_cache.size(2), half = D / 2;
+  TORCH_CHECK(k_cache.size(1) == num_kv_heads && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
+              "rope_write: qkv's width is not (heads + 2 kv heads) * head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.size(0) == T &&
+                  slots.size(0) == T && positions.is_contiguous() && slots.is_contiguous(),
+              "rope_write: positions and slots must be int64 [T]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.size(1) == D,
+              "rope_write: the cos / sin tables must be float32 [max_positions, head_dim]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t max_pos = cos_table.size(0), num_slots = k_cache.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos && slot[t] >= 0 && slot[t] < num_slots, "rope_write: row ", t,
+                " has position ", pos[t], " (table of ", max_pos, ") and slot ", slot[t], " (cache of ", num_slots,
+                ")");
+  const float* ct = cos_table.data_ptr<float>();
+  const float* st = sin_table.data_ptr<float>();
+  const int64_t rotated = num_heads + num_kv_heads, row_stride = qkv.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> x(D);
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* row = base + t * row_stride;
+        const float* c = ct + pos[t] * D;
+        const float* s = st + pos[t] * D;
+        for (int64_t h = 0; h < rotated; ++h) {
+          scalar_t* head = row + h * D;
+          for (int64_t d = 0; d < D; ++d) x[d] = to_float(head[d]);
+          for (int64_t d = 0; d < D; ++d) {
+            const float turned = d < half ? -x[d + half] : x[d - half];
+            const float a = rounded<scalar_t>(x[d] * rounded<scalar_t>(c[d]));
+            const float b = rounded<scalar_t>(turned * rounded<scalar_t>(s[d]));
+            head[d] = scalar_t(a + b);
+          }
+        }
+        scalar_t* kdst = kc + slot[t] * num_kv_heads * D;
+        scalar_t* vdst = vc + slot[t] * num_kv_heads * D;
+        std::copy(row + num_heads * D, row + rotated * D, kdst);
+        std::copy(row + rotated * D, row + (rotated + num_kv_heads) * D, vdst);
+      }
+    });
+  });
+}
+
+}  // namespace ferrum_cpu

@@ -1,0 +1,22 @@
+// The ops' schemas and CPU implementations, as torch.ops.ferrum_cpu.*
+#include <torch/library.h>
+
+#include "common.h"
+
+TORCH_LIBRARY(ferrum_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_starts, int block_size, float scale) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "rope_write(Tensor(a!) qkv, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor slots, int num_heads, int num_kv_heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
+  m.impl("paged_attention", &ferrum_cpu::paged_attention);
+  m.impl("rms_norm", &ferrum_cpu::rms_norm);
+  m.impl("silu_and_mul", &ferrum_cpu::silu_and_mul);
+  m.impl("rope_write", &ferrum_cpu::rope_write);
+}

@@ -1,0 +1,80 @@
+"""cpu_paged: attention over the paged KV cache through the CPU's C++ kernels (ferrum.kernels.cpu).
+
+Per layer, two calls: `rope_write` rotates q and k in place in the fused qkv projection's output and
+writes k and v to their cache slots; `paged_attention` reads each sequence's keys and values where
+they lie, block by block through its block table, for decodes and prefills alike (a prefill's
+queries see the cached tokens before them and their own, causally). Nothing is gathered or copied
+per step: a step's inputs are its new tokens' positions and slots, and per sequence its block table,
+context length and first query row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ferrum.backends.device import Device
+from ferrum.models.attention.layout import KVCache, KVCacheLayout
+from ferrum.models.attention.packed_step import PackedStep
+from ferrum.models.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ferrum.models.attention.layer import Attention
+
+
+@dataclass(frozen=True)
+class CpuAttentionBatch:
+    """One step's inputs to the CPU kernels."""
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: where each row's k and v are written
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32: tokens in the cache after this step's write
+    query_starts: torch.Tensor  # [S + 1] int32: each sequence's first row (the rows are packed by sequence)
+    rotary: RotaryEmbedding
+    block_size: int
+
+    def attend(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """qkv: [T, q_size + 2 kv_size] -> attention output [T, q_size]; writes k, v to the cache."""
+        heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        rows = qkv.shape[0]
+        if layer.q_norm is not None and layer.k_norm is not None:  # per-head norms before rope (Qwen3)
+            q = qkv[:, : layer.q_size].view(rows, heads, dim)
+            k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(rows, kv_heads, dim)
+            q.copy_(layer.q_norm.norm(q))
+            k.copy_(layer.k_norm.norm(k))
+        torch.ops.ferrum_cpu.rope_write(qkv, self.positions, self.rotary.cos_table, self.rotary.sin_table,
+                                        cache[0], cache[1], self.slot_mapping, heads, kv_heads)
+        out = torch.empty(rows, heads, dim, dtype=qkv.dtype)
+        torch.ops.ferrum_cpu.paged_attention(out, qkv[:, : layer.q_size].view(rows, heads, dim), cache[0], cache[1],
+                                             self.block_tables, self.seq_lens, self.query_starts, self.block_size,
+                                             dim**-0.5)
+        return out.view(rows, layer.q_size)
+
+
+class CpuPagedAttention:
+    name = "cpu_paged"
+
+    def __init__(self, device: Device, layout: KVCacheLayout) -> None:
+        self.device = device.torch_device
+        self.layout = layout
+
+    def step_inputs(self, step: PackedStep, rotary: RotaryEmbedding) -> CpuAttentionBatch:
+        seqs = step.sequences
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        lens = [s.past + s.length for s in seqs]
+        starts = [s.start for s in seqs] + [seqs[-1].start + seqs[-1].length]
+        return CpuAttentionBatch(
+            positions=torch.tensor(step.positions, dtype=torch.long),
+            slot_mapping=torch.tensor(step.slots, dtype=torch.long),
+            block_tables=torch.from_numpy(tables),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            query_starts=torch.tensor(starts, dtype=torch.int32),
+            rotary=rotary,
+            block_size=self.layout.block_size,
+        )

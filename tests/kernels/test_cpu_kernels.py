@@ -1,0 +1,135 @@
+"""The CPU's C++ kernels (ferrum.kernels.cpu) against the plain-PyTorch ops they replace: attention over
+the paged cache against SDPA over the gathered slots, the norm, silu * mul and rope against
+ferrum.models.layers' torch ops (the same roundings, so bf16 results agree exactly), and the build's
+cache."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ferrum.kernels.cpu.build import CpuKernelBuildError, compiler, load_cpu_kernels
+from ferrum.models.layers.ops import torch_ops
+from ferrum.models.layers.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the CPU kernels with")
+
+CACHE = Path("~/.cache/ferrum/kernels").expanduser()  # the engine's default: one build for the whole run
+
+
+@pytest.fixture(scope="module")
+def ops() -> object:
+    load_cpu_kernels(CACHE)
+    return torch.ops.ferrum_cpu
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: list[list[int]],
+                        lens: list[int], starts: list[int], block_size: int) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b, length in enumerate(lens):
+        rows = slice(starts[b], starts[b + 1])
+        n = starts[b + 1] - starts[b]
+        slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size for p in range(length)])
+        k, v = k_cache[slots].float().transpose(0, 1), v_cache[slots].float().transpose(0, 1)
+        mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+        o = F.scaled_dot_product_attention(q[rows].float().transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+# (queries, context) per sequence: decodes short and long (split over the keys), a chunk after cached
+# tokens, a whole prompt, a one-token prompt
+CASES = [(1, 37), (1, 1500), (20, 90), (33, 33), (1, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: the kernel's any-head_dim path
+def test_paged_attention_matches_sdpa_over_gathered_slots(ops: object, dtype: torch.dtype, head_dim: int) -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, block_size = 6, 2, 16
+    num_blocks = sum(-(-length // block_size) for _, length in CASES) + 3
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_blocks).tolist()  # blocks scattered through the cache
+    tables: list[list[int]] = []
+    lens: list[int] = []
+    starts = [0]
+    for n, length in CASES:
+        used = sum([len(t) for t in tables])
+        tables.append(order[used : used + -(-length // block_size)])
+        lens.append(length)
+        starts.append(starts[-1] + n)
+    table = torch.zeros(len(CASES), max(map(len, tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    qkv = torch.randn(starts[-1], (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # a strided view, as the layer passes it
+    out = torch.empty(q.shape, dtype=dtype)
+    ops.paged_attention(out, q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32),  # type: ignore[attr-defined]
+                        torch.tensor(starts, dtype=torch.int32), block_size, 1 / math.sqrt(head_dim))
+    expected = reference_attention(q, k_cache, v_cache, tables, lens, starts, block_size)
+    bound = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: the output's rounding (values ~1)
+    assert (out.float() - expected).abs().max().item() < bound
+
+
+def test_paged_attention_refuses_a_block_table_too_short(ops: object) -> None:
+    k_cache = torch.zeros(32, 1, 64)
+    q = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="block table of 1 blocks"):
+        ops.paged_attention(torch.empty_like(q), q, k_cache, k_cache,  # type: ignore[attr-defined]
+                            torch.zeros(1, 1, dtype=torch.int32), torch.tensor([17], dtype=torch.int32),
+                            torch.tensor([0, 1], dtype=torch.int32), 16, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_activation_match_the_torch_ops(ops: object, dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x, residual = torch.randn(5, 96, dtype=dtype) * 3, torch.randn(5, 96, dtype=dtype)
+    weight = torch.randn(96, dtype=dtype)
+    plain = torch_ops()
+    for res in (None, residual):
+        normed, summed = ops.rms_norm(x, weight, 1e-5, res)  # type: ignore[attr-defined]
+        want_normed, want_summed = plain.rms_norm(x, weight, 1e-5, res)
+        assert torch.equal(summed, want_summed)
+        torch.testing.assert_close(normed, want_normed, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+    gate_up = torch.randn(5, 2 * 80, dtype=dtype) * 4
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), plain.silu_and_mul(gate_up),  # type: ignore[attr-defined]
+                               rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_rotates_q_and_k_and_fills_the_slots(ops: object, dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    heads, kv_heads, dim, rows = 4, 2, 32, 3
+    positions = torch.tensor([0, 7, 300])
+    freqs = torch.outer(torch.arange(512, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    k_cache, v_cache = torch.zeros(10, kv_heads, dim, dtype=dtype), torch.zeros(10, kv_heads, dim, dtype=dtype)
+    slots = torch.tensor([4, 9, 0])
+    expected = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim),
+                            cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype))
+    v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim).clone()
+    ops.rope_write(qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)  # type: ignore[attr-defined]
+    rotated = qkv[:, : (heads + kv_heads) * dim].view(rows, -1, dim)
+    torch.testing.assert_close(rotated, expected, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+    assert torch.equal(k_cache[slots], rotated[:, heads:])
+    assert torch.equal(v_cache[slots], v)
+    with pytest.raises(RuntimeError, match="slot 10 \\(cache of 10\\)"):
+        ops.rope_write(qkv, positions, cos, sin, k_cache, v_cache, torch.tensor([1, 2, 10]),  # type: ignore[attr-defined]
+                       heads, kv_heads)
+
+
+def test_build_is_cached_and_a_failed_build_leaves_nothing(ops: object, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    library = load_cpu_kernels(CACHE)
+    assert library.is_file() and library.parent.parent == CACHE
+    assert load_cpu_kernels(CACHE) == library
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails at once
+    with pytest.raises(CpuKernelBuildError, match="false failed"):
+        load_cpu_kernels(tmp_path / "kernels")
+    assert not any(p.is_file() for p in (tmp_path / "kernels").rglob("*"))
