@@ -57,7 +57,7 @@ async def select_backend(
     else:
         backend = _pick_for_device(registry, requested_device, wanted)
         device = backend.resolve_device(requested_device)
-    if quantization is not None:
+    if quantization is not None and quantization != "auto":  # auto: the engine picks what the device runs
         _check_quantization(backend, device, quantization)
     try:
         await backend.initialize(device)

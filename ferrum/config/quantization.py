@@ -3,13 +3,15 @@
 
     quantization: int4               # a method alone, with its defaults
     quantization:
-      method: int4                   # int8 | int4 | fp8 (on load) | gptq | awq | compressed-tensors | gguf | none
+      method: int4                   # int8 | int4 | fp8 (on load) | gptq | awq | compressed-tensors | gguf
+                                     # | auto | none
       group_size: 128                # int4: inputs per scale (a power of two >= 16)
       symmetric: false               # int4: zero fixed at 0 when true (int8 and fp8 are always symmetric)
       skip: [lm_head]                # linear layers kept in the serving dtype (embeddings never quantized)
 
 A published format's name (vLLM's --quantization names) says what the checkpoint must already be; a
-checkpoint stored quantized is served in its own format without the setting.
+checkpoint stored quantized is served in its own format without the setting. `auto`, the server's
+default (ferrum.config.loader), lets the engine choose for its device (ferrum.engine.auto_quantization).
 `method: none` turns quantization off whatever the other keys say (`--quantization none` over a file
 that quantizes). Refused and unknown methods are named (ferrum.weights.quantization.scheme).
 """
@@ -20,11 +22,11 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from ferrum.weights.quantization.scheme import METHODS, PUBLISHED, QuantizationConfig, QuantizationConfigError
+from ferrum.weights.quantization.scheme import AUTO, METHODS, PUBLISHED, QuantizationConfig, QuantizationConfigError
 
 QUANTIZATION_KEYS: frozenset[str] = frozenset(f.name for f in fields(QuantizationConfig))
 OFF = "none"
-VALID_METHODS = ", ".join((*METHODS, *PUBLISHED, OFF))
+VALID_METHODS = ", ".join((*METHODS, *PUBLISHED, AUTO, OFF))
 
 
 def is_off(method: object) -> bool:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrum.backends.device import Device
+from ferrum.engine.auto_quantization import resolve_quantization
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.memory_plan import MemoryPlan, in_use_bytes, plan_gpu, plan_host
 from ferrum.engine.runner import ModelRunner
@@ -72,6 +73,9 @@ class ModelRank:
         self.model_config = model_config
         self.layout = KVCacheLayout.of(self.shard.rank_config(), dtype, config.block_size)
         self.cpu_kernels = device.kind == "cpu" and config.kernels.cpu and load_cpu_kernels(config.kernels)
+        self.quantization = resolve_quantization(config.quantization, device, model_config, self.cpu_kernels)
+        if self.quantization.reason and self.tp.rank == 0:
+            log.info("%s", self.quantization.reason)
         self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels)
         self._report = report
         plan = plan_host(device, self.layout, config) if not device.dedicated_memory else None
@@ -104,7 +108,8 @@ class ModelRank:
         try:
             return load_model(self.model_config, files.weights, self.device, self.dtype,
                               layer_ops(self.device, self.cpu_kernels), loader, progress, tp=self.tp,
-                              quantization=self.config.quantization)
+                              quantization=self.quantization.quantization, lm_head=self.quantization.lm_head,
+                              chosen=self.quantization.reason or None)
         finally:
             run_sync(loader.aclose())
 

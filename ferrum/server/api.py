@@ -510,6 +510,12 @@ class Server:
         if load is not None and load.published is not None:  # the checkpoint's own format
             quantization = ModelQuantization(method=load.published, group_size=None, symmetric=None, skip=[],
                                              checkpoint=load.quantization)
+        elif load is not None and load.chosen is not None:  # quantization auto: what it picked
+            quantization = model_quantization(load.on_load)
+        if load is not None and load.chosen is not None:
+            quantization = (quantization or ModelQuantization(method="none", group_size=None, symmetric=None,
+                                                              skip=[])).model_copy(
+                update={"lm_head": load.lm_head, "chosen": load.chosen})
         return ModelCard(
             id=self.model_name,
             created=self.created,
@@ -557,7 +563,7 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
 
 def model_quantization(config: QuantizationConfig | None) -> ModelQuantization | None:
     """The served model's quantization as /v1/models shows it (symmetric resolved to the method's own)."""
-    if config is None or config.published:  # a published format: the loaded checkpoint says (model_card)
+    if config is None or config.published or config.auto:  # the loaded checkpoint, or auto's pick, says (model_card)
         return None
     grouped = config.scheme.grouped
     return ModelQuantization(method=config.method, group_size=config.group_size if grouped else None,

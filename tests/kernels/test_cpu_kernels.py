@@ -133,3 +133,51 @@ def test_build_is_cached_and_a_failed_build_leaves_nothing(ops: object, tmp_path
     with pytest.raises(CpuKernelBuildError, match="false failed"):
         load_cpu_kernels(tmp_path / "kernels")
     assert not any(p.is_file() for p in (tmp_path / "kernels").rglob("*"))
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the GEMV kernels see it: int8 in blocks of 32 inputs, scale max|x| / 127."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0))
+    return (q * amax / 127).view(x.shape)
+
+
+@pytest.mark.parametrize(("method", "group", "param_dtype"), [
+    ("int4", 32, torch.bfloat16),  # bf16 scales and zeros are exact in float16: kept so
+    ("int4", 64, torch.float32),  # float32 scales: kept as float32
+    ("int8", 0, torch.float32),
+    ("int8", 64, torch.float32),
+])
+def test_gemv_is_exact_on_quantized_activations(ops: object, method: str, group: int,
+                                                param_dtype: torch.dtype) -> None:
+    """The CPU GEMV (QuantizedLinear's cpu_kernels method, repacked) equals the float product of the
+    dequantized weight with x quantized per 32 inputs (int4's minimum term with x's exact sums), for
+    batches of 1 to 11 rows (two chunks of 8) and a row count that is not a multiple of 8."""
+    from ferrum.models.layers.quantized_linear import CpuKernelsMethod, QuantizedLinear
+    from ferrum.weights.quantization.arith import dequantize, quantize
+    from ferrum.weights.quantization.scheme import QuantScheme
+
+    torch.manual_seed(3)
+    n, k = 37, 128
+    scheme = QuantScheme(method, group_size=group or 128, per_group=bool(group) and method == "int8",
+                         params=torch.float32 if method == "int4" and param_dtype == torch.float32 else None)
+    stored = quantize((torch.randn(n, k) * 0.05).to(param_dtype), scheme)
+    layer = QuantizedLinear(k, n, False, scheme, "cpu_kernels", torch.bfloat16)
+    assert isinstance(layer.method, CpuKernelsMethod)
+    for name, part in stored.parts.items():
+        getattr(layer, name).copy_(part)
+    weight = dequantize(layer.storage(), torch.float32)
+    layer.prepare()
+    if method == "int4":
+        assert layer.gemv_scale.dtype == (torch.float16 if param_dtype == torch.bfloat16 else torch.float32)
+    torch.testing.assert_close(layer.dequantized().float(), weight.to(torch.bfloat16).float(), rtol=0, atol=0)
+    for rows in (1, 3, 11):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        exact = quantized_activations(x) @ weight.t()
+        if method == "int4":  # w = q * scale + minimum: the minimum meets x's exact sums
+            minimum = (stored.parts["zero"].float() - 8 * stored.parts["scale"].float())
+            exact += (x.float() - quantized_activations(x)) @ minimum.repeat_interleave(group, 1).t()
+        got = layer(x).float()
+        assert got.shape == (rows, n)
+        assert ((got - exact).abs().max() / exact.abs().max()).item() < 8e-3  # the output's bf16 rounding

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -46,5 +47,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
                 int64_t num_kv_heads);
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
+                     bool zero_point, int64_t group);
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t group);
 
 }  // namespace ferrum_cpu

@@ -3,8 +3,81 @@
 // roundings to the activations' dtype after each step, so that both paths agree.
 
 #include "common.h"
+#include "simd.h"
+
+#include <type_traits>
 
 namespace ferrum_cpu {
+namespace {
+
+// the vector path: float32 or bfloat16 rows whose length is a multiple of 16
+template <typename T>
+constexpr bool vector_type = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+template <typename T>
+inline F16 rounded16(F16 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return round_bf16(v);
+  return v;
+}
+
+template <typename T>
+void rms_norm_row(const T* x, const T* res, const T* w, T* summed, T* normed, int64_t N, float eps, float* h) {
+  if constexpr (vector_type<T>) {
+    if (N % 16 == 0) {
+      F16 squares = zero16();
+      for (int64_t i = 0; i < N; i += 16) {
+        F16 v = load16(x + i);
+        if (res != nullptr) {
+          v = rounded16<T>(add16(v, load16(res + i)));
+          store16(summed + i, v);
+        }
+        store16(h + i, v);
+        squares = fma16(v, v, squares);
+      }
+      float total[16];
+      store16(total, squares);
+      float sum = 0.f;
+      for (float t : total) sum += t;
+      const F16 inv = splat(1.f / std::sqrt(sum / float(N) + eps));
+      for (int64_t i = 0; i < N; i += 16)
+        store16(normed + i, rounded16<T>(mul16(load16(w + i), rounded16<T>(mul16(load16(h + i), inv)))));
+      return;
+    }
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    if (res != nullptr) {
+      summed[i] = T(to_float(x[i]) + to_float(res[i]));
+      h[i] = to_float(summed[i]);
+    } else {
+      h[i] = to_float(x[i]);
+    }
+  }
+  const float inv = 1.f / std::sqrt(dot(h, h, N) / float(N) + eps);
+  for (int64_t i = 0; i < N; ++i) normed[i] = T(to_float(w[i]) * rounded<T>(h[i] * inv));
+}
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  int64_t i = 0;
+  if constexpr (vector_type<T>) {
+    for (; i + 16 <= n; i += 16) {
+      const F16 g = load16(gate + i);
+      const F16 e = exp16(mul16(g, splat(-1.f)));
+      float denominator[16], numerator[16];
+      store16(denominator, add16(e, splat(1.f)));
+      store16(numerator, g);
+      for (int j = 0; j < 16; ++j) numerator[j] /= denominator[j];
+      store16(out + i, rounded16<T>(mul16(rounded16<T>(load16(static_cast<const float*>(numerator))), load16(up + i))));
+    }
+  }
+  for (; i < n; ++i) {
+    const float g = to_float(gate[i]);
+    out[i] = T(rounded<T>(g / (1.f + std::exp(-g))) * to_float(up[i]));
+  }
+}
+
+}  // namespace
+
 
 // (x [+ residual]) -> (RMSNorm of it times weight, x [+ residual]); float32 statistics.
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps,
@@ -32,22 +105,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Te
     const bool add = residual.has_value();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> h(N);
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* xr = xp + t * N;
-        if (add) {
-          const scalar_t* rr = rp + t * N;
-          scalar_t* out = sp + t * N;
-          for (int64_t i = 0; i < N; ++i) {
-            out[i] = scalar_t(to_float(xr[i]) + to_float(rr[i]));
-            h[i] = to_float(out[i]);
-          }
-        } else {
-          for (int64_t i = 0; i < N; ++i) h[i] = to_float(xr[i]);
-        }
-        const float inv = 1.f / std::sqrt(dot(h.data(), h.data(), N) / float(N) + float(eps));
-        scalar_t* out = np + t * N;
-        for (int64_t i = 0; i < N; ++i) out[i] = scalar_t(to_float(wp[i]) * rounded<scalar_t>(h[i] * inv));
-      }
+      for (int64_t t = begin; t < end; ++t)
+        rms_norm_row(xp + t * N, add ? rp + t * N : nullptr, wp, sp + t * N, np + t * N, N, float(eps), h.data());
     });
   });
   return {normed, summed};
@@ -62,12 +121,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T * n, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t t = i / n, c = i % n;
-        const float g = to_float(gp[t * 2 * n + c]), u = to_float(gp[t * 2 * n + n + c]);
-        op[i] = scalar_t(rounded<scalar_t>(g / (1.f + std::exp(-g))) * u);
-      }
+    at::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) silu_mul_row(gp + t * 2 * n, gp + t * 2 * n + n, op + t * n, n);
     });
   });
   return out;

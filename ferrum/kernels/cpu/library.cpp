@@ -12,6 +12,8 @@ TORCH_LIBRARY(ferrum_cpu, m) {
   m.def(
       "rope_write(Tensor(a!) qkv, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slots, int num_heads, int num_kv_heads) -> ()");
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale, Tensor offset, bool zero_point, int group) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor packed, Tensor scale, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
@@ -19,4 +21,6 @@ TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
   m.impl("rms_norm", &ferrum_cpu::rms_norm);
   m.impl("silu_and_mul", &ferrum_cpu::silu_and_mul);
   m.impl("rope_write", &ferrum_cpu::rope_write);
+  m.impl("int4_gemv", &ferrum_cpu::int4_gemv);
+  m.impl("int8_gemv", &ferrum_cpu::int8_gemv);
 }

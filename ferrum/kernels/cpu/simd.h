@@ -41,6 +41,17 @@ inline F16 load16(const T* p) {
   for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
   return load16(static_cast<const float*>(f));
 }
+// each lane rounded to bfloat16's precision (to nearest, ties to even), still a float
+inline F16 round_bf16(F16 a) {
+  const __m512i bits = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return {_mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int(0xFFFF0000u))))};
+}
+inline void store16(c10::BFloat16* p, F16 a) {  // a's lanes already hold bfloat16 values
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(a).v), 16)));
+}
 // lane j: the sum of the lanes of a[j]
 inline F16 sum16(const F16* a) {
   __m512 x[8], y[4];
@@ -55,9 +66,9 @@ inline F16 sum16(const F16* a) {
   const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
   return {_mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD))};
 }
-// e^x lane by lane (x <= 0 here: scores minus their maximum), relative error about 2e-7
+// e^x lane by lane for x in [-103, 88] (clamped there), relative error about 2e-7
 inline F16 exp16(F16 a) {
-  const __m512 x = _mm512_max_ps(a.v, _mm512_set1_ps(-103.f));
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(a.v, _mm512_set1_ps(-103.f)), _mm512_set1_ps(88.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
@@ -110,6 +121,18 @@ inline F16 load16(const T* p) {
   for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
   return load16(static_cast<const float*>(f));
 }
+inline __m256 round_bf16x8(__m256 a) {
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+inline F16 round_bf16(F16 a) { return {round_bf16x8(a.lo), round_bf16x8(a.hi)}; }
+inline void store16(c10::BFloat16* p, F16 a) {
+  float f[16];
+  store16(f, round_bf16(a));
+  for (int i = 0; i < 16; ++i) p[i] = c10::BFloat16(f[i]);  // exact: f holds bfloat16 values
+}
 // the 8 lanes: the sums of a[0..7]'s lanes
 inline __m256 sum8(const __m256* a) {
   const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -122,7 +145,7 @@ inline F16 sum16(const F16* a) {
   return {sum8(s), sum8(s + 8)};
 }
 inline __m256 exp8(__m256 a) {
-  const __m256 x = _mm256_max_ps(a, _mm256_set1_ps(-87.f));
+  const __m256 x = _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
@@ -167,6 +190,13 @@ inline F16 add16(F16 a, F16 b) {
 inline F16 mul16(F16 a, F16 b) {
   for (int i = 0; i < 16; ++i) a.x[i] *= b.x[i];
   return a;
+}
+inline F16 round_bf16(F16 a) {
+  for (int i = 0; i < 16; ++i) a.x[i] = static_cast<float>(c10::BFloat16(a.x[i]));
+  return a;
+}
+inline void store16(c10::BFloat16* p, F16 a) {
+  for (int i = 0; i < 16; ++i) p[i] = c10::BFloat16(a.x[i]);
 }
 inline F16 sum16(const F16* a) {
   F16 r;

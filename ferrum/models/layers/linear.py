@@ -28,12 +28,15 @@ from ferrum.weights.quantization.scheme import QuantizationConfig, QuantizationC
 __all__ = ["LinearFactory", "check_skip", "gemv_weight", "quant_kernels"]
 
 
-def quant_kernels(device: Device) -> QuantKernels:
+def quant_kernels(device: Device, cpu_kernels: bool = False) -> QuantKernels:
     """How quantized layers compute on `device`: its Triton/CUDA kernels where Triton compiles for
-    it, torch's CPU ops on the CPU, dequantized weights elsewhere."""
+    it; on the CPU its C++ kernels where they are loaded (`cpu_kernels`), else torch's CPU ops;
+    dequantized weights elsewhere."""
     if device.triton:
         return "kernels"
-    return "cpu" if device.kind == "cpu" else "dequantize"
+    if device.kind == "cpu":
+        return "cpu_kernels" if cpu_kernels else "cpu"
+    return "dequantize"
 
 
 def _gather_vocab(tp: TensorParallel, vocab_size: int, logits: torch.Tensor) -> torch.Tensor:
@@ -56,7 +59,7 @@ class LinearFactory:
 
     @classmethod
     def for_device(cls, device: Device, dtype: torch.dtype, quantization: QuantizationConfig | None,
-                   published: PublishedLayers | None = None) -> LinearFactory:
+                   published: PublishedLayers | None = None, cpu_kernels: bool = False) -> LinearFactory:
         """A layer in fp8 (quantized on load or published) is a QuantizationConfigError where the device
         cannot run it (CUDA before compute capability 8.9)."""
         unsupported = None
@@ -66,8 +69,8 @@ class LinearFactory:
                            f"({device.description}) has {cc[0]}.{cc[1]}: use int8 or int4")
         if unsupported and quantization is not None and quantization.method == "fp8":
             raise QuantizationConfigError(unsupported)
-        return cls(quantization, dtype, quant_kernels(device), (device.compute_capability or (9, 0)) >= (9, 0),
-                   published, unsupported)
+        return cls(quantization, dtype, quant_kernels(device, cpu_kernels),
+                   (device.compute_capability or (9, 0)) >= (9, 0), published, unsupported)
 
     def scheme_for(self, path: str, in_features: int) -> QuantScheme | None:
         if self.published is not None:

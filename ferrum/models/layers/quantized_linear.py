@@ -2,6 +2,9 @@
 ways it computes, one `LinearMethod` per (kernels, method), chosen once when the layer is built:
 
     kernels     the device's Triton/CUDA kernels (ferrum.kernels.quant_matmul): any GPU batch
+    cpu_kernels the CPU's C++ kernels (ferrum.kernels.cpu): int4 and int8 as integer dot products with
+                x quantized to int8 in blocks of 32, the weight repacked once (prepare()); other
+                schemes as under `cpu`
     cpu         torch's CPU ops: int8 through _weight_int8pack_mm; int4 through
                 _weight_int4pack_mm_for_cpu after a one-time repack into its layout (prepare());
                 fp8 by dequantizing for each matmul (correct, slow)
@@ -29,11 +32,20 @@ from ferrum.weights.quantization.arith import dequantize, unpack_int4
 from ferrum.weights.quantization.scheme import QuantScheme
 from ferrum.weights.quantization.tensor import QuantizedTensor, part_layout
 
-QuantKernels: TypeAlias = Literal["kernels", "cpu", "dequantize"]
+QuantKernels: TypeAlias = Literal["kernels", "cpu_kernels", "cpu", "dequantize"]
 Combine: TypeAlias = Callable[[torch.Tensor], torch.Tensor]  # the product's collective (tensor parallelism)
 
 _INT4_CPU_ROWS = 16  # the CPU's int4 layout packs rows in blocks of 16 (64 per conversion chunk)
 _INT4_CPU_CHUNK = 4096  # rows repacked at a time: bounds the int32 temporary
+_GEMV_LANES = 8  # the CPU kernels' GEMV computes 8 output rows side by side
+
+
+def cpu_gemv_takes(scheme: QuantScheme, in_features: int) -> bool:
+    """The CPU kernels' GEMV runs int4 and int8 weights whose inputs and groups are whole 32-input blocks."""
+    if in_features % 32 or scheme.method not in ("int4", "int8"):
+        return False
+    grouped = scheme.method == "int4" or scheme.per_group
+    return not grouped or (scheme.group_size % 32 == 0 and in_features % scheme.group_size == 0)
 
 
 class LinearMethod:
@@ -117,17 +129,92 @@ class CpuInt4Method(LinearMethod):
         return self.matmul(layer, eye).t().contiguous()
 
 
-def linear_method(kernels: QuantKernels, scheme: QuantScheme, dtype: torch.dtype,
+class CpuKernelsMethod(LinearMethod):
+    """ferrum.kernels.cpu's integer products (int4_gemv, int8_gemv): x quantized to int8 in blocks of
+    32 inputs meets the weight as stored, 8 output rows side by side. prepare() repacks the storage
+    into the kernels' layout (the rows padded to a multiple of 8): int4's scales with its minimums
+    (zero - 8 scale) or zeros, in float16 where that keeps them exact, else float32; int8's bytes
+    offset by 128."""
+
+    def prepare(self, layer: QuantizedLinear) -> None:
+        n, k = layer.shape
+        rows = -(-n // _GEMV_LANES) * _GEMV_LANES
+        blocks = k // 32
+
+        def by_lanes(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/8, G, 8], padded
+            t = F.pad(t, (0, 0, 0, rows - n)) if rows != n else t
+            return t.reshape(rows // _GEMV_LANES, _GEMV_LANES, -1).transpose(1, 2).contiguous()
+
+        if layer.scheme.method == "int4":
+            values = F.pad(unpack_int4(layer.qweight), (0, 0, 0, rows - n)).view(-1, 8, blocks, 2, 4, 4)
+            packed = (values[:, :, :, 0] | (values[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+            packed = packed.reshape(-1, blocks, 4, 32).contiguous()
+            # w = q * scale + minimum, or (q - 8) * scale + zero: the first form whose values float16
+            # holds exactly (GGUF's Q4_1 stores float16 minimums; bf16 models' zeros), else float32
+            scale, zero = layer.scale.float(), layer.zero.float()
+            forms = [(scale, zero - 8 * scale, False), (scale, zero, True)]
+            exact = [f for f in forms if all(torch.equal(t.half().float(), t) for t in f[:2])]
+            scale, offset, zero_point = exact[0] if exact else forms[0]
+            params = torch.float16 if exact else torch.float32
+            layer.register_buffer("gemv_scale", by_lanes(scale).to(params))
+            layer.register_buffer("gemv_offset", by_lanes(offset).to(params))
+            layer.gemv_zero_point = zero_point
+            delattr(layer, "zero")
+        else:
+            biased = (layer.qweight.to(torch.int16) + 128).to(torch.uint8)
+            values = F.pad(biased, (0, 0, 0, rows - n)).view(-1, 8, blocks, 8, 4)
+            packed = values.permute(0, 2, 3, 1, 4).reshape(-1, blocks, 8, 32).contiguous()
+            scale = layer.scale.float()
+            layer.register_buffer("gemv_scale", by_lanes(scale if scale.dim() == 2 else scale[:, None]))
+        for name in ("qweight", "scale"):
+            delattr(layer, name)
+        layer.register_buffer("packed", packed)
+        layer.repacked = True
+
+    def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        if layer.scheme.method == "int4":
+            y: torch.Tensor = torch.ops.ferrum_cpu.int4_gemv(x, layer.packed, layer.gemv_scale, layer.gemv_offset,
+                                                             layer.gemv_zero_point, layer.scheme.group_size)
+        else:
+            y = torch.ops.ferrum_cpu.int8_gemv(x, layer.packed, layer.gemv_scale,
+                                               layer.scheme.group_size if layer.scheme.per_group else 0)
+        return y if y.shape[-1] == layer.out_features else y[..., : layer.out_features]
+
+    def dequantized(self, layer: QuantizedLinear) -> torch.Tensor:
+        if not layer.repacked:
+            return super().dequantized(layer)
+        n, k = layer.shape
+        row_groups, blocks = layer.packed.shape[:2]
+
+        def by_rows(t: torch.Tensor) -> torch.Tensor:  # [N/8, G, 8] -> [N, K] (each group's value repeated)
+            per_row = t.float().transpose(1, 2).reshape(row_groups * _GEMV_LANES, -1)[:n]
+            return per_row.repeat_interleave(k // per_row.shape[1], dim=1)
+
+        if layer.scheme.method == "int4":
+            packed = layer.packed.view(row_groups, blocks, 4, 8, 4).permute(0, 3, 1, 2, 4)  # [N/8, 8, B, 4, 4]
+            values = torch.stack([packed & 0xF, packed >> 4], dim=3).reshape(-1, k)[:n].float()
+            weight = (values - 8 * layer.gemv_zero_point) * by_rows(layer.gemv_scale) + by_rows(layer.gemv_offset)
+        else:
+            packed = layer.packed.view(row_groups, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4)
+            values = packed.reshape(-1, k)[:n].float() - 128
+            weight = values * by_rows(layer.gemv_scale)
+        return weight.to(layer.dtype)
+
+
+def linear_method(kernels: QuantKernels, scheme: QuantScheme, dtype: torch.dtype, in_features: int,
                   fp8_rowwise: bool = True) -> LinearMethod:
     """The CPU's int8 / int4 ops only where the activations are half precision: in float32 they ran
     the demo model 7x (int8) and 15x (int4) slower than dequantizing each weight per call
     (scripts/quant_cpu_bench.py, AMD EPYC Zen 4: 5.5 and 2.5 against 38 tokens/s)."""
     if kernels == "kernels":
         return KernelsMethod(fp8_rowwise)
+    if kernels == "cpu_kernels" and cpu_gemv_takes(scheme, in_features):
+        return CpuKernelsMethod()
     half = dtype in (torch.bfloat16, torch.float16)
-    if kernels == "cpu" and half and scheme.method == "int8" and not scheme.per_group:
+    cpu = kernels in ("cpu", "cpu_kernels")
+    if cpu and half and scheme.method == "int8" and not scheme.per_group:
         return CpuInt8Method()
-    if kernels == "cpu" and half and scheme.method == "int4":
+    if cpu and half and scheme.method == "int4":
         return CpuInt4Method()
     return DequantizeMethod()
 
@@ -144,6 +231,8 @@ class QuantizedLinear(nn.Module):
     scale_x: torch.Tensor
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
+    gemv_scale: torch.Tensor
+    gemv_offset: torch.Tensor
     input_order: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
@@ -155,8 +244,9 @@ class QuantizedLinear(nn.Module):
         for name, (shape, part_dtype) in part_layout(scheme, out_features, in_features, dtype).items():
             self.register_buffer(name, torch.empty(shape, dtype=part_dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.method = linear_method(kernels, scheme, dtype, fp8_rowwise)
+        self.method = linear_method(kernels, scheme, dtype, in_features, fp8_rowwise)
         self.repacked = False  # prepare() put the storage into the method's own layout
+        self.gemv_zero_point = False  # the CPU GEMV's int4 offsets are zeros (else minimums)
         self.register_buffer("input_order", None)
 
     def set_input_order(self, order: torch.Tensor | None) -> None:

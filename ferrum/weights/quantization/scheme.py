@@ -36,6 +36,7 @@ REFUSED_METHODS: dict[str, str] = {
 PUBLISHED: tuple[str, ...] = ("gptq", "awq", "compressed-tensors", "gguf")
 PUBLISHED_ALIASES: dict[str, str] = {
     "gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
+AUTO = "auto"  # the engine picks for the device (ferrum.engine.auto_quantization)
 DEFAULT_GROUP_SIZE = 128
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_SKIP: tuple[str, ...] = ("lm_head",)
@@ -68,13 +69,15 @@ def parse_quantization(name: object) -> str:
         key = name.strip().lower()
         if PUBLISHED_ALIASES.get(key, key) in PUBLISHED:
             return PUBLISHED_ALIASES.get(key, key)
+        if key == AUTO:
+            return AUTO
     try:
         return parse_method(name)
     except QuantizationConfigError as exc:
         if "unknown" in str(exc):
             raise QuantizationConfigError(
                 f"unknown quantization method {name!r}; valid: {', '.join(METHODS)} (quantized on load), "
-                f"{', '.join(PUBLISHED)} (the checkpoint's own)") from None
+                f"{', '.join(PUBLISHED)} (the checkpoint's own), {AUTO} (chosen for the device)") from None
         raise
 
 
@@ -163,7 +166,7 @@ class QuantizationConfig:
             raise QuantizationConfigError(
                 f"{self.method} is stored symmetric (one scale per output channel); symmetric: false is for int4"
             )
-        if not self.published:
+        if not self.published and not self.auto:
             self.scheme  # noqa: B018 - validates group_size
 
     @property
@@ -172,9 +175,16 @@ class QuantizationConfig:
         return self.method in PUBLISHED
 
     @property
+    def auto(self) -> bool:
+        """The engine chooses for its device once it has it (resolved before the model is built)."""
+        return self.method == AUTO
+
+    @property
     def scheme(self) -> QuantScheme:
         if self.published:
             raise QuantizationConfigError(f"{self.method} names a checkpoint format, not a scheme")
+        if self.auto:
+            raise QuantizationConfigError("quantization auto is resolved for the device before a scheme is asked for")
         return QuantScheme(cast(QuantMethod, self.method), self.group_size, bool(self.symmetric))
 
     def scheme_for(self, layer: str) -> QuantScheme | None:
@@ -186,7 +196,7 @@ class QuantizationConfig:
         return self.scheme
 
     def describe(self) -> str:
-        if self.published:
+        if self.published or self.auto:
             return self.method
         skipped = f", {', '.join(self.skip)} unquantized" if self.skip else ""
         return self.scheme.describe() + skipped

@@ -1,0 +1,310 @@
+// Products of activation rows with int4 or int8 weights on the CPU, as integer dot products.
+//
+// Each row of x is quantized to int8 in blocks of 32 inputs (a float scale per block; its exact
+// float sum per weight group, and its integer sum per block). The weights are repacked once
+// (ferrum.models.layers.quantized_linear.CpuKernelsMethod) so that 8 output rows sit side by side:
+// one 32-byte load holds 4 consecutive inputs of each of 8 rows, and one vpdpbusd (AVX512-VNNI or
+// AVX-VNNI; maddubs + madd on plain AVX2) adds their products with the same 4 inputs of x, broadcast,
+// into 8 lanes: one per row. Nothing is summed across lanes.
+//
+//   int4: packed uint8 [N/8, K/32, 4, 32]: for block b and c in 0..3, byte 4 * row + j holds input
+//         32 b + 4 c + j of the row in its low nibble and input 32 b + 4 (c + 4) + j in its high one;
+//         scale and offset [N/8, K/g, 8] (float32 or float16): w = q * scale + offset, or with
+//         `zero_point`, w = (q - 8) * scale + offset (whichever form the stored values are exact in).
+//   int8: packed uint8 [N/8, K/32, 8, 32]: byte 4 * row + j of chunk c is input 32 b + 4 c + j plus
+//         128; scale float32 [N/8, 8] (a row's) or [N/8, K/g, 8] (a group's): w = (byte - 128) * scale.
+
+#include "common.h"
+
+#include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace ferrum_cpu {
+namespace {
+
+constexpr int64_t QBLOCK = 32;
+constexpr int64_t LANES = 8;     // output rows side by side
+constexpr int64_t MAX_ROWS = 8;  // activation rows a weight block is unpacked once for
+
+struct QuantizedX {
+  int64_t rows, K;
+  std::vector<int8_t> q;         // [rows, K]
+  std::vector<float> scale;      // [rows, K / 32]
+  std::vector<int32_t> q_sum;    // [rows, K / 32]: sum of the block's int8 values
+  std::vector<float> group_sum;  // [rows, K / group]: exact float sums of x
+};
+
+template <typename T>
+QuantizedX quantize_x(const T* x, int64_t rows, int64_t K, int64_t group) {
+  const int64_t blocks = K / QBLOCK, groups = group ? K / group : 1, per_group = group ? group / QBLOCK : blocks;
+  QuantizedX out{rows, K, std::vector<int8_t>(rows * K), std::vector<float>(rows * blocks),
+                 std::vector<int32_t>(rows * blocks), std::vector<float>(rows * groups, 0.f)};
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      float v[QBLOCK];
+      float amax = 0.f, total = 0.f;
+      for (int64_t i = 0; i < QBLOCK; ++i) {
+        v[i] = to_float(x[t * K + b * QBLOCK + i]);
+        amax = std::max(amax, std::fabs(v[i]));
+        total += v[i];
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* q = out.q.data() + t * K + b * QBLOCK;
+      int32_t q_total = 0;
+      for (int64_t i = 0; i < QBLOCK; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        q_total += q[i];
+      }
+      out.scale[t * blocks + b] = amax / 127.f;
+      out.q_sum[t * blocks + b] = q_total;
+      out.group_sum[t * groups + b / per_group] += total;
+    }
+  }
+  return out;
+}
+
+#if defined(__AVX2__)
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(f);
+#endif
+}
+#endif
+
+template <typename P>
+inline float param(const P* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+// row groups [g0, g1) of y [R, N] (float32) for R activation rows
+template <typename P, int R>
+void int4_groups(const QuantizedX& xq, const uint8_t* packed, const P* scale, const P* minimum, bool zero_point,
+                 int64_t group, float* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t K = xq.K, blocks = K / QBLOCK, groups = K / group, per_group = group / QBLOCK;
+  for (int64_t rg = g0; rg < g1; ++rg) {
+    const uint8_t* wp = packed + rg * blocks * 4 * 32;
+    const P* sp = scale + rg * groups * LANES;
+    const P* mp = minimum + rg * groups * LANES;
+#if defined(__AVX2__)
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 s = load8(sp + g * LANES);
+      __m256 m = load8(mp + g * LANES);
+      if (zero_point) m = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, m);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.group_sum[r * groups + g]), acc[r]);
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+        __m256i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (b * 4 + c) * 32));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = xq.q.data() + r * K + b * QBLOCK;
+            dot[r] = dot_u8s8(dot[r], lo, broadcast4(a + 4 * c));
+            dot[r] = dot_u8s8(dot[r], hi, broadcast4(a + 4 * (c + 4)));
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
+                                   _mm256_mul_ps(s, _mm256_set1_ps(xq.scale[r * blocks + b])), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + rg * LANES, acc[r]);
+#else
+    for (int64_t lane = 0; lane < LANES; ++lane) {
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = xq.q.data() + r * K;
+        float total = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t g = b / per_group;
+          if (b % per_group == 0) {
+            const float m = param(mp, g * LANES + lane) - (zero_point ? 8.f * param(sp, g * LANES + lane) : 0.f);
+            total += m * xq.group_sum[r * groups + g];
+          }
+          int32_t dot = 0;
+          for (int64_t c = 0; c < 4; ++c)
+            for (int64_t j = 0; j < 4; ++j) {
+              const uint8_t byte = wp[(b * 4 + c) * 32 + lane * 4 + j];
+              dot += (byte & 0xF) * a[b * QBLOCK + 4 * c + j] + (byte >> 4) * a[b * QBLOCK + 4 * (c + 4) + j];
+            }
+          total += param(sp, g * LANES + lane) * xq.scale[r * blocks + b] * float(dot);
+        }
+        y[r * N + rg * LANES + lane] = total;
+      }
+    }
+#endif
+  }
+}
+
+template <int R>
+void int8_groups(const QuantizedX& xq, const uint8_t* packed, const float* scale, int64_t group, float* y, int64_t N,
+                 int64_t g0, int64_t g1) {
+  const int64_t K = xq.K, blocks = K / QBLOCK, groups = group ? K / group : 1;
+  const int64_t per_group = group ? group / QBLOCK : blocks;
+  for (int64_t rg = g0; rg < g1; ++rg) {
+    const uint8_t* wp = packed + rg * blocks * 8 * 32;
+    const float* sp = scale + rg * groups * LANES;
+#if defined(__AVX2__)
+    __m256 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+        __m256i dot[R];
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_set1_epi32(-128 * xq.q_sum[r * blocks + b]);
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (b * 8 + c) * 32));
+          for (int r = 0; r < R; ++r) dot[r] = dot_u8s8(dot[r], v, broadcast4(xq.q.data() + r * K + b * QBLOCK + 4 * c));
+        }
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(xq.scale[r * blocks + b]), acc[r]);
+      }
+      const __m256 s = load8(sp + g * LANES);
+      for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(acc[r], s, total[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + rg * LANES, total[r]);
+#else
+    for (int64_t lane = 0; lane < LANES; ++lane) {
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = xq.q.data() + r * K;
+        float total = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          int32_t dot = 0;
+          for (int64_t c = 0; c < 8; ++c)
+            for (int64_t j = 0; j < 4; ++j)
+              dot += (int32_t(wp[(b * 8 + c) * 32 + lane * 4 + j]) - 128) * a[b * QBLOCK + 4 * c + j];
+          total += sp[(b / per_group) * LANES + lane] * xq.scale[r * blocks + b] * float(dot);
+        }
+        y[r * N + rg * LANES + lane] = total;
+      }
+    }
+#endif
+  }
+}
+
+template <typename Fn>
+void over_row_groups(int64_t row_groups, int64_t K, Fn fn) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, row_groups, grain, fn);
+}
+
+// y [T, N] in x's dtype, computed MAX_ROWS rows of x at a time: fn(xq, float_out) fills float rows,
+// which are then rounded into y (float32 x: written in place)
+template <typename Fn>
+at::Tensor by_row_chunks(const at::Tensor& x_in, int64_t K, int64_t N, int64_t group, Fn fn) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [T, ", K, "]");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  std::vector<float> scratch(x.scalar_type() == at::kFloat ? 0 : MAX_ROWS * N);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_gemv", [&] {
+    for (int64_t t0 = 0; t0 < x.size(0); t0 += MAX_ROWS) {
+      const int64_t rows = std::min(MAX_ROWS, x.size(0) - t0);
+      const QuantizedX xq = quantize_x(x.data_ptr<scalar_t>() + t0 * K, rows, K, group);
+      scalar_t* out = y.data_ptr<scalar_t>() + t0 * N;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        fn(xq, out);
+      } else {
+        fn(xq, scratch.data());
+        for (int64_t i = 0; i < rows * N; ++i) out[i] = scalar_t(scratch[i]);
+      }
+    }
+  });
+  return y;
+}
+
+#define FERRUM_BY_ROWS(rows, CALL) \
+  switch (rows) {                  \
+    case 1: CALL(1); break;        \
+    case 2: CALL(2); break;        \
+    case 3: CALL(3); break;        \
+    case 4: CALL(4); break;        \
+    case 5: CALL(5); break;        \
+    case 6: CALL(6); break;        \
+    case 7: CALL(7); break;        \
+    default: CALL(8); break;       \
+  }
+
+}  // namespace
+
+// x [T, K] -> x @ W^T [T, N] in x's dtype; N = 8 * packed.size(0)
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& minimum,
+                     bool zero_point, int64_t group) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 4 && packed.size(3) == 32 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous(),
+              "int4_gemv: packed must be uint8 [N/8, K/32, 4, 32]");
+  const int64_t row_groups = packed.size(0), K = packed.size(1) * QBLOCK, N = row_groups * LANES;
+  TORCH_CHECK(group % QBLOCK == 0 && group > 0 && K % group == 0, "int4_gemv: group ", group,
+              " must be a multiple of 32 dividing ", K);
+  TORCH_CHECK(scale.is_contiguous() && minimum.is_contiguous() && scale.scalar_type() == minimum.scalar_type() &&
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) &&
+                  scale.numel() == N * (K / group) && minimum.numel() == N * (K / group),
+              "int4_gemv: scale and offset must be contiguous float32 or float16 [N/8, K/g, 8]");
+  return by_row_chunks(x, K, N, group, [&](const QuantizedX& xq, float* out) {
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    over_row_groups(row_groups, K, [&](int64_t g0, int64_t g1) {
+      if (scale.scalar_type() == at::kFloat) {
+        const float* s = scale.data_ptr<float>();
+        const float* m = minimum.data_ptr<float>();
+#define FERRUM_CALL(R) int4_groups<float, R>(xq, w, s, m, zero_point, group, out, N, g0, g1)
+        FERRUM_BY_ROWS(xq.rows, FERRUM_CALL)
+#undef FERRUM_CALL
+      } else {
+        const c10::Half* s = scale.data_ptr<c10::Half>();
+        const c10::Half* m = minimum.data_ptr<c10::Half>();
+#define FERRUM_CALL(R) int4_groups<c10::Half, R>(xq, w, s, m, zero_point, group, out, N, g0, g1)
+        FERRUM_BY_ROWS(xq.rows, FERRUM_CALL)
+#undef FERRUM_CALL
+      }
+    });
+  });
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t group) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 8 && packed.size(3) == 32 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous(),
+              "int8_gemv: packed must be uint8 [N/8, K/32, 8, 32]");
+  const int64_t row_groups = packed.size(0), K = packed.size(1) * QBLOCK, N = row_groups * LANES;
+  TORCH_CHECK(group == 0 || (group % QBLOCK == 0 && K % group == 0), "int8_gemv: group ", group,
+              " must be 0 or a multiple of 32 dividing ", K);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == (group ? N * (K / group) : N),
+              "int8_gemv: scale must be float32 [N/8, 8] or [N/8, K/g, 8]");
+  return by_row_chunks(x, K, N, group, [&](const QuantizedX& xq, float* out) {
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    const float* s = scale.data_ptr<float>();
+    over_row_groups(row_groups, K, [&](int64_t g0, int64_t g1) {
+#define FERRUM_CALL(R) int8_groups<R>(xq, w, s, group, out, N, g0, g1)
+      FERRUM_BY_ROWS(xq.rows, FERRUM_CALL)
+#undef FERRUM_CALL
+    });
+  });
+}
+
+}  // namespace ferrum_cpu
