@@ -90,7 +90,9 @@ class ServerConfig:
         return self.server.logging.level
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig.from_mapping(self.engine)
+        """The engine section; a server whose quantization is not set gets `auto` (the engine picks
+        per device: ferrum.engine.auto_quantization), where the library's EngineConfig serves as stored."""
+        return EngineConfig.from_mapping({"quantization": {"method": AUTO}, **self.engine})
 
 
 # -- the keys of each section --------------------------------------------------------------------------
@@ -311,10 +313,9 @@ def load_config(
 
     engine = dict(raw.pop("engine", {}))
     engine_process = engine_process_mode(engine.pop("engine_process", "auto"))
-    quantization_section: dict[str, Any] = dict(raw.pop("quantization", None) or {})
-    quantization_section.setdefault("method", AUTO)  # the server's default: the fastest within the bounds, per device
-    quantization = _quantization(quantization_section)
-    if quantization is not None:
+    section = raw.pop("quantization", {})
+    quantization = _quantization(section)
+    if quantization is not None or "method" in section:  # `none` kept: it turns the server's default auto off
         engine["quantization"] = quantization
     if not raw.get("model"):
         raise ConfigError("no model given: set `model:` in the config file, FERRUM_MODEL, or pass --model PATH")
