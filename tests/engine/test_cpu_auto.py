@@ -50,6 +50,6 @@ def test_auto_on_the_cpu_keeps_the_demo_models_quality() -> None:
     auto_ppl, auto_picks, chosen = scored("auto")
     assert plain_chosen == "" and "int4 (groups of 32" in chosen and "LM head int8" in chosen
     agreement = sum(a == b for a, b in zip(auto_picks, plain_picks, strict=True)) / len(plain_picks)
-    print(f"perplexity {plain_ppl:.4f} -> {auto_ppl:.4f} ({auto_ppl / plain_ppl:.4f}x), top-1 agreement {agreement:.3f}")
+    print(f"perplexity {plain_ppl:.4f} -> {auto_ppl:.4f} ({auto_ppl / plain_ppl:.4f}x), top-1 {agreement:.3f}")
     assert auto_ppl / plain_ppl <= 1.03
     assert agreement >= 0.90
