@@ -51,6 +51,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     p.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float)
+    p.add_argument("--threads", dest="threads", type=int,
+                   help="CPU: compute threads (default: the cores the process may use, cgroup quota included)")
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float,
                    help="share of GPU memory for weights, activations and KV cache (default 0.9)")
     p.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True,

@@ -128,12 +128,20 @@ def process_resident_bytes(statm_path: Path = STATM_PATH) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kibibytes on Linux
 
 
-def usable_core_count() -> int:
-    """Cores this process may run on (its affinity mask), not all cores of the machine."""
+def usable_core_count(cgroup_dir: Path = CGROUP_DIR) -> int:
+    """Cores this process may run on: its affinity mask, lowered to a cgroup v2 CPU quota (cpu.max
+    "quota period", rounded up) where one is set; not all cores of the machine."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = (cgroup_dir / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def read_cpu_flags(path: Path = CPUINFO_PATH) -> frozenset[str]:

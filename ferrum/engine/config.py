@@ -35,7 +35,9 @@ class EngineConfig:
     num_scheduler_steps: int = 16
     # ranks the model is split across (tensor parallelism): one process and device per rank
     tensor_parallel_size: int = 1
-    kernels: KernelConfig = field(default_factory=KernelConfig)  # GPUs: the Triton kernels' settings
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # the Triton kernels' and the CPU kernels' settings
+    # CPU: torch's compute threads (None: the cores the process may use, its affinity and cgroup quota counted)
+    threads: int | None = None
     # the linear layers' weights quantized as they load (None: served in the dtype)
     quantization: QuantizationConfig | None = None
 
@@ -43,7 +45,7 @@ class EngineConfig:
         if self.dtype != "auto":
             serving_dtype(self.dtype)  # ValueError naming the valid ones
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

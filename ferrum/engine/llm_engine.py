@@ -85,6 +85,10 @@ class LLMEngine:
         config = config.for_device(device)
         self.config = config
         self.device = device
+        if device.kind == "cpu" and config.threads is not None and config.tensor_parallel_size == 1:
+            torch.set_num_threads(config.threads)
+        if device.kind == "cpu":
+            log.info("CPU compute threads: %d (of %d usable cores)", torch.get_num_threads(), device.threads)
         model_config = load_model_config(files.folder)  # first: names an unsupported architecture early
         self.model_config = model_config
         self.tokenizer = tokenizer or Tokenizer.from_folder(files.folder)

@@ -31,7 +31,8 @@ class TorchModelRunner:
         self.device = device.torch_device
         self.layout = layout
         self.attention = attention
-        self.kv_caches = layout.allocate(num_blocks, self.device)
+        # cpu_paged reads only the slots of positions already written: its cache is never zeroed
+        self.kv_caches = layout.allocate(num_blocks, self.device, zeroed=not isinstance(attention, CpuPagedAttention))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:

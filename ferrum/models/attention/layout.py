@@ -64,11 +64,12 @@ class KVCacheLayout:
         size = self.block_size
         return [block_table[p // size] * size + p % size for p in range(start, end)]
 
-    def allocate(self, num_blocks: int, device: torch.device) -> list[KVCache]:
-        """Zeroed k and v tensors of `num_blocks` blocks for every layer."""
+    def allocate(self, num_blocks: int, device: torch.device, zeroed: bool = True) -> list[KVCache]:
+        """k and v tensors of `num_blocks` blocks for every layer: zeroed, or left as allocated for a
+        backend that never reads a slot before writing it (on the host its pages are then only
+        backed as they are first written)."""
         slots = num_blocks * self.block_size
         shape = (slots, self.num_kv_heads, self.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
-            for _ in range(self.num_layers)
-        ]
+        make = torch.zeros if zeroed else torch.empty
+        return [(make(shape, dtype=self.dtype, device=device), make(shape, dtype=self.dtype, device=device))
+                for _ in range(self.num_layers)]
