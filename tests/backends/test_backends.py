@@ -632,6 +632,14 @@ def test_cgroup_limit_lowers_memory(tmp_path: Path) -> None:
     assert cpu_module.apply_cgroup_limit(machine, tmp_path / "absent") == machine
 
 
+def test_cgroup_cpu_quota_lowers_the_usable_cores(tmp_path: Path) -> None:
+    affinity = cpu_module.usable_core_count(tmp_path / "absent")
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: 2 threads can use them
+    assert cpu_module.usable_core_count(tmp_path) == min(affinity, 2)
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_module.usable_core_count(tmp_path) == affinity
+
+
 async def test_cpu_backend_lifecycle(restore_torch_threads: None) -> None:
     backend = CPUBackend()
     before = backend.status()
