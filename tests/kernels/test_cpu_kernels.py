@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ferrum.kernels.cpu.build import CpuKernelBuildError, compiler, load_cpu_kernels
 from ferrum.models.layers.ops import torch_ops
 from ferrum.models.layers.rotary import apply_rotary
+from ferrum.weights.quantization.scheme import QuantMethod
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the CPU kernels with")
 
@@ -149,7 +150,7 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     ("int8", 0, torch.float32),
     ("int8", 64, torch.float32),
 ])
-def test_gemv_is_exact_on_quantized_activations(ops: object, method: str, group: int,
+def test_gemv_is_exact_on_quantized_activations(ops: object, method: QuantMethod, group: int,
                                                 param_dtype: torch.dtype) -> None:
     """The CPU GEMV (QuantizedLinear's cpu_kernels method, repacked) equals the float product of the
     dequantized weight with x quantized per 32 inputs (int4's minimum term with x's exact sums), for
