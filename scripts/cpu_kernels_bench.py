@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""The CPU kernels (ferrum.kernels.cpu) against what they replaced, in one run on this machine:
+
+  gemv       QuantizedLinear's cpu_kernels method (the integer GEMV) against the `cpu` method (torch's
+             _weight_int4pack_mm_for_cpu / _weight_int8pack_mm) and a oneDNN-prepacked bf16 linear,
+             at the demo model's shapes, 30 copies of each weight so that they stream from memory as a
+             model's layers do; 1, 8 and 64 rows
+  attention  one decode query over the paged cache at 50, 2,000 and 6,000 tokens of context
+             (ferrum_cpu.paged_attention against torch_paged's gather + SDPA)
+  engine     the demo model's decode step in process (LLMEngine.step, one sequence, greedy) at 50 and
+             2,000 tokens of context: plain PyTorch (engine.kernels.cpu false) against the kernels, bf16
+             weights against quantization auto, 2 threads against 1
+
+    python scripts/cpu_kernels_bench.py [--model models/SmolLM2-135M-Instruct] [--gguf ...Q4_1.gguf]
+
+Not a test. Prints the CPU model and its SIMD flags first, then one table per part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ferrum.engine.builder import create_engine  # noqa: E402
+from ferrum.engine.sampling_params import SamplingParams  # noqa: E402
+from ferrum.kernels.cpu.build import load_cpu_kernels  # noqa: E402
+from ferrum.models.layers.quantized_linear import QuantizedLinear  # noqa: E402
+from ferrum.weights.quantization.arith import quantize  # noqa: E402
+from ferrum.weights.quantization.scheme import QuantScheme  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # the demo model's, LM head last
+
+
+def cpu_header() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))]
+    return f"CPU: {model}, {torch.get_num_threads()} threads; SIMD: {' '.join(simd)}; torch {torch.__version__}"
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def run_layers(layers: list[QuantizedLinear], x: torch.Tensor) -> None:
+    for layer in layers:
+        layer(x)
+
+
+def run_dense(packed: list[torch.Tensor], x: torch.Tensor) -> None:
+    for weight in packed:
+        torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """torch_paged's decode: the context's k and v gathered by slot, then SDPA."""
+    kd = k_cache.index_select(0, slots).transpose(0, 1)[None]
+    vd = v_cache.index_select(0, slots).transpose(0, 1)[None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], kd, vd, enable_gqa=True)
+
+
+def gemv_table() -> None:
+    print("\n| weight | scheme | rows | cpu_kernels us | torch us | bf16 oneDNN us | torch / ours |")
+    print("|---|---|---|---|---|---|---|")
+    torch.manual_seed(0)
+    for n, k in SHAPES:
+        copies = 30 if n < 10000 else 2
+        weight = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(weight.clone(), 8) for _ in range(copies)]
+        for scheme in (QuantScheme("int4", group_size=32), QuantScheme("int8")):
+            stored = quantize(weight, scheme)
+            layers: dict[str, list[QuantizedLinear]] = {}
+            for kernels in ("cpu_kernels", "cpu"):
+                layers[kernels] = []
+                for _ in range(copies):
+                    layer = QuantizedLinear(k, n, False, scheme, kernels, torch.bfloat16)  # type: ignore[arg-type]
+                    for name, part in stored.parts.items():
+                        getattr(layer, name).copy_(part)
+                    layer.prepare()
+                    layers[kernels].append(layer)
+            for rows in (1, 8, 64):
+                x = torch.randn(rows, k).to(torch.bfloat16)
+                ours = timed(partial(run_layers, layers["cpu_kernels"], x), 20) / copies
+                theirs = timed(partial(run_layers, layers["cpu"], x), 20) / copies
+                dense = timed(partial(run_dense, packed, x), 20) / copies
+                print(f"| {n}x{k} | {scheme.describe()} | {rows} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | "
+                      f"{dense * 1e6:.1f} | {theirs / ours:.2f} |")
+
+
+def attention_table() -> None:
+    print("\n| context | ferrum_cpu.paged_attention us | gather + SDPA us | ratio |")
+    print("|---|---|---|---|")
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    blocks = 400
+    k_cache = torch.randn(blocks * block, kv_heads, dim).to(torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(blocks)
+    for context in (50, 2000, 6000):
+        table = order[: -(-context // block)].to(torch.int32)[None]
+        q = torch.randn(1, heads, dim).to(torch.bfloat16)
+        out = torch.empty_like(q)
+        args = (out, q, k_cache, v_cache, table, torch.tensor([context], dtype=torch.int32),
+                torch.tensor([0, 1], dtype=torch.int32), block, dim**-0.5)
+        ours = timed(partial(torch.ops.ferrum_cpu.paged_attention, *args), 50)
+        slots = (table[0].long()[:, None] * block + torch.arange(block)).reshape(-1)[:context]
+        theirs = timed(partial(gathered, k_cache, v_cache, q, slots), 50)
+        print(f"| {context} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | {theirs / ours:.1f} |")
+
+
+def decode_ms(model: str, context: int, **settings: Any) -> float:
+    engine = create_engine(model, backend="cpu", max_model_len=4096, kv_cache_memory_gb=0.25, **settings)
+    try:
+        prompt = [(i * 7919) % 40000 + 100 for i in range(context)]
+        engine.add_request("r", prompt, SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True))
+        steps = []
+        while engine.has_work:
+            start = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+        return sorted(steps[-32:])[16] * 1e3
+    finally:
+        engine.release()
+
+
+def engine_table(model: str, gguf: str | None) -> None:
+    print("\n| model | setting | threads | decode ms @50 | decode ms @2000 |")
+    print("|---|---|---|---|---|")
+    runs: list[tuple[str, str, dict[str, Any]]] = [
+        (model, "plain PyTorch, bf16", {"kernels": {"cpu": False}}),
+        (model, "kernels, bf16", {}),
+        (model, "kernels, quantization auto", {"quantization": {"method": "auto"}}),
+    ]
+    if gguf:
+        runs += [(gguf, "plain PyTorch", {"kernels": {"cpu": False}}),
+                 (gguf, "kernels, quantization auto", {"quantization": {"method": "auto"}})]
+    for path, label, settings in runs:
+        for threads in (2, 1):
+            cells = [decode_ms(path, context, threads=threads, **settings) for context in (50, 2000)]
+            print(f"| {Path(path).name} | {label} | {threads} | {cells[0]:.2f} | {cells[1]:.2f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--gguf", default=str(ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    parser.add_argument("--parts", default="gemv,attention,engine")
+    args = parser.parse_args()
+    load_cpu_kernels(Path("~/.cache/ferrum/kernels").expanduser())
+    torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
+    print(cpu_header())
+    parts = args.parts.split(",")
+    if "gemv" in parts:
+        gemv_table()
+    if "attention" in parts:
+        attention_table()
+    if "engine" in parts:
+        engine_table(args.model, args.gguf if Path(args.gguf).is_file() else None)
+
+
+if __name__ == "__main__":
+    main()
