@@ -182,3 +182,6 @@ def test_gemv_is_exact_on_quantized_activations(ops: object, method: QuantMethod
         got = layer(x).float()
         assert got.shape == (rows, n)
         assert ((got - exact).abs().max() / exact.abs().max()).item() < 8e-3  # the output's bf16 rounding
+    x = torch.randn(CpuKernelsMethod.DENSE_ROWS + 3, k).to(torch.bfloat16)  # prefill: the weight dequantized once
+    exact = x.float() @ weight.t()
+    assert ((layer(x).float() - exact).abs().max() / exact.abs().max()).item() < 8e-3

@@ -14,6 +14,10 @@ TORCH_LIBRARY(ferrum_cpu, m) {
       "Tensor(c!) v_cache, Tensor slots, int num_heads, int num_kv_heads) -> ()");
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale, Tensor offset, bool zero_point, int group) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scale, int group) -> Tensor");
+  m.def(
+      "int4_dequantize(Tensor packed, Tensor scale, Tensor offset, bool zero_point, int group, ScalarType dtype) "
+      "-> Tensor");
+  m.def("int8_dequantize(Tensor packed, Tensor scale, int group, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
@@ -23,4 +27,6 @@ TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
   m.impl("rope_write", &ferrum_cpu::rope_write);
   m.impl("int4_gemv", &ferrum_cpu::int4_gemv);
   m.impl("int8_gemv", &ferrum_cpu::int8_gemv);
+  m.impl("int4_dequantize", &ferrum_cpu::int4_dequantize);
+  m.impl("int8_dequantize", &ferrum_cpu::int8_dequantize);
 }

@@ -308,3 +308,63 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }
 
 }  // namespace ferrum_cpu
+
+namespace ferrum_cpu {
+
+// The weight the repacked storage stands for, [N, K] in `dtype` (float32 or bfloat16): for products of
+// many rows (prefill), which then take one dense matrix product.
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset, bool zero_point,
+                           int64_t group, at::ScalarType dtype) {
+  const int64_t row_groups = packed.size(0), blocks = packed.size(1), K = blocks * QBLOCK, N = row_groups * LANES;
+  const int64_t groups = K / group, per_group = group / QBLOCK;
+  const at::Tensor s32 = scale.to(at::kFloat).contiguous(), o32 = offset.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({N, K}, packed.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "int4_dequantize", [&] {
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    const float* sp = s32.data_ptr<float>();
+    const float* op = o32.data_ptr<float>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, row_groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t rg = g0; rg < g1; ++rg)
+        for (int64_t b = 0; b < blocks; ++b)
+          for (int64_t c = 0; c < 4; ++c)
+            for (int64_t lane = 0; lane < LANES; ++lane) {
+              const int64_t g = b / per_group, row = rg * LANES + lane;
+              const float s = sp[(rg * groups + g) * LANES + lane];
+              const float o = op[(rg * groups + g) * LANES + lane] - (zero_point ? 8.f * s : 0.f);
+              const uint8_t* bytes = w + ((rg * blocks + b) * 4 + c) * 32 + lane * 4;
+              scalar_t* low = dst + row * K + b * QBLOCK + 4 * c;
+              for (int64_t j = 0; j < 4; ++j) {
+                low[j] = scalar_t(float(bytes[j] & 0xF) * s + o);
+                low[16 + j] = scalar_t(float(bytes[j] >> 4) * s + o);
+              }
+            }
+    });
+  });
+  return out;
+}
+
+at::Tensor int8_dequantize(const at::Tensor& packed, const at::Tensor& scale, int64_t group, at::ScalarType dtype) {
+  const int64_t row_groups = packed.size(0), blocks = packed.size(1), K = blocks * QBLOCK, N = row_groups * LANES;
+  const int64_t groups = group ? K / group : 1, per_group = group ? group / QBLOCK : blocks;
+  at::Tensor out = at::empty({N, K}, packed.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "int8_dequantize", [&] {
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    const float* sp = scale.data_ptr<float>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, row_groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t rg = g0; rg < g1; ++rg)
+        for (int64_t b = 0; b < blocks; ++b)
+          for (int64_t c = 0; c < 8; ++c)
+            for (int64_t lane = 0; lane < LANES; ++lane) {
+              const float s = sp[(rg * groups + b / per_group) * LANES + lane];
+              const uint8_t* bytes = w + ((rg * blocks + b) * 8 + c) * 32 + lane * 4;
+              scalar_t* row = dst + (rg * LANES + lane) * K + b * QBLOCK + 4 * c;
+              for (int64_t j = 0; j < 4; ++j) row[j] = scalar_t(float(int32_t(bytes[j]) - 128) * s);
+            }
+    });
+  });
+  return out;
+}
+
+}  // namespace ferrum_cpu

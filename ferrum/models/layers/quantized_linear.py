@@ -134,7 +134,10 @@ class CpuKernelsMethod(LinearMethod):
     32 inputs meets the weight as stored, 8 output rows side by side. prepare() repacks the storage
     into the kernels' layout (the rows padded to a multiple of 8): int4's scales with its minimums
     (zero - 8 scale) or zeros, in float16 where that keeps them exact, else float32; int8's bytes
-    offset by 128."""
+    offset by 128. Products of DENSE_ROWS rows or more (prefill) dequantize the weight for the call and
+    take one dense matrix product instead."""
+
+    DENSE_ROWS = 32
 
     def prepare(self, layer: QuantizedLinear) -> None:
         n, k = layer.shape
@@ -172,6 +175,9 @@ class CpuKernelsMethod(LinearMethod):
         layer.repacked = True
 
     def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.DENSE_ROWS:  # prefill: one dense product with the weight dequantized for it
+            weight = self.dense_weight(layer, x.dtype)
+            return F.linear(x, weight if weight.shape[0] == layer.out_features else weight[: layer.out_features])
         if layer.scheme.method == "int4":
             y: torch.Tensor = torch.ops.ferrum_cpu.int4_gemv(x, layer.packed, layer.gemv_scale, layer.gemv_offset,
                                                              layer.gemv_zero_point, layer.scheme.group_size)
@@ -179,6 +185,16 @@ class CpuKernelsMethod(LinearMethod):
             y = torch.ops.ferrum_cpu.int8_gemv(x, layer.packed, layer.gemv_scale,
                                                layer.scheme.group_size if layer.scheme.per_group else 0)
         return y if y.shape[-1] == layer.out_features else y[..., : layer.out_features]
+
+    def dense_weight(self, layer: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
+        """The repacked weight dequantized, [N rounded up to 8, K] in `dtype` (the C++ kernels' own)."""
+        group = layer.scheme.group_size if layer.scheme.method == "int4" or layer.scheme.per_group else 0
+        if layer.scheme.method == "int4":
+            weight: torch.Tensor = torch.ops.ferrum_cpu.int4_dequantize(
+                layer.packed, layer.gemv_scale, layer.gemv_offset, layer.gemv_zero_point, group, dtype)
+        else:
+            weight = torch.ops.ferrum_cpu.int8_dequantize(layer.packed, layer.gemv_scale, group, dtype)
+        return weight
 
     def dequantized(self, layer: QuantizedLinear) -> torch.Tensor:
         if not layer.repacked:
