@@ -53,7 +53,7 @@ from ferrum.config.server_settings import (
 )
 from ferrum.engine.config import EngineConfig
 from ferrum.weights.locations.uri import ModelLocationError, model_display_name, parse_model_location
-from ferrum.weights.quantization.scheme import AUTO, QuantizationConfigError, parse_method
+from ferrum.weights.quantization.scheme import QuantizationConfigError, parse_method
 from ferrum.weights.spec.loader_config import MiB, WeightLoaderConfig
 
 
@@ -90,9 +90,7 @@ class ServerConfig:
         return self.server.logging.level
 
     def engine_config(self) -> EngineConfig:
-        """The engine section; a server whose quantization is not set gets `auto` (the engine picks
-        per device: ferrum.engine.auto_quantization), where the library's EngineConfig serves as stored."""
-        return EngineConfig.from_mapping({"quantization": {"method": AUTO}, **self.engine})
+        return EngineConfig.from_mapping(self.engine)
 
 
 # -- the keys of each section --------------------------------------------------------------------------
@@ -315,7 +313,7 @@ def load_config(
     engine_process = engine_process_mode(engine.pop("engine_process", "auto"))
     section = raw.pop("quantization", {})
     quantization = _quantization(section)
-    if quantization is not None or "method" in section:  # `none` kept: it turns the server's default auto off
+    if quantization is not None:
         engine["quantization"] = quantization
     if not raw.get("model"):
         raise ConfigError("no model given: set `model:` in the config file, FERRUM_MODEL, or pass --model PATH")

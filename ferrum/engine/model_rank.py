@@ -108,8 +108,7 @@ class ModelRank:
         try:
             return load_model(self.model_config, files.weights, self.device, self.dtype,
                               layer_ops(self.device, self.cpu_kernels), loader, progress, tp=self.tp,
-                              quantization=self.quantization.quantization, lm_head=self.quantization.lm_head,
-                              chosen=self.quantization.reason or None)
+                              quantization=self.quantization.quantization, chosen=self.quantization.reason or None)
         finally:
             run_sync(loader.aclose())
 

@@ -23,23 +23,20 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
 from ferrum.backends.device import Device
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import LayerOps, RotaryEmbedding
-from ferrum.models.layers.linear import LinearFactory, quant_kernels
+from ferrum.models.layers.linear import LinearFactory
 from ferrum.models.layers.parallel import TensorParallel
-from ferrum.models.layers.quantized_linear import QuantizedLinear, QuantKernels
 from ferrum.models.llama import LlamaForCausalLM, WeightBinding, checkpoint_modules, ignored_checkpoint_tensor
 from ferrum.models.load_memory import PeakHostMemory
 from ferrum.models.published_loader import PublishedLayer, plan_published, repack_published
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
-from ferrum.weights.quantization.arith import quantize
 from ferrum.weights.quantization.published.base import DenseTensor, PublishedLayers
 from ferrum.weights.quantization.published.detect import check_requested
-from ferrum.weights.quantization.scheme import QuantizationConfig, QuantScheme
+from ferrum.weights.quantization.scheme import QuantizationConfig
 from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.sources import WeightSource
 from ferrum.weights.spec.tensors import TensorSpec, WeightMetadata
@@ -77,14 +74,17 @@ class WeightLoadReport:
     peak_device_bytes: int = 0  # a device with memory of its own: its allocator's peak (reserved) while loading
     quantization: str | None = None  # the quantization the weights were loaded in, described; None: unquantized
     published: str | None = None  # the published format the checkpoint was stored in (gptq, awq, ...), if any
-    lm_head: str | None = None  # the LM head's scheme where it was re-stored after loading (quantization auto)
     chosen: str | None = None  # what `quantization: auto` picked for the device, and why
     on_load: QuantizationConfig | None = None  # the quantization on load the layers got (auto's pick included)
 
 
 def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: LayerOps,
-                tp: TensorParallel | None = None, quantization: QuantizationConfig | None = None) -> LlamaForCausalLM:
-    """The model's parameters (one rank's shard of them under `tp`) allocated on `device` in `dtype`
+                tp: TensorParallel | None = None, quantization: QuantizationConfig | None = None,
+                integer_gemv: bool = False) -> LlamaForCausalLM:
+    """`integer_gemv`: quantized layers compute through the CPU kernels' integer GEMV (activations
+    quantized to int8 per 32 inputs: quantization auto's choice) where the CPU kernels are loaded; else
+    through torch's CPU ops, whose products equal the dequantized weights'. The model's parameters
+    (one rank's shard of them under `tp`) allocated on `device` in `dtype`
     (uninitialised; a quantized layer's storage in its own dtypes), its rotary tables computed there
     in float32. A checkpoint stored quantized (config.published) is served in its own format, which
     `quantization` may name (vLLM's --quantization gptq etc.). QuantizationConfigError for a
@@ -95,7 +95,8 @@ def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: La
                         "config.json")
         assert config.published is not None
         published, quantization = PublishedLayers(config.published, checkpoint_modules), None
-    linears = LinearFactory.for_device(device, dtype, quantization, published, cpu_kernels=ops.name == "cpu")
+    linears = LinearFactory.for_device(device, dtype, quantization, published,
+                                       cpu_kernels=integer_gemv and ops.name == "cpu")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops, tp, linears)
     model = model.to(dtype).to_empty(device=device.torch_device)  # allocated once, in the target dtype
@@ -249,12 +250,12 @@ def load_model(
     progress: Callable[[int, int], None] | None = None,
     tp: TensorParallel | None = None,
     quantization: QuantizationConfig | None = None,
-    lm_head: QuantScheme | None = None,
     chosen: str | None = None,
 ) -> tuple[LlamaForCausalLM, WeightLoadReport]:
     """build_model, then load_weights, from synchronous code (the engine's constructor), then the
-    quantized layers prepared, and the LM head re-stored in `lm_head`'s scheme where one is given
-    (`chosen`: why, for the report). A remote checkpoint starts downloading first (`WeightLoader.fetching`),
+    quantized layers prepared (`chosen`: what quantization auto picked and why, for the report; its
+    layers take the CPU kernels' integer GEMV). A
+    remote checkpoint starts downloading first (`WeightLoader.fetching`),
     so its bytes arrive while the model is built on this thread. Returns the model and how its
     weights were loaded (bytes as stored, the peak host and device memory while loading)."""
     started = time.perf_counter()
@@ -270,7 +271,7 @@ def load_model(
 
     def build() -> LlamaForCausalLM:
         try:
-            model = build_model(config, device, dtype, ops, tp, quantization)
+            model = build_model(config, device, dtype, ops, tp, quantization, integer_gemv=chosen is not None)
             device.runtime.synchronize()
         except BaseException as exc:
             built.set_exception(exc)
@@ -283,8 +284,6 @@ def load_model(
     with PeakHostMemory() as host:
         model, nbytes = run_beside(fill(), build)
         prepare_weights(model)
-        if lm_head is not None:
-            nbytes += quantize_lm_head(model, lm_head, quant_kernels(device, ops.name == "cpu"))
         device.runtime.synchronize()
     done = time.perf_counter()
     peak_device = device.runtime.peak_memory_held() if device.dedicated_memory else 0
@@ -295,32 +294,9 @@ def load_model(
              nbytes / 1e9, f" ({described})" if described else "", weights.display, device.name, done - reading,
              nbytes / 1e9 / max(done - reading, 1e-9), reading - started, host.peak / 1e9,
              f", {device.name} {peak_device / 1e9:.2f} GB" if device.dedicated_memory else "")
-    head = lm_head.describe() if lm_head is not None and isinstance(model.lm_head, QuantizedLinear) else None
-    if head is not None:
-        log.info("LM head re-stored as %s", head)
-        if described is not None:
-            described = described.removesuffix(", lm_head unquantized") + f", lm_head {head}"
     return model, WeightLoadReport(weights.kind, nbytes, done - reading, loader.bytes_read, host.peak, peak_device,
                                    described, config.published.name if config.published is not None else None,
-                                   head, chosen, quantization)
-
-
-def quantize_lm_head(model: LlamaForCausalLM, scheme: QuantScheme, kernels: QuantKernels) -> int:
-    """The LM head (the embedding's weight where they are tied, which the embedding keeps for its
-    lookups) as a QuantizedLinear in `scheme`; returns the bytes the new storage adds. A
-    tensor-parallel LM head is left as it is (0)."""
-    head = model.lm_head
-    if not isinstance(head, nn.Linear):
-        return 0
-    with torch.no_grad():
-        stored = quantize(head.weight.detach(), scheme)
-        layer = QuantizedLinear(head.in_features, head.out_features, False, scheme, kernels, head.weight.dtype)
-        layer.to(head.weight.device)
-        for name, part in stored.parts.items():
-            getattr(layer, name).copy_(part)
-        layer.prepare()
-    model.lm_head = layer
-    return sum(t.numel() * t.element_size() for t in layer.buffers() if t is not None)
+                                   chosen, quantization)
 
 
 def run_beside(coroutine: Coroutine[Any, Any, T], work: Callable[[], R]) -> tuple[R, T]:

@@ -515,7 +515,7 @@ class Server:
         if load is not None and load.chosen is not None:
             quantization = (quantization or ModelQuantization(method="none", group_size=None, symmetric=None,
                                                               skip=[])).model_copy(
-                update={"lm_head": load.lm_head, "chosen": load.chosen})
+                update={"chosen": load.chosen})
         return ModelCard(
             id=self.model_name,
             created=self.created,

@@ -746,7 +746,6 @@ class ModelQuantization(BaseModel):
     symmetric: bool | None  # null for a published checkpoint (its config says, per layer)
     skip: list[str]  # linear layers kept in the serving dtype
     checkpoint: str | None = None  # a published checkpoint's format, described
-    lm_head: str | None = None  # the LM head's own scheme where it differs from the layers' (quantization auto)
     chosen: str | None = None  # what `quantization: auto` picked for the device, and why
 
 

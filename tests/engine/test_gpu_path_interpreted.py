@@ -35,7 +35,8 @@ def _engine(folder: Path, device) -> LLMEngine:
 def test_gpu_path_engine_gives_the_cpu_path_tokens(tiny: Path) -> None:
     cpu = _engine(tiny, host_device())
     gpu_path = _engine(tiny, gpu_path_device())
-    assert (cpu.attention.name, gpu_path.attention.name) == ("torch_paged", "triton_paged")
+    assert gpu_path.attention.name == "triton_paged"
+    assert cpu.attention.name in ("cpu_paged", "torch_paged")  # torch_paged where no C++ compiler builds the kernels
     assert gpu_path.runner.max_burst == 0  # no CUDA graphs on this device: eager steps, no bursts
     prompts = [cpu.tokenizer.encode(text) for text in ("hello there", "a b c d e f g h i j k l m n o p q r s t")]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -178,7 +178,7 @@ quantization: {method: int8, group_size: 64, skip: [lm_head, down_proj]}
 
 def test_quantization_from_file_then_environment_then_flag(tmp_path: Path) -> None:
     path = write(tmp_path, QUANTIZED_FILE)
-    assert load_config(None, {"model": "m"}, environ={}).engine_config().quantization == QuantizationConfig("auto")
+    assert load_config(None, {"model": "m"}, environ={}).engine_config().quantization is None
     from_file = load_config(path, {}, environ={}).engine_config().quantization
     assert from_file == QuantizationConfig("int8", group_size=64, skip=("lm_head", "down_proj"))
     env = {"FERRUM_QUANTIZATION": "int4", "FERRUM_QUANTIZATION__SYMMETRIC": "true"}

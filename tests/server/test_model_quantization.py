@@ -41,10 +41,10 @@ async def test_models_show_the_served_quantization() -> None:
     assert (await _get(None, "/v1/models"))["data"][0]["quantization"] is None
     int4 = (await _get(QuantizationConfig("int4"), "/v1/models"))["data"][0]["quantization"]
     assert int4 == {"method": "int4", "group_size": 128, "symmetric": False, "skip": ["lm_head"], "checkpoint": None,
-                    "lm_head": None, "chosen": None}
+                    "chosen": None}
     int8 = (await _get(QuantizationConfig("int8", skip=()), "/v1/models/tiny"))["quantization"]
     assert int8 == {"method": "int8", "group_size": None, "symmetric": True, "skip": [], "checkpoint": None,
-                    "lm_head": None, "chosen": None}
+                    "chosen": None}
 
 
 async def test_models_show_a_published_checkpoints_format() -> None:
@@ -55,17 +55,17 @@ async def test_models_show_a_published_checkpoints_format() -> None:
     for flag in (None, QuantizationConfig("gptq")):
         card = (await _get(flag, "/v1/models/tiny", engine))["quantization"]
         assert card == {"method": "gptq", "group_size": None, "symmetric": None, "skip": [],
-                        "checkpoint": "gptq (4-bit, group 128, symmetric, gptq)", "lm_head": None, "chosen": None}
+                        "checkpoint": "gptq (4-bit, group 128, symmetric, gptq)", "chosen": None}
 
 
 async def test_models_show_what_quantization_auto_picked() -> None:
     engine = ReadyEngine()
-    engine.weight_load = WeightLoadReport("file", 1, 0.1, quantization="int4 (group 32, asymmetric), lm_head int8",
-                                          lm_head="int8 (group 32)", chosen="quantization auto on cpu: ...",
+    engine.weight_load = WeightLoadReport("file", 1, 0.1, quantization="int4 (group 32, asymmetric)",
+                                          chosen="quantization auto on cpu: ...",
                                           on_load=QuantizationConfig("int4", group_size=32))
     card = (await _get(QuantizationConfig("auto"), "/v1/models/tiny", engine))["quantization"]
     assert card == {"method": "int4", "group_size": 32, "symmetric": False, "skip": ["lm_head"], "checkpoint": None,
-                    "lm_head": "int8 (group 32)", "chosen": "quantization auto on cpu: ..."}
+                    "chosen": "quantization auto on cpu: ..."}
 
 
 async def test_backends_show_the_methods_they_run() -> None:
@@ -82,7 +82,7 @@ def test_a_server_quantized_on_load_says_so(tmp_path: Path) -> None:
                         env={"OMP_NUM_THREADS": "1"}) as server:
         card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
         assert card["quantization"] == {"method": "int8", "group_size": None, "symmetric": True, "skip": ["lm_head"],
-                                         "checkpoint": None, "lm_head": None, "chosen": None}
+                                         "checkpoint": None, "chosen": None}
         body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3, response.text
