@@ -2,17 +2,18 @@
 within the quantization bounds the tests hold (tests/engine/test_cpu_auto.py), decided once the
 engine has its `Device`, before the model is built.
 
-    CPU with its C++ kernels    linear layers int4 in groups of 32 (asymmetric), quantized on load
-                                (the LM head stays in the serving dtype); a checkpoint stored quantized
-                                (GPTQ, AWQ, GGUF, ...) keeps its own format. Decode on the CPU streams
-                                every weight once a token: int4 reads a quarter of bf16's bytes, and the
-                                kernels' integer GEMV reads them at the memory's speed
+    CPU with its C++ kernels    linear layers int4 in groups of 32 (asymmetric), quantized on load;
+                                a checkpoint stored quantized (GPTQ, AWQ, GGUF, ...) keeps its own
+                                format. Either way the layers compute through the kernels' integer
+                                GEMV, and the LM head is int8 in groups of 32 for decode steps
+                                (ferrum.models.layers.int8_head). Decode on the CPU streams every
+                                weight once a token: int4 reads a quarter of bf16's bytes, and the
+                                kernels read them at the memory's speed
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
-Not yet the server's default: an int8 LM head through the integer GEMV (its input quantized per 32
-values) changed the demo model's greedy answers although the perplexity held, and the test suite's
-exactness checks against transformers assume unquantized defaults.
+Not yet the server's default: the test suite's exactness checks against transformers assume
+unquantized defaults.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no
 class QuantizationChoice:
     quantization: QuantizationConfig | None  # the linear layers' on-load quantization (None: as stored)
     reason: str = ""  # what auto picked and why (empty when the setting was not auto)
+    int8_head: bool = False  # the LM head int8 for decode steps (ferrum.models.layers.int8_head)
 
 
 def resolve_quantization(config: QuantizationConfig | None, device: Device, model: ModelConfig,
@@ -44,9 +46,12 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     if any(width % CPU_GROUP for width in widths):
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (the layers' widths "
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
+    head = ("; the LM head int8 in groups of 32 for decode steps of up to 4 rows (float activations, "
+            "float32 logits)")
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
-                                        f"{model.published.name} layers")
+                                        f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
+                                  int8_head=True)
     on_load = QuantizationConfig("int4", group_size=CPU_GROUP)
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
-                                       "asymmetric) through the CPU kernels' integer GEMV, the LM head unquantized")
+                                       f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True)

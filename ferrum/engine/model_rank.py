@@ -38,6 +38,7 @@ from ferrum.models.attention.layout import KVCacheLayout
 from ferrum.models.attention.torch_paged import TorchPagedAttention
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import layer_ops
+from ferrum.models.layers.int8_head import Int8Head, int8_head_fits
 from ferrum.models.layers.parallel import ShardPlan, TensorParallel
 from ferrum.models.llama import LlamaForCausalLM
 from ferrum.models.loader import WeightLoadReport, load_model, run_sync
@@ -82,6 +83,8 @@ class ModelRank:
         if plan is not None:  # sized before loading, so that a cache too small fails fast
             self.check_fits(plan.num_blocks)
         self.model, self.weight_load = self._load(files, weights)
+        if self.quantization.int8_head and self.tp.size == 1 and int8_head_fits(self.model.lm_head):
+            self.model.lm_head = Int8Head(self.model.lm_head)
         report(StartupProgress("warming"))
         if plan is None:
             plan = plan_gpu(device, self.layout, config, self._profile)

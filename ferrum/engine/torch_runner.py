@@ -1,6 +1,7 @@
 """TorchModelRunner: the model and its paged KV cache on any torch device, attention in plain
 PyTorch (torch_paged) or the CPU's kernels (cpu_paged). The CPU's runner: one eager forward a step,
-logits back on the host."""
+logits back on the host; steps of few rows through the CPU's decode chain (ferrum.models.cpu_decode)
+where the model's layers allow it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from ferrum.backends.device import Device
 from ferrum.engine.runner import GreedyBurst, advance, pack_step, score_prompts
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
-from ferrum.models.attention.cpu_paged import CpuPagedAttention
+from ferrum.models.attention.cpu_paged import CpuAttentionBatch, CpuPagedAttention
 from ferrum.models.attention.layout import KVCacheLayout
 from ferrum.models.attention.torch_paged import TorchPagedAttention
+from ferrum.models.cpu_decode import CpuDecodeChain
 from ferrum.models.llama import LlamaForCausalLM
 
 
@@ -33,13 +35,18 @@ class TorchModelRunner:
         self.attention = attention
         # cpu_paged reads only the slots of positions already written: its cache is never zeroed
         self.kv_caches = layout.allocate(num_blocks, self.device, zeroed=not isinstance(attention, CpuPagedAttention))
+        self.chain = CpuDecodeChain.for_model(model) if isinstance(attention, CpuPagedAttention) else None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
         plan = pack_step(scheduled, self.layout)
         batch = self.attention.step_inputs(plan.step, self.model.rotary)
         ids = torch.tensor(plan.step.input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, self.kv_caches, batch)
+        if self.chain is not None and len(ids) <= self.chain.max_rows:
+            assert isinstance(batch, CpuAttentionBatch)
+            hidden = self.chain.hidden(ids, self.kv_caches, batch)
+        else:
+            hidden = self.model(ids, self.kv_caches, batch)
         advance(scheduled)
         logits = torch.empty(0, self.model.config.vocab_size)
         if plan.sample_rows:

@@ -19,6 +19,7 @@ from ferrum.models.attention.layer import Attention, AttentionInputs
 from ferrum.models.attention.layout import KVCache
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import GatedMLP, LayerOps, RMSNorm, RotaryEmbedding, torch_ops
+from ferrum.models.layers.int8_head import Int8Head
 from ferrum.models.layers.linear import LinearFactory, check_skip
 from ferrum.models.layers.parallel import (
     ParallelLMHead,
@@ -104,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         rank_config = self.shard.rank_config()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding
-        self.lm_head: nn.Linear | ParallelLMHead | QuantizedLinear
+        self.lm_head: nn.Linear | ParallelLMHead | QuantizedLinear | Int8Head
         rows = self.shard.vocab_rows
         if tp.size == 1:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

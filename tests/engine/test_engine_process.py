@@ -144,7 +144,7 @@ def test_engine_process_setting(tmp_path: Path) -> None:
     cfg.write_text("model: m\nengine_process: true\n")  # it belongs under engine:
     with pytest.raises(ConfigError, match="unknown config key"):
         load_config(cfg, {})
-    assert [engine_in_own_process("auto", kind) for kind in ("cpu", "cuda", "mps")] == [False, True, True]
+    assert [engine_in_own_process("auto", kind) for kind in ("cpu", "cuda", "mps")] == [True, True, True]
     assert engine_in_own_process("on", "cpu") and not engine_in_own_process("off", "cuda")
 
 

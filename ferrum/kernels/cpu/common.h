@@ -54,5 +54,11 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset, bool zero_point,
                            int64_t group, at::ScalarType dtype);
 at::Tensor int8_dequantize(const at::Tensor& packed, const at::Tensor& scale, int64_t group, at::ScalarType dtype);
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorList weights, c10::IntArrayRef layout,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
+                         const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps);
+at::Tensor int8_float_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t group);
 
 }  // namespace ferrum_cpu

@@ -18,6 +18,12 @@ TORCH_LIBRARY(ferrum_cpu, m) {
       "int4_dequantize(Tensor packed, Tensor scale, Tensor offset, bool zero_point, int group, ScalarType dtype) "
       "-> Tensor");
   m.def("int8_dequantize(Tensor packed, Tensor scale, int group, ScalarType dtype) -> Tensor");
+  m.def(
+      "decode_layers(Tensor x, Tensor[] norms, Tensor[] weights, int[] layout, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor slots, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_starts, int block_size, int num_heads, int num_kv_heads, "
+      "int head_dim, float eps) -> Tensor");
+  m.def("int8_float_gemv(Tensor x, Tensor weight, Tensor scale, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
@@ -29,4 +35,6 @@ TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
   m.impl("int8_gemv", &ferrum_cpu::int8_gemv);
   m.impl("int4_dequantize", &ferrum_cpu::int4_dequantize);
   m.impl("int8_dequantize", &ferrum_cpu::int8_dequantize);
+  m.impl("decode_layers", &ferrum_cpu::decode_layers);
+  m.impl("int8_float_gemv", &ferrum_cpu::int8_float_gemv);
 }

@@ -34,6 +34,10 @@ inline F16 load16(const c10::BFloat16* p) {
 inline F16 load16(const c10::Half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+inline F16 load16(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline float hsum16(F16 a) { return _mm512_reduce_add_ps(a.v); }
 // other element types (double): through a float buffer
 template <typename T>
 inline F16 load16(const T* p) {
@@ -102,6 +106,16 @@ inline __m256 bf16x8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline F16 load16(const c10::BFloat16* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+inline __m256 i8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline F16 load16(const int8_t* p) { return {i8x8(p), i8x8(p + 8)}; }
+inline float hsum16(F16 a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
 #if defined(__F16C__)
 inline F16 load16(const c10::Half* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
@@ -179,6 +193,11 @@ inline F16 load16(const T* p) {
   return r;
 }
 inline void store16(float* p, F16 a) { std::memcpy(p, a.x, sizeof a.x); }
+inline float hsum16(F16 a) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += a.x[i];
+  return s;
+}
 inline F16 fma16(F16 a, F16 b, F16 c) {
   for (int i = 0; i < 16; ++i) c.x[i] += a.x[i] * b.x[i];
   return c;
