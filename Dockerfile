@@ -33,6 +33,12 @@ RUN /opt/ferrum/bin/pip install "/src" "dumb-init==1.2.5.post1" \
     && /opt/ferrum/bin/pip uninstall -y pip
 
 FROM ${BASE_IMAGE}
+# g++ builds Ferrum's CPU kernels on the first start, for the CPU the container runs on (-march=native),
+# into the cache volume (ferrum/kernels/cpu/build.py); without it plain PyTorch serves, several times slower
+# hadolint ignore=DL3008
+RUN command -v g++ >/dev/null || { apt-get update \
+        && apt-get install -y --no-install-recommends g++ \
+        && rm -rf /var/lib/apt/lists/*; }
 COPY --from=build /opt/ferrum /opt/ferrum
 COPY docker/config.yaml /etc/ferrum/config.yaml
 RUN useradd --system --uid 10001 --user-group --home-dir /var/cache/ferrum --no-create-home --shell /usr/sbin/nologin ferrum \

@@ -61,10 +61,10 @@ class BaseRecipe(TypedDict):
 BASE_RECIPE: BaseRecipe = {
     "suite": "bookworm",
     "variant": "minbase",
-    "include": ["python3", "python3-venv", "ca-certificates"],
+    "include": ["python3", "python3-venv", "ca-certificates", "g++"],
     "mirror": "http://deb.debian.org/debian",
     "cleanup": ["var/cache/apt/archives/*.deb", "var/lib/apt/lists/*", "usr/share/doc/*", "usr/share/man/*"],
-    "recipe_version": 1,
+    "recipe_version": 2,
 }
 
 

@@ -9,7 +9,10 @@
              (ferrum_cpu.paged_attention against torch_paged's gather + SDPA)
   engine     the demo model's decode step in process (LLMEngine.step, one sequence, greedy) at 50 and
              2,000 tokens of context: plain PyTorch (engine.kernels.cpu false) against the kernels, bf16
-             weights against quantization auto, 2 threads against 1
+             weights against quantization auto (the decode chain and the int8 LM head), 2 threads against 1
+  compile    the other way the issue names: plain PyTorch's layered forward under torch.compile (Inductor's
+             CPU code generation), bf16 and torch's int4 op, against the kernels' decode chain; the first
+             compiled steps' time is reported as the compile time
 
     python scripts/cpu_kernels_bench.py [--model models/SmolLM2-135M-Instruct] [--gguf ...Q4_1.gguf]
 
@@ -157,11 +160,51 @@ def engine_table(model: str, gguf: str | None) -> None:
             print(f"| {Path(path).name} | {label} | {threads} | {cells[0]:.2f} | {cells[1]:.2f} |", flush=True)
 
 
+def compiled_decode(model: str, settings: dict[str, Any]) -> tuple[float, float, float]:
+    """(seconds until the first decode step is done, decode ms p50 @50, @2000): the model's forward
+    under torch.compile, the step otherwise the engine's own."""
+    engine = create_engine(model, backend="cpu", max_model_len=4096, kv_cache_memory_gb=0.25,
+                           kernels={"cpu": False}, **settings)
+    try:
+        runner = engine.runner
+        runner.model.forward = torch.compile(runner.model.forward, dynamic=True)  # type: ignore[attr-defined]
+        results = []
+        for context in (50, 2000):
+            prompt = [(i * 7919) % 40000 + 100 for i in range(context)]
+            engine.add_request(f"r{context}", prompt, SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True))
+            steps = []
+            while engine.has_work:
+                t = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - t)
+            if context == 50:
+                results.append(steps[0] + steps[1])  # the prefill and the first decode: both compile
+            results.append(sorted(steps[-32:])[16] * 1e3)
+        return results[0], results[1], results[2]
+    finally:
+        engine.release()
+
+
+def compile_table(model: str) -> None:
+    print("\n| path | first prefill + decode s (compile) | decode ms @50 | decode ms @2000 |")
+    print("|---|---|---|---|")
+    for label, settings in (("torch.compile, plain PyTorch, bf16", {}),
+                            ("torch.compile, plain PyTorch, int4 g32 (torch's op)",
+                             {"quantization": {"method": "int4", "group_size": 32}})):
+        try:
+            first, at50, at2000 = compiled_decode(model, settings)
+            print(f"| {label} | {first:.1f} | {at50:.2f} | {at2000:.2f} |", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a path that does not compile is a result too
+            print(f"| {label} | failed: {type(exc).__name__}: {str(exc)[:200]} | - | - |", flush=True)
+    chain = [decode_ms(model, context, quantization={"method": "auto"}) for context in (50, 2000)]
+    print(f"| C++ kernels, quantization auto (decode chain, int8 head) | - | {chain[0]:.2f} | {chain[1]:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
     parser.add_argument("--gguf", default=str(ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    parser.add_argument("--parts", default="gemv,attention,engine")
+    parser.add_argument("--parts", default="gemv,attention,engine,compile")
     args = parser.parse_args()
     load_cpu_kernels(Path("~/.cache/ferrum/kernels").expanduser())
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
@@ -173,6 +216,8 @@ def main() -> None:
         attention_table()
     if "engine" in parts:
         engine_table(args.model, args.gguf if Path(args.gguf).is_file() else None)
+    if "compile" in parts:
+        compile_table(args.model)
 
 
 if __name__ == "__main__":

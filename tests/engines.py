@@ -61,3 +61,8 @@ def make_runner(model: LlamaForCausalLM, device: Device, num_blocks: int, block_
 
 
 __all__ = ["KernelConfig", "host_device", "load_test_model", "local_engine", "make_runner"]
+
+
+def without_default_quantization(engine: dict[str, Any]) -> dict[str, Any]:
+    """The engine section less the server's default `quantization: {method: auto}`."""
+    return {k: v for k, v in engine.items() if not (k == "quantization" and v.get("method") == "auto")}

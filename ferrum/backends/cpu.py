@@ -92,6 +92,26 @@ def read_sysconf_memory() -> SystemMemory | None:
     return SystemMemory(total_bytes=total, available_bytes=available) if total > 0 else None
 
 
+CPU_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def read_last_level_cache(cache_dir: Path = CPU_CACHE_DIR) -> int:
+    """Bytes of the highest-level cache of the first CPU (sysfs' index*/level and size, "32768K");
+    0 where sysfs does not say."""
+    best = (0, 0)
+    for index in cache_dir.glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, (level, int(digits) * scale))
+    return best[1]
+
+
 def apply_cgroup_limit(memory: SystemMemory, cgroup_dir: Path = CGROUP_DIR) -> SystemMemory:
     """Lower `memory` to a cgroup v2 memory limit (memory.max, memory.current) when one is set."""
     try:
@@ -250,6 +270,7 @@ class CPUBackend(ComputeBackend):
         self._reported_cpu_flags = tuple(flag for flag in REPORTED_CPU_FLAGS if flag in cpu_flags)
         self._native_bf16 = has_native_bf16(cpu_flags) and torch.bfloat16 in self._supported_dtypes
         self._model = read_cpu_model()
+        self._cache_bytes = read_last_level_cache()
         self._runtime = HostRuntime()
 
     @property
@@ -310,6 +331,7 @@ class CPUBackend(ComputeBackend):
             multi_processor_count=self._core_count,
             cpu_flags=self._reported_cpu_flags,
             packed_bf16_linears=self._native_bf16,
+            cache_bytes=self._cache_bytes,
             collective="gloo" if gloo_available() else None,
             threads=self._core_count,  # torch's intra-op threads, set by initialize
             runtime=self._runtime,

@@ -53,7 +53,7 @@ from ferrum.config.server_settings import (
 )
 from ferrum.engine.config import EngineConfig
 from ferrum.weights.locations.uri import ModelLocationError, model_display_name, parse_model_location
-from ferrum.weights.quantization.scheme import QuantizationConfigError, parse_method
+from ferrum.weights.quantization.scheme import AUTO, QuantizationConfigError, parse_method
 from ferrum.weights.spec.loader_config import MiB, WeightLoaderConfig
 
 
@@ -311,7 +311,7 @@ def load_config(
 
     engine = dict(raw.pop("engine", {}))
     engine_process = engine_process_mode(engine.pop("engine_process", "auto"))
-    section = raw.pop("quantization", {})
+    section = raw.pop("quantization", {"method": AUTO})  # the server's default: the engine chooses for its device
     quantization = _quantization(section)
     if quantization is not None:
         engine["quantization"] = quantization

@@ -2,6 +2,8 @@
 within the quantization bounds the tests hold (tests/engine/test_cpu_auto.py), decided once the
 engine has its `Device`, before the model is built.
 
+    CPU, weights that fit its   served as stored: a model whose weights fit the last-level cache
+    last-level cache            is not read from memory each token, so int4 would only cost accuracy
     CPU with its C++ kernels    linear layers int4 in groups of 32 (asymmetric), quantized on load;
                                 a checkpoint stored quantized (GPTQ, AWQ, GGUF, ...) keeps its own
                                 format. Either way the layers compute through the kernels' integer
@@ -12,19 +14,22 @@ engine has its `Device`, before the model is built.
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
-Not yet the server's default: the test suite's exactness checks against transformers assume
-unquantized defaults.
+The server's default (ferrum.config.loader); the engine's own (EngineConfig, create_engine) is to
+serve the weights as stored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ferrum.backends.device import Device
 from ferrum.models.config import ModelConfig
 from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
+ASSUMED_CACHE = 32 * 2**20  # a CPU whose cache sysfs does not report
 
 
 @dataclass(frozen=True)
@@ -34,14 +39,26 @@ class QuantizationChoice:
     int8_head: bool = False  # the LM head int8 for decode steps (ferrum.models.layers.int8_head)
 
 
+def streamed_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the weights a decode step reads in `dtype`: every layer's projections and the LM head."""
+    h, q, kv = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * model.intermediate_size
+    return (model.num_layers * per_layer + model.vocab_size * h) * dtype.itemsize
+
+
 def resolve_quantization(config: QuantizationConfig | None, device: Device, model: ModelConfig,
-                         cpu_kernels: bool) -> QuantizationChoice:
+                         cpu_kernels: bool, dtype: torch.dtype) -> QuantizationChoice:
     if config is None or not config.auto:
         return QuantizationChoice(config)
     where = f"{device.name} ({device.description})"
     if device.kind != "cpu" or not cpu_kernels:
         why = "its C++ kernels are not built" if device.kind == "cpu" else "GPUs serve as stored unless asked"
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored ({why})")
+    streamed, cache = streamed_bytes(model, dtype), device.cache_bytes or ASSUMED_CACHE
+    if streamed <= cache:
+        return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (their "
+                                        f"{streamed / 2**20:.1f} MiB fit the CPU's {cache / 2**20:.0f} MiB cache: "
+                                        "decode does not stream them from memory)")
     widths = {model.hidden_size, model.intermediate_size, model.num_heads * model.head_dim}
     if any(width % CPU_GROUP for width in widths):
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (the layers' widths "

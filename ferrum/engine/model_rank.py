@@ -74,7 +74,7 @@ class ModelRank:
         self.model_config = model_config
         self.layout = KVCacheLayout.of(self.shard.rank_config(), dtype, config.block_size)
         self.cpu_kernels = device.kind == "cpu" and config.kernels.cpu and load_cpu_kernels(config.kernels)
-        self.quantization = resolve_quantization(config.quantization, device, model_config, self.cpu_kernels)
+        self.quantization = resolve_quantization(config.quantization, device, model_config, self.cpu_kernels, dtype)
         if self.quantization.reason and self.tp.rank == 0:
             log.info("%s", self.quantization.reason)
         self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels)

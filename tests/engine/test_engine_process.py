@@ -135,7 +135,8 @@ def test_engine_process_setting(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: m\nengine: {engine_process: true, max_num_seqs: 4}\n")
     config = load_config(cfg, {})
-    assert config.engine_process == "on" and config.engine == {"max_num_seqs": 4}
+    assert config.engine_process == "on" and config.engine["max_num_seqs"] == 4
+    assert config.engine["quantization"]["method"] == "auto"  # the server's default
     assert load_config(cfg, {"engine_process": "off"}).engine_process == "off"  # the flag wins
     assert load_config(None, {"model": "m"}).engine_process == "auto"
     cfg.write_text("model: m\nengine: {engine_process: sometimes}\n")

@@ -5,17 +5,23 @@ integer GEMV)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from ferrum.engine.builder import create_engine
+from ferrum.engine.config import EngineConfig
+from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.kernels.cpu.build import compiler, load_cpu_kernels
 from ferrum.models.cpu_decode import CpuDecodeChain
 from ferrum.models.layers.int8_head import Int8Head
+from ferrum.weights.locations.model_files import ModelFiles, local_weights
+from ferrum.weights.quantization.scheme import QuantizationConfig
+from ferrum.weights.spec.sources import File
+from tests.engines import host_device
 from tests.tiny_model import save_hf_model, tiny_config
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the CPU kernels with")
@@ -23,14 +29,23 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to b
 PROMPTS = [[5, 17, 99, 3, 250, 7], [11, 12], [400, 3, 3, 3, 60, 61, 62, 63, 64, 65, 66, 9, 10]]
 
 
-def run(engine: object, prompts: list[list[int]]) -> list[list[tuple[int, float, tuple[tuple[int, float], ...]]]]:
+def auto_engine(folder: Path) -> LLMEngine:
+    """quantization auto on this CPU, told its cache holds 64 KiB: a tiny model's weights then count as
+    streamed from memory, and auto quantizes them as it would a real model's."""
+    files = ModelFiles(File(folder), folder, local_weights(folder), complete=True)
+    config = EngineConfig(dtype="bfloat16", max_model_len=128, kv_cache_memory_gb=0.01, enable_prefix_caching=False,
+                          quantization=QuantizationConfig("auto"))
+    return LLMEngine(config, replace(host_device(), cache_bytes=2**16), files)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[tuple[int, float, tuple[tuple[int, float], ...]]]]:
     """Each request's tokens with their logprobs and top 3, greedy, all three requests batched."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)  # type: ignore[attr-defined]
+        engine.add_request(f"r{i}", prompt, params)
     got: dict[str, list[tuple[int, float, tuple[tuple[int, float], ...]]]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_work:  # type: ignore[attr-defined]
-        for out in engine.step():  # type: ignore[attr-defined]
+    while engine.has_work:
+        for out in engine.step():
             for lp in out.new_logprobs or ():
                 got[out.request_id].append((lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)))
     return list(got.values())
@@ -41,8 +56,7 @@ def test_the_chain_equals_the_layered_forward(tmp_path: Path, family: str) -> No
     """Bit for bit (same kernels, same order): prefills of up to 13 rows and decodes of 3 rows, with
     and without qkv biases; the chain is what auto's steps take."""
     save_hf_model(tmp_path, tiny_config(family), dtype=torch.bfloat16, demo_tokenizer=True)
-    engine = create_engine(tmp_path, backend="cpu", dtype="bfloat16", max_model_len=128, kv_cache_memory_gb=0.01,
-                           enable_prefix_caching=False, quantization={"method": "auto"})
+    engine = auto_engine(tmp_path)
     try:
         runner = engine.runner
         assert isinstance(runner.chain, CpuDecodeChain)  # type: ignore[attr-defined]

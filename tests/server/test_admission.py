@@ -140,21 +140,36 @@ def test_a_deadline_ends_plain_and_streaming_requests(server: ServerProcess) -> 
 
 def test_lower_priority_values_are_served_first(server: ServerProcess) -> None:
     """Both running slots are busy (one for longer); a priority 5 request, then a priority -5 one,
-    wait. The first slot to free goes to the -5 one although it came second."""
+    wait (sent once the shorter busy request has streamed 2 and then 4 of its 32 tokens, whatever the
+    machine's speed). The first slot to free goes to the -5 one although it came second."""
     url = f"{server.url}/v1/completions"
 
     async def run() -> dict[str, float]:
         done: dict[str, float] = {}
+        streamed = {2: asyncio.Event(), 4: asyncio.Event()}
         async with httpx.AsyncClient(timeout=120) as client:
-            async def send(name: str, delay: float, **extra: Any) -> None:
-                await asyncio.sleep(delay)
+            async def send(name: str, after: asyncio.Event | None, **extra: Any) -> None:
+                if after is not None:
+                    await after.wait()
                 r = await client.post(url, json=body("Once upon a time", **extra))
                 assert r.status_code == 200, r.text
                 done[name] = time.monotonic()
 
+            async def short() -> None:
+                tokens = 0
+                async with client.stream("POST", url, json=body("Once upon a time", max_tokens=32, stream=True)) as s:
+                    async for line in s.aiter_lines():
+                        if line.startswith("data: {"):
+                            tokens += 1
+                            for count, event in streamed.items():
+                                if tokens >= count:
+                                    event.set()
+                done["short"] = time.monotonic()
+
             await asyncio.gather(
-                send("long", 0.0, max_tokens=64), send("short", 0.0, max_tokens=16),
-                send("low", 0.3, max_tokens=1, priority=5), send("high", 0.6, max_tokens=1, priority=-5),
+                send("long", None, max_tokens=64), short(),
+                send("low", streamed[2], max_tokens=1, priority=5),
+                send("high", streamed[4], max_tokens=1, priority=-5),
             )
         return done
 

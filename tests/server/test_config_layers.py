@@ -11,6 +11,7 @@ from ferrum.cli import build_parser, main
 from ferrum.config.loader import ConfigError, load_config
 from ferrum.config.server_settings import LimitsConfig
 from ferrum.weights.quantization.scheme import QuantizationConfig
+from tests.engines import without_default_quantization
 
 
 def flags(*argv: str) -> dict[str, object]:
@@ -51,7 +52,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     path = write(tmp_path, FILE)
     from_file = load_config(path, {}, environ={})
     assert (from_file.model, from_file.port) == ("from/file", 9000)
-    assert from_file.engine == {"max_num_seqs": 4, "dtype": "float32"}
+    assert without_default_quantization(from_file.engine) == {"max_num_seqs": 4, "dtype": "float32"}
     assert from_file.server.limits.max_waiting_requests == 10 and from_file.server.limits.overload_status == 503
     assert from_file.server.api.keys == ("file-key",) and from_file.server.logging.format == "json"
     assert from_file.server.lifecycle.shutdown_timeout_s == 12.0
@@ -68,7 +69,8 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
     }
     from_env = load_config(path, {}, environ=env)
     assert from_env.port == 9100
-    assert from_env.engine == {"max_num_seqs": 8, "dtype": "float32"}  # the file's dtype stays: key by key
+    # the file's dtype stays: key by key
+    assert without_default_quantization(from_env.engine) == {"max_num_seqs": 8, "dtype": "float32"}
     assert from_env.server.limits.max_waiting_requests == 20
     assert from_env.server.limits.overload_status == 503  # from the file
     assert from_env.server.api.keys == ("env-key-1", "env-key-2")
@@ -81,7 +83,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
                   "--cache-dir", "/flag-cache")
     from_flags = load_config(path, given, environ=env)
     assert from_flags.port == 9200
-    assert from_flags.engine == {"max_num_seqs": 16, "dtype": "float32"}
+    assert without_default_quantization(from_flags.engine) == {"max_num_seqs": 16, "dtype": "float32"}
     assert from_flags.server.limits.max_waiting_requests == 30 and from_flags.server.limits.overload_status == 429
     assert from_flags.server.api.keys == ("flag-key",)
     assert from_flags.server.logging.level == "error"
@@ -124,7 +126,7 @@ def test_environment_values_are_yaml_and_lists_split_on_commas() -> None:
         "FERRUM_WEIGHTS__MAX_CONCURRENT_DOWNLOADS": "3",
     })
     assert config.model == "hf://org/name"
-    assert config.engine == {"enable_prefix_caching": False, "kv_cache_memory_gb": 0.5}
+    assert without_default_quantization(config.engine) == {"enable_prefix_caching": False, "kv_cache_memory_gb": 0.5}
     assert config.server.api.cors_origins == ("https://a.example", "https://b.example")
     assert config.server.api.metrics_require_key
     assert config.server.limits.request_timeout_s == 2.5
@@ -178,7 +180,7 @@ quantization: {method: int8, group_size: 64, skip: [lm_head, down_proj]}
 
 def test_quantization_from_file_then_environment_then_flag(tmp_path: Path) -> None:
     path = write(tmp_path, QUANTIZED_FILE)
-    assert load_config(None, {"model": "m"}, environ={}).engine_config().quantization is None
+    assert load_config(None, {"model": "m"}, environ={}).engine_config().quantization == QuantizationConfig("auto")
     from_file = load_config(path, {}, environ={}).engine_config().quantization
     assert from_file == QuantizationConfig("int8", group_size=64, skip=("lm_head", "down_proj"))
     env = {"FERRUM_QUANTIZATION": "int4", "FERRUM_QUANTIZATION__SYMMETRIC": "true"}

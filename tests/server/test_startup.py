@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ferrum.config.loader import ConfigError, load_config
-from tests.engines import host_device
+from tests.engines import host_device, without_default_quantization
 from tests.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
     assert config.port == 9100  # flag wins
     assert config.host == "127.0.0.1"  # None flag leaves the default
     assert config.backend == "cpu"
-    assert config.engine == {"max_num_seqs": 8, "dtype": "float32"}
+    assert without_default_quantization(config.engine) == {"max_num_seqs": 8, "dtype": "float32"}
     assert config.model_name == "folder"
 
 

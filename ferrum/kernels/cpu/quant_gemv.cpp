@@ -1,7 +1,11 @@
 // Products of activation rows with int4 or int8 weights on the CPU, as integer dot products.
 //
-// Each row of x is quantized to int8 in blocks of 32 inputs (a float scale per block; its exact
-// float sum per weight group, and its integer sum per block). The weights are repacked once
+// Each row of x is quantized to int8 twice over, in blocks of 32 inputs: x = s1 q1 + s2 q2 + e with
+// s1 = max |x| / 127, q2 the rounding error's own int8 at s2 = s1 / 254, so |e| <= max |x| / 64516
+// (one int8 alone left max |x| / 254, which flipped the demo model's near-ties: a cached prompt prefix
+// then changed its greedy answer). The two parts are two rows of activations (a float scale per block;
+// the exact float sum per weight group on the first, and their integer sums per block), so the
+// kernels below see 2T rows for T and the part rows' products are added. The weights are repacked once
 // (ferrum.models.layers.quantized_linear.CpuKernelsMethod) so that 8 output rows sit side by side:
 // one 32-byte load holds 4 consecutive inputs of each of 8 rows, and one vpdpbusd (AVX512-VNNI or
 // AVX-VNNI; maddubs + madd on plain AVX2) adds their products with the same 4 inputs of x, broadcast,
@@ -16,7 +20,6 @@
 
 #include "common.h"
 
-#include <type_traits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -27,7 +30,8 @@ namespace {
 
 constexpr int64_t QBLOCK = 32;
 constexpr int64_t LANES = 8;     // output rows side by side
-constexpr int64_t MAX_ROWS = 8;  // activation rows a weight block is unpacked once for
+constexpr int64_t MAX_ROWS = 8;  // activation rows (parts: two per row of x) a weight block is unpacked once for
+constexpr int64_t PARTS = 2;     // int8 parts per row of x
 
 struct QuantizedX {
   int64_t rows, K;
@@ -37,12 +41,15 @@ struct QuantizedX {
   std::vector<float> group_sum;  // [rows, K / group]: exact float sums of x
 };
 
+// rows of x [rows, K] as 2 rows of int8 parts each: part 0 of row t is row 2t, part 1 row 2t + 1
 template <typename T>
 QuantizedX quantize_x(const T* x, int64_t rows, int64_t K, int64_t group) {
   const int64_t blocks = K / QBLOCK, groups = group ? K / group : 1, per_group = group ? group / QBLOCK : blocks;
-  QuantizedX out{rows, K, std::vector<int8_t>(rows * K), std::vector<float>(rows * blocks),
-                 std::vector<int32_t>(rows * blocks), std::vector<float>(rows * groups, 0.f)};
+  const int64_t parts = PARTS * rows;
+  QuantizedX out{parts, K, std::vector<int8_t>(parts * K), std::vector<float>(parts * blocks),
+                 std::vector<int32_t>(parts * blocks), std::vector<float>(parts * groups, 0.f)};
   for (int64_t t = 0; t < rows; ++t) {
+    const int64_t hi = PARTS * t, lo = hi + 1;
     for (int64_t b = 0; b < blocks; ++b) {
       float v[QBLOCK];
       float amax = 0.f, total = 0.f;
@@ -51,16 +58,24 @@ QuantizedX quantize_x(const T* x, int64_t rows, int64_t K, int64_t group) {
         amax = std::max(amax, std::fabs(v[i]));
         total += v[i];
       }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* q = out.q.data() + t * K + b * QBLOCK;
-      int32_t q_total = 0;
+      const float s1 = amax / 127.f, s2 = s1 / 254.f;
+      const float inv1 = amax > 0.f ? 127.f / amax : 0.f, inv2 = amax > 0.f ? 254.f * 127.f / amax : 0.f;
+      int8_t* q1 = out.q.data() + hi * K + b * QBLOCK;
+      int8_t* q2 = out.q.data() + lo * K + b * QBLOCK;
+      int32_t sum1 = 0, sum2 = 0;
       for (int64_t i = 0; i < QBLOCK; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-        q_total += q[i];
+        const float r1 = std::nearbyint(v[i] * inv1);
+        q1[i] = static_cast<int8_t>(r1);
+        const float rest = v[i] - r1 * s1;
+        q2[i] = static_cast<int8_t>(std::clamp(std::nearbyint(rest * inv2), -127.f, 127.f));
+        sum1 += q1[i];
+        sum2 += q2[i];
       }
-      out.scale[t * blocks + b] = amax / 127.f;
-      out.q_sum[t * blocks + b] = q_total;
-      out.group_sum[t * groups + b / per_group] += total;
+      out.scale[hi * blocks + b] = s1;
+      out.scale[lo * blocks + b] = s2;
+      out.q_sum[hi * blocks + b] = sum1;
+      out.q_sum[lo * blocks + b] = sum2;
+      out.group_sum[hi * groups + b / per_group] += total;  // the part rows' sums stay 0: counted once
     }
   }
   return out;
@@ -215,24 +230,25 @@ void over_row_groups(int64_t row_groups, int64_t K, Fn fn) {
   at::parallel_for(0, row_groups, grain, fn);
 }
 
-// y [T, N] in x's dtype, computed MAX_ROWS rows of x at a time: fn(xq, float_out) fills float rows,
-// which are then rounded into y (float32 x: written in place)
+// y [T, N] in x's dtype, computed MAX_ROWS / PARTS rows of x at a time: fn(xq, parts_out) fills the
+// float rows of their parts, whose pairs are then added and rounded into y
 template <typename Fn>
 at::Tensor by_row_chunks(const at::Tensor& x_in, int64_t K, int64_t N, int64_t group, Fn fn) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [T, ", K, "]");
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  std::vector<float> scratch(x.scalar_type() == at::kFloat ? 0 : MAX_ROWS * N);
+  std::vector<float> scratch(MAX_ROWS * N);
+  constexpr int64_t chunk = MAX_ROWS / PARTS;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_gemv", [&] {
-    for (int64_t t0 = 0; t0 < x.size(0); t0 += MAX_ROWS) {
-      const int64_t rows = std::min(MAX_ROWS, x.size(0) - t0);
+    for (int64_t t0 = 0; t0 < x.size(0); t0 += chunk) {
+      const int64_t rows = std::min(chunk, x.size(0) - t0);
       const QuantizedX xq = quantize_x(x.data_ptr<scalar_t>() + t0 * K, rows, K, group);
+      fn(xq, scratch.data());
       scalar_t* out = y.data_ptr<scalar_t>() + t0 * N;
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        fn(xq, out);
-      } else {
-        fn(xq, scratch.data());
-        for (int64_t i = 0; i < rows * N; ++i) out[i] = scalar_t(scratch[i]);
+      for (int64_t t = 0; t < rows; ++t) {
+        const float* hi = scratch.data() + PARTS * t * N;
+        const float* lo = hi + N;
+        for (int64_t n = 0; n < N; ++n) out[t * N + n] = scalar_t(hi[n] + lo[n]);
       }
     }
   });
