@@ -44,10 +44,19 @@ struct ItemArgs {
   float scale;
 };
 
+// The cache offsets (elements) of keys k0 .. k0 + n of kv head `kv_head`: one division for the range,
+// then block by block.
 template <typename T>
-inline const T* key_row(const ItemArgs<T>& a, const T* cache, int64_t kv_head, int64_t p) {
-  const int64_t slot = int64_t(a.table[p / a.block_size]) * a.block_size + p % a.block_size;
-  return cache + slot * a.slot_stride + kv_head * a.head_dim;
+inline void key_offsets(const ItemArgs<T>& a, int64_t kv_head, int64_t k0, int64_t n, int64_t* out) {
+  int64_t block = k0 / a.block_size, within = k0 - block * a.block_size;
+  int64_t base = int64_t(a.table[block]) * a.block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = (base + within) * a.slot_stride + kv_head * a.head_dim;
+    if (++within == a.block_size) {
+      within = 0;
+      if (j + 1 < n) base = int64_t(a.table[++block]) * a.block_size;
+    }
+  }
 }
 
 template <typename T>
@@ -103,15 +112,17 @@ void run_item_scalar(const Item& it, const ItemArgs<T>& a, Partial st, float* qf
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
     const int64_t n = std::min(SUB, key_end - k0);
+    int64_t offsets[SUB];
+    key_offsets(a, it.kv_head, k0, n, offsets);
     for (int64_t j = 0; j < n; ++j) {
-      const T* kp = key_row(a, a.k_cache, it.kv_head, k0 + j);
+      const T* kp = a.k_cache + offsets[j];
       for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kp[d]);
       for (int64_t r = 0; r < R; ++r) scores[r * SUB + j] = dot(qf + r * D, kf, D);
     }
     for (int64_t r = 0; r < R; ++r)
       softmax_step<false>(scores + r * SUB, n, visible(it, r / a.group, a.past, k0, n), st, r, D);
     for (int64_t j = 0; j < n; ++j) {
-      const T* vp = key_row(a, a.v_cache, it.kv_head, k0 + j);
+      const T* vp = a.v_cache + offsets[j];
       for (int64_t d = 0; d < D; ++d) kf[d] = to_float(vp[d]);
       for (int64_t r = 0; r < R; ++r) {
         const float w = scores[r * SUB + j];
@@ -150,8 +161,10 @@ void run_item_simd(const Item& it, const ItemArgs<T>& a, Partial st, float* qf, 
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
     const int64_t n = std::min(SUB, key_end - k0);
+    int64_t offsets[SUB];
+    key_offsets(a, it.kv_head, k0, n, offsets);
     for (int64_t j = 0; j < n; ++j) {
-      const T* kp = key_row(a, a.k_cache, it.kv_head, k0 + j);
+      const T* kp = a.k_cache + offsets[j];
       for (int v = 0; v < NV; ++v) store16(buf + j * D + 16 * v, load16(kp + 16 * v));
     }
     for (int64_t r = 0; r < R; ++r) {
@@ -171,7 +184,7 @@ void run_item_simd(const Item& it, const ItemArgs<T>& a, Partial st, float* qf, 
     for (int64_t r = 0; r < R; ++r)
       softmax_step<true>(scores + r * SUB, n, visible(it, r / a.group, a.past, k0, n), st, r, D);
     for (int64_t j = 0; j < n; ++j) {
-      const T* vp = key_row(a, a.v_cache, it.kv_head, k0 + j);
+      const T* vp = a.v_cache + offsets[j];
       for (int v = 0; v < NV; ++v) store16(buf + j * D + 16 * v, load16(vp + 16 * v));
     }
     int64_t r = 0;
