@@ -108,6 +108,12 @@ def gemv_table() -> None:
                       f"{dense * 1e6:.1f} | {theirs / ours:.2f} |")
 
 
+def every_layer(caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, q: torch.Tensor,
+                rest: tuple[Any, ...]) -> None:
+    for k, v in caches:
+        torch.ops.ferrum_cpu.paged_attention(out, q, k, v, *rest)
+
+
 def attention_table() -> None:
     """One layer's cache called again and again stays in the last-level cache (4.9 MB at 6,000 tokens);
     the per-layer column rotates through 30 layers' caches, as a decode step does, so they come from memory."""
@@ -128,11 +134,7 @@ def attention_table() -> None:
                 dim**-0.5)
         ours = timed(partial(torch.ops.ferrum_cpu.paged_attention, out, q, k_cache, v_cache, *rest), 50)
 
-        def every_layer() -> None:
-            for k, v in caches:
-                torch.ops.ferrum_cpu.paged_attention(out, q, k, v, *rest)
-
-        per_layer = timed(every_layer, 5) / len(caches)
+        per_layer = timed(partial(every_layer, caches, out, q, rest), 5) / len(caches)
         read = 2 * context * kv_heads * dim * 2
         slots = (table[0].long()[:, None] * block + torch.arange(block)).reshape(-1)[:context]
         theirs = timed(partial(gathered, k_cache, v_cache, q, slots), 50)
