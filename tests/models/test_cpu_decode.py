@@ -22,9 +22,12 @@ from ferrum.weights.locations.model_files import ModelFiles, local_weights
 from ferrum.weights.quantization.scheme import QuantizationConfig
 from ferrum.weights.spec.sources import File
 from tests.engines import host_device
-from tests.tiny_model import save_hf_model, tiny_config
+from tests.tiny_model import DEMO, save_hf_model, tiny_config
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the CPU kernels with")
+pytestmark = [
+    pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the CPU kernels with"),
+    pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="the demo model is not prepared (`make model`)"),
+]
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [11, 12], [400, 3, 3, 3, 60, 61, 62, 63, 64, 65, 66, 9, 10]]
 

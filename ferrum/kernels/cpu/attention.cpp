@@ -243,8 +243,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t n = starts[b + 1] - starts[b];
     TORCH_CHECK(n >= 0 && lens[b] >= n && (lens[b] + block_size - 1) / block_size <= width,
-                "paged_attention: sequence ", b, " has ", n, " queries, ", lens[b],
-                " tokens and a block table of ", width, " blocks");
+                message("paged_attention: sequence ", b, " has ", n, " queries, ", lens[b],
+                        " tokens and a block table of ", width, " blocks"));
     base_items += kv_heads * ((n + TILE - 1) / TILE);
   }
   const int64_t threads = at::get_num_threads();

@@ -11,9 +11,27 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace ferrum_cpu {
+
+// A check's message, its numbers written with std::to_string: TORCH_CHECK's own formatting of numbers
+// (c10::str, through a stream) crashed the process instead of raising where the library was built by
+// GCC 13.3 against torch 2.11's wheel (an H100 host's Xeon); messages of strings alone raised there.
+inline std::string piece(const char* text) { return text; }
+inline std::string piece(const std::string& text) { return text; }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+inline std::string piece(T number) {
+  return std::to_string(number);
+}
+template <typename... Parts>
+inline std::string message(const Parts&... parts) {
+  std::string out;
+  ((out += piece(parts)), ...);
+  return out;
+}
 
 template <typename T>
 inline float to_float(T v) {

@@ -39,8 +39,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
   TORCH_CHECK(v_caches.size() == k_caches.size() && static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
                   static_cast<int64_t>(weights.size()) == layers * PROJECTIONS * PER_PROJECTION &&
                   static_cast<int64_t>(layout.size()) == layers * PROJECTIONS * PER_PROJECTION,
-              "decode_layers: per layer two norms, ", PROJECTIONS, " projections of ", PER_PROJECTION,
-              " tensors and ints each, and a k and v cache; then the final norm");
+              message("decode_layers: per layer two norms, ", PROJECTIONS, " projections of ", PER_PROJECTION,
+                      " tensors and ints each, and a k and v cache; then the final norm"));
   const int64_t rows = x_in.size(0), q_size = num_heads * head_dim;
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);  // as Python's head_dim**-0.5
   at::Tensor x = x_in.contiguous();

@@ -38,11 +38,10 @@ at::Tensor int8_float_gemv(const at::Tensor& x_in, const at::Tensor& weight, con
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
               "int8_float_gemv: weight must be contiguous int8 [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0, "int8_float_gemv: group ", group,
-              " must be a multiple of 16 dividing ", K);
+  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0, message("int8_float_gemv: group ", group, " must be a multiple of 16 dividing ", K));
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
               "int8_float_gemv: scale must be contiguous float32 [N, K / group]");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "int8_float_gemv: x must be [T, ", K, "]");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, message("int8_float_gemv: x must be [T, ", K, "]"));
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t T = x.size(0);
   at::Tensor y = at::empty({T, N}, x.options());

@@ -152,9 +152,9 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t max_pos = cos_table.size(0), num_slots = k_cache.size(0);
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos && slot[t] >= 0 && slot[t] < num_slots, "rope_write: row ", t,
-                " has position ", pos[t], " (table of ", max_pos, ") and slot ", slot[t], " (cache of ", num_slots,
-                ")");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos && slot[t] >= 0 && slot[t] < num_slots,
+                message("rope_write: row ", t, " has position ", pos[t], " (table of ", max_pos, ") and slot ", slot[t],
+                        " (cache of ", num_slots, ")"));
   const float* ct = cos_table.data_ptr<float>();
   const float* st = sin_table.data_ptr<float>();
   const int64_t rotated = num_heads + num_kv_heads, row_stride = qkv.stride(0);

@@ -234,7 +234,7 @@ void over_row_groups(int64_t row_groups, int64_t K, Fn fn) {
 // float rows of their parts, whose pairs are then added and rounded into y
 template <typename Fn>
 at::Tensor by_row_chunks(const at::Tensor& x_in, int64_t K, int64_t N, int64_t group, Fn fn) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [T, ", K, "]");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, message("x must be [T, ", K, "]"));
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   std::vector<float> scratch(MAX_ROWS * N);
@@ -276,8 +276,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                   packed.is_contiguous(),
               "int4_gemv: packed must be uint8 [N/8, K/32, 4, 32]");
   const int64_t row_groups = packed.size(0), K = packed.size(1) * QBLOCK, N = row_groups * LANES;
-  TORCH_CHECK(group % QBLOCK == 0 && group > 0 && K % group == 0, "int4_gemv: group ", group,
-              " must be a multiple of 32 dividing ", K);
+  TORCH_CHECK(group % QBLOCK == 0 && group > 0 && K % group == 0, message("int4_gemv: group ", group, " must be a multiple of 32 dividing ", K));
   TORCH_CHECK(scale.is_contiguous() && minimum.is_contiguous() && scale.scalar_type() == minimum.scalar_type() &&
                   (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) &&
                   scale.numel() == N * (K / group) && minimum.numel() == N * (K / group),
@@ -307,8 +306,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                   packed.is_contiguous(),
               "int8_gemv: packed must be uint8 [N/8, K/32, 8, 32]");
   const int64_t row_groups = packed.size(0), K = packed.size(1) * QBLOCK, N = row_groups * LANES;
-  TORCH_CHECK(group == 0 || (group % QBLOCK == 0 && K % group == 0), "int8_gemv: group ", group,
-              " must be 0 or a multiple of 32 dividing ", K);
+  TORCH_CHECK(group == 0 || (group % QBLOCK == 0 && K % group == 0), message("int8_gemv: group ", group, " must be 0 or a multiple of 32 dividing ", K));
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.numel() == (group ? N * (K / group) : N),
               "int8_gemv: scale must be float32 [N/8, 8] or [N/8, K/g, 8]");
