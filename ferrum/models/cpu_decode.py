@@ -1,7 +1,8 @@
 """CPU: a step of few rows through every decoder layer in one C++ call
 (torch.ops.ferrum_cpu.decode_layers), the same kernels in the same order as the layered forward with
 the CPU's ops, so equal to it bit for bit. The layered forward makes about ten Python calls per layer
-(modules, reshapes, op dispatch); on the demo model that was about a third of a 9 ms decode step.
+(modules, reshapes, op dispatch); on the demo model (quantization auto, 2 Zen 4 cores) a decode step
+took 8.1 ms layered and takes 5.4 ms chained (benchmarks/cpu-kernels.md).
 
 Taken for steps of fewer than CpuKernelsMethod.DENSE_ROWS rows (larger ones dequantize each weight
 for one dense product) when every projection of every layer is int4 or int8 storage in the integer
