@@ -34,6 +34,10 @@ QUANTIZATION_HELP = (
     "group_size, symmetric and skip from the config file's quantization section); or the format a published "
     "checkpoint must be in: gptq | awq | fp8 | compressed-tensors | gguf (detected without the flag)"
 )
+KV_CACHE_DTYPE_HELP = (
+    "what the KV cache holds: auto (the serving dtype) | bfloat16 | float16 | float32 | int8 (per-head int8 with "
+    "a float32 scale: about half the bytes of bfloat16; read by the CPU kernels' attention only)"
+)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +55,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     p.add_argument("--kv-cache-memory-gb", dest="kv_cache_memory_gb", type=float)
+    p.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--threads", dest="threads", type=int,
                    help="CPU: compute threads (default: the cores the process may use, cgroup quota included)")
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float,
@@ -65,7 +70,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
                    help="split the model across N devices (one process each; default 1)")
     p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),
-                   help="run the engine in a process of its own (auto: on cuda and mps, not on cpu)")
+                   help="run the engine in a process of its own (auto: on, on every backend)")
     p.add_argument("--log-level", dest="log_level", help="debug | info | warning | error")
     p.add_argument("--log-format", dest="log_format", choices=("text", "json"), help="log lines as text or JSON")
     p.add_argument("--log-prompts", dest="log_prompts", action="store_const", const=True,
@@ -136,6 +141,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--quantization", "-q", dest="quantization", metavar="METHOD", help=QUANTIZATION_HELP)
     p.add_argument("--max-model-len", dest="max_model_len", type=int)
+    p.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--port", type=int, help="port of the background server (default: a free one)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--log-level", dest="log_level", help="the server's log level (default warning)")
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             config = run_config(args.model, args.config, {k: getattr(args, k) for k in (
-                "backend", "dtype", "quantization", "max_model_len", "port", "log_level")})
+                "backend", "dtype", "quantization", "max_model_len", "kv_cache_dtype", "port", "log_level")})
             setup_logging(config.server.logging)
             sys.exit(run_model(config, args.temperature))
         except USER_ERRORS as exc:

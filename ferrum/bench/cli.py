@@ -17,7 +17,7 @@ from ferrum.bench.workload import LengthRange, WorkloadSpec, load_prompts
 log = logging.getLogger("ferrum.bench")
 
 ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb",
-                "gpu_memory_utilization", "tensor_parallel_size")
+                "kv_cache_dtype", "gpu_memory_utilization", "tensor_parallel_size")
 
 
 def _length_range(text: str) -> LengthRange:
@@ -100,6 +100,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one step")
     off.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
     off.add_argument("--kv-cache-memory-gb", type=float, metavar="G", help="KV cache size")
+    off.add_argument("--kv-cache-dtype", help="auto | bfloat16 | float16 | float32 | int8 (default auto)")
     off.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                      help="on GPUs: share of device memory for weights and KV cache")
     off.add_argument("--tensor-parallel-size", type=int, metavar="N",

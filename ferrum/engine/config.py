@@ -40,10 +40,19 @@ class EngineConfig:
     threads: int | None = None
     # the linear layers' weights quantized as they load (None: served in the dtype)
     quantization: QuantizationConfig | None = None
+    # what the KV cache holds: auto (the serving dtype) | bfloat16 | float16 | float32 | int8 (each head's
+    # values with a float32 scale: half a bfloat16 cache's bytes; read by the CPU kernels' attention)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             serving_dtype(self.dtype)  # ValueError naming the valid ones
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            try:
+                serving_dtype(self.kv_cache_dtype)
+            except ValueError:
+                raise ValueError(f"kv_cache_dtype must be auto, int8 or a serving dtype (float32, bfloat16, "
+                                 f"float16), got {self.kv_cache_dtype!r}") from None
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
                      "tensor_parallel_size", "threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -76,6 +85,12 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs or (256 if gpu else 64),
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 1024),
         )
+
+    def kv_dtype(self, serving: torch.dtype) -> torch.dtype:
+        """What the KV cache holds for a model served in `serving`."""
+        if self.kv_cache_dtype == "auto":
+            return serving
+        return torch.int8 if self.kv_cache_dtype == "int8" else serving_dtype(self.kv_cache_dtype)
 
     @property
     def seqs_per_step(self) -> int:

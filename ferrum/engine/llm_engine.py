@@ -66,6 +66,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     max_num_seqs: int = 0  # the running batch's limit
+    kv_cache_dtype: str = ""  # what the KV cache holds (bfloat16, int8, ...)
 
 
 class LLMEngine:
@@ -118,9 +119,10 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         log.info(
-            "engine ready in %.1fs: %s %s on %s (%s attention), %d KV blocks x %d tokens, max_model_len %d",
+            "engine ready in %.1fs: %s %s on %s (%s attention), %d KV blocks x %d tokens (%s), max_model_len %d",
             time.perf_counter() - started, model_config.architecture, dtype_name(self.dtype), device.name,
-            self.attention.name, self.rank.num_blocks, config.block_size, self.max_model_len,
+            self.attention.name, self.rank.num_blocks, config.block_size, dtype_name(self.layout.dtype),
+            self.max_model_len,
         )
 
     # -- building ---------------------------------------------------------------------------
@@ -324,6 +326,7 @@ class LLMEngine:
             prefix_cache_queries=self.block_manager.prefix_cache_queries,
             prefix_cache_hits=self.block_manager.prefix_cache_hits,
             max_num_seqs=self.scheduler.max_num_seqs,
+            kv_cache_dtype=dtype_name(self.layout.dtype),
         )
 
     # -- offline use ------------------------------------------------------

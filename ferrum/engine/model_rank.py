@@ -72,11 +72,13 @@ class ModelRank:
         self.config, self.device, self.dtype, self.max_model_len = config, device, dtype, max_model_len
         self.shard = ShardPlan(model_config, self.tp.rank, self.tp.size)
         self.model_config = model_config
-        self.layout = KVCacheLayout.of(self.shard.rank_config(), dtype, config.block_size)
         self.cpu_kernels = device.kind == "cpu" and config.kernels.cpu and load_cpu_kernels(config.kernels)
         self.quantization = resolve_quantization(config.quantization, device, model_config, self.cpu_kernels, dtype)
         if self.quantization.reason and self.tp.rank == 0:
             log.info("%s", self.quantization.reason)
+        int8_kv = self.quantization.int8_kv and config.kv_cache_dtype == "auto"
+        kv_dtype = torch.int8 if int8_kv else config.kv_dtype(dtype)
+        self.layout = KVCacheLayout.of(self.shard.rank_config(), kv_dtype, config.block_size)
         self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels)
         self._report = report
         plan = plan_host(device, self.layout, config) if not device.dedicated_memory else None

@@ -33,8 +33,10 @@ class TorchModelRunner:
         self.device = device.torch_device
         self.layout = layout
         self.attention = attention
-        # cpu_paged reads only the slots of positions already written: its cache is never zeroed
-        self.kv_caches = layout.allocate(num_blocks, self.device, zeroed=not isinstance(attention, CpuPagedAttention))
+        # cpu_paged reads only the slots of positions already written: its cache is never zeroed; its
+        # kernels read each kv head's keys of a block as one run of memory (block_major)
+        cpu_paged = isinstance(attention, CpuPagedAttention)
+        self.kv_caches = layout.allocate(num_blocks, self.device, zeroed=not cpu_paged, block_major=cpu_paged)
         self.chain = CpuDecodeChain.for_model(model) if isinstance(attention, CpuPagedAttention) else None
 
     @torch.inference_mode()

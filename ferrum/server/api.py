@@ -522,6 +522,7 @@ class Server:
             root=self.model_name,
             max_model_len=engine.max_model_len,
             quantization=quantization,
+            kv_cache_dtype=engine.stats().kv_cache_dtype or None,
         )
 
 

@@ -758,6 +758,7 @@ class ModelCard(BaseModel):
     parent: str | None = None
     max_model_len: int
     quantization: ModelQuantization | None = None  # null: weights served unquantized
+    kv_cache_dtype: str | None = None  # what the KV cache holds: the serving dtype, or int8
 
 
 class ModelList(BaseModel):

@@ -5,12 +5,14 @@ against a stand-in runtime: every byte counted against the budget). And the step
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from ferrum.backends.cuda import CUDABackend
+from ferrum.engine.builder import create_engine
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.limits import PromptTooLongError, RequestLimits
 from ferrum.engine.memory_plan import plan_gpu, plan_host
@@ -19,6 +21,7 @@ from ferrum.engine.sampling_params import SamplingParams
 from ferrum.models.attention.layout import KVCacheLayout
 from tests.backends.test_backends import GIB, StubRuntime, gpu_facts
 from tests.engines import host_device
+from tests.tiny_model import make_tiny_llama
 
 MIB = 2**20
 
@@ -33,6 +36,22 @@ def test_kv_layout_bytes_slots_and_allocation() -> None:
     assert layout.slots(table, 2, 6) == [30, 31, 8, 9] and layout.slot(table, 9) == 37
     caches = layout.allocate(5, torch.device("cpu"))
     assert len(caches) == 3 and all(k.shape == v.shape == (20, 2, 8) and k.dtype == torch.bfloat16 for k, v in caches)
+    assert layout.allocate(5, torch.device("cpu"), block_major=True)[0][0].shape == (5, 2, 4, 8)
+    # int8: each head's 8 values, then its float32 scale (4 bytes): 12 bytes against bf16's 16
+    int8 = dataclasses.replace(layout, dtype=torch.int8)
+    assert int8.quantized and int8.head_width == 12 and int8.bytes_per_token == 2 * 3 * 2 * 12
+    assert int8.allocate(5, torch.device("cpu"))[0][0].shape == (20, 2, 12)
+
+
+def test_kv_cache_dtype_is_checked_and_int8_is_refused_without_the_cpu_kernels(tmp_path: Path) -> None:
+    assert EngineConfig(kv_cache_dtype="auto").kv_dtype(torch.bfloat16) == torch.bfloat16
+    assert EngineConfig(kv_cache_dtype="fp16").kv_dtype(torch.bfloat16) == torch.float16
+    assert EngineConfig(kv_cache_dtype="int8").kv_dtype(torch.bfloat16) == torch.int8
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, int8 or a serving dtype"):
+        EngineConfig(kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="read only by the CPU kernels' attention.*not loaded"):
+        create_engine(make_tiny_llama(tmp_path / "tiny"), backend="cpu", kv_cache_dtype="int8",
+                      kernels={"cpu": False})
 
 
 def test_request_limits() -> None:

@@ -47,9 +47,16 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 CASES = [(1, 37), (1, 1500), (20, 90), (33, 33), (1, 1)]
 
 
+def block_major(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[slots, KV, W] -> the engine's layout for these kernels, [blocks, KV, block_size, W]."""
+    return cache.view(-1, block_size, *cache.shape[1:]).transpose(1, 2).contiguous()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 40])  # 40: the kernel's any-head_dim path
-def test_paged_attention_matches_sdpa_over_gathered_slots(ops: object, dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("blocks_first", [True, False])
+def test_paged_attention_matches_sdpa_over_gathered_slots(ops: object, dtype: torch.dtype, head_dim: int,
+                                                           blocks_first: bool) -> None:
     torch.manual_seed(0)
     heads, kv_heads, block_size = 6, 2, 16
     num_blocks = sum(-(-length // block_size) for _, length in CASES) + 3
@@ -70,11 +77,64 @@ def test_paged_attention_matches_sdpa_over_gathered_slots(ops: object, dtype: to
     qkv = torch.randn(starts[-1], (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # a strided view, as the layer passes it
     out = torch.empty(q.shape, dtype=dtype)
-    ops.paged_attention(out, q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32),  # type: ignore[attr-defined]
+    k_in, v_in = (k_cache, v_cache)
+    if blocks_first:
+        k_in, v_in = block_major(k_cache, block_size), block_major(v_cache, block_size)
+    ops.paged_attention(out, q, k_in, v_in, table, torch.tensor(lens, dtype=torch.int32),  # type: ignore[attr-defined]
                         torch.tensor(starts, dtype=torch.int32), block_size, 1 / math.sqrt(head_dim))
     expected = reference_attention(q, k_cache, v_cache, tables, lens, starts, block_size)
     bound = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: the output's rounding (values ~1)
     assert (out.float() - expected).abs().max().item() < bound
+
+
+def int8_cache(x: torch.Tensor) -> torch.Tensor:
+    """[slots, KV, D] floats -> the int8 cache layout [slots, KV, D + 4]: values, then their float32 scale."""
+    scale = x.float().abs().amax(-1, keepdim=True) / 127
+    values = (x.float() / scale.clamp_min(1e-30)).round().to(torch.int8)
+    return torch.cat((values, scale.view(torch.int8)), -1)
+
+
+def dequantized(cache: torch.Tensor) -> torch.Tensor:
+    values, scale = cache[..., :-4], cache[..., -4:].contiguous().view(torch.float32)
+    return values.float() * scale
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int) -> None:
+    """Against SDPA over the same cache dequantized: the kernel's only rounding is bf16's output; and
+    against the unquantized cache, the int8 cache's cost (random values: per-head scales)."""
+    torch.manual_seed(3)
+    heads, kv_heads, block_size, cases = 6, 2, 16, [(1, 37), (1, 1500), (20, 90)]
+    num_blocks = sum(-(-length // block_size) for _, length in cases)
+    k = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k8, v8 = int8_cache(k), int8_cache(v)
+    tables, lens, starts, first = [], [], [0], 0
+    for n, length in cases:
+        tables.append(list(range(first, first + -(-length // block_size))))
+        first += len(tables[-1])
+        lens.append(length)
+        starts.append(starts[-1] + n)
+    table = torch.zeros(len(cases), max(map(len, tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    q = torch.randn(starts[-1], heads, head_dim, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ops.paged_attention(out, q, block_major(k8, block_size), block_major(v8, block_size), table,  # type: ignore[attr-defined]
+                        torch.tensor(lens, dtype=torch.int32),
+                        torch.tensor(starts, dtype=torch.int32), block_size, 1 / math.sqrt(head_dim))
+    exact = reference_attention(q, dequantized(k8), dequantized(v8), tables, lens, starts, block_size)
+    assert (out.float() - exact).abs().max().item() < 1.6e-2  # bf16's rounding of values ~1
+    unquantized = reference_attention(q, k, v, tables, lens, starts, block_size)
+    assert (out.float() - unquantized).abs().max().item() < 0.05
+    with pytest.raises(RuntimeError, match="head width"):  # an int8 cache without room for its scales
+        ops.paged_attention(out, q, k8[..., :head_dim].contiguous(), v8[..., :head_dim].contiguous(),  # type: ignore[attr-defined]
+                            table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                            block_size, 1.0)
+    with pytest.raises(RuntimeError, match="block_size \\(16\\)"):  # blocks of another size
+        ops.paged_attention(out, q, k8.view(-1, 8, kv_heads, head_dim + 4), v8.view(-1, 8, kv_heads, head_dim + 4),  # type: ignore[attr-defined]
+                            table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                            block_size, 1.0)
 
 
 def test_paged_attention_refuses_a_block_table_too_short(ops: object) -> None:
@@ -123,6 +183,16 @@ def test_rope_write_rotates_q_and_k_and_fills_the_slots(ops: object, dtype: torc
     with pytest.raises(RuntimeError, match="slot 10 \\(cache of 10\\)"):
         ops.rope_write(qkv, positions, cos, sin, k_cache, v_cache, torch.tensor([1, 2, 10]),  # type: ignore[attr-defined]
                        heads, kv_heads)
+    # an int8 cache: each head's values round(x / scale) with scale max|x| / 127 after them
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    k8, v8 = (torch.zeros(5, kv_heads, 2, dim + 4, dtype=torch.int8) for _ in range(2))  # blocks of 2 slots
+    v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim).clone()
+    ops.rope_write(qkv, positions, cos, sin, k8, v8, slots, heads, kv_heads)  # type: ignore[attr-defined]
+    k8, v8 = (c.transpose(1, 2).reshape(10, kv_heads, dim + 4) for c in (k8, v8))  # as [slots, KV, W]
+    for cache, want in ((k8, qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)), (v8, v)):
+        scale = cache[slots, :, dim:].contiguous().view(torch.float32)
+        torch.testing.assert_close(scale, want.float().abs().amax(-1, keepdim=True) / 127)
+        assert ((dequantized(cache[slots]) - want.float()).abs() <= scale / 2 * 1.0001).all()
 
 
 def test_build_is_cached_and_a_failed_build_leaves_nothing(ops: object, tmp_path: Path,

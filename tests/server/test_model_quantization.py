@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from ferrum.backends.cpu import CPUBackend
+from ferrum.engine.llm_engine import EngineStats
 from ferrum.models.loader import WeightLoadReport
 from ferrum.server.api import backend_card, create_app
 from ferrum.weights.quantization.scheme import QuantizationConfig
@@ -23,9 +24,13 @@ class ReadyEngine:
 
     max_model_len = 64
     weight_load: WeightLoadReport | None = None
+    kv_cache_dtype = "bfloat16"
 
     def is_ready(self) -> bool:
         return True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0, 8, 0, 0, 0, 0, kv_cache_dtype=self.kv_cache_dtype)
 
 
 async def _get(quantization: QuantizationConfig | None, path: str, engine: ReadyEngine | None = None) -> Any:
@@ -63,7 +68,10 @@ async def test_models_show_what_quantization_auto_picked() -> None:
     engine.weight_load = WeightLoadReport("file", 1, 0.1, quantization="int4 (group 32, asymmetric)",
                                           chosen="quantization auto on cpu: ...",
                                           on_load=QuantizationConfig("int4", group_size=32))
-    card = (await _get(QuantizationConfig("auto"), "/v1/models/tiny", engine))["quantization"]
+    engine.kv_cache_dtype = "int8"
+    model = await _get(QuantizationConfig("auto"), "/v1/models/tiny", engine)
+    card = model["quantization"]
+    assert model["kv_cache_dtype"] == "int8"
     assert card == {"method": "int4", "group_size": 32, "symmetric": False, "skip": ["lm_head"], "checkpoint": None,
                     "chosen": "quantization auto on cpu: ..."}
 

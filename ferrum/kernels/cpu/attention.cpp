@@ -3,13 +3,20 @@
 // A step's queries are packed by sequence (query_starts); sequence b has seq_lens[b] tokens in the
 // cache after this step's write, its queries are its last tokens, and query i of n sits at position
 // seq_lens[b] - n + i and sees the keys at positions 0 .. that position (causal). Key position p of
-// sequence b lives in slot block_tables[b][p / block_size] * block_size + p % block_size.
+// sequence b lives in block block_tables[b][p / block_size], at p % block_size within it. The cache is
+// [blocks, KV, block_size, W] (each kv head's keys of a block side by side: what the engine allocates
+// for this kernel) or [slots, KV, W]; W is head_dim, or head_dim + 4 for an int8 cache.
 //
 // Work items are (sequence, kv head, tile of up to TILE query rows, range of keys): each computes,
 // for the tile's rows times the kv head's query heads, the softmax-weighted sum of its keys' values
 // with an online softmax (running max, running sum), in float32. Where one sequence's rows and kv
 // heads alone leave threads idle (decode), its keys are split into ranges whose partial results
 // (max, sum, weighted values) are merged afterwards: flash-decoding on the CPU.
+//
+// The cache holds the activations' dtype, or int8 (kv_cache_dtype int8): then each kv head of a slot is
+// head_dim int8 values followed by their float32 scale (4 bytes), written by rope_write, and keys and
+// values are converted to float32 with their scale as they are read, so a step reads about half the
+// bytes of a bfloat16 cache.
 
 #include "common.h"
 #include "simd.h"
@@ -32,35 +39,61 @@ struct Partial {  // one work item's running state for each of its R = rows * gr
 };
 
 // Item arguments shared by both item kernels.
-template <typename T>
+template <typename T, typename C>
 struct ItemArgs {
   const T* q;  // the sequence's first query row
   int64_t q_row_stride, q_head_stride;
-  const T* k_cache;
-  const T* v_cache;
-  int64_t slot_stride;  // elements between consecutive slots of the cache
+  const C* k_cache;
+  const C* v_cache;
+  CacheStrides strides;
   const int32_t* table;  // the sequence's block table
   int64_t block_size, past, group, head_dim;
   float scale;
 };
 
+// One cached head as float32: a float cache's values as they are, an int8 cache's times their scale.
+template <typename C>
+inline void head_to_float(const C* head, float* dst, int64_t D) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float s;
+    std::memcpy(&s, head + D, sizeof s);
+    for (int64_t d = 0; d < D; ++d) dst[d] = float(head[d]) * s;
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d] = to_float(head[d]);
+  }
+}
+
+// The same for head_dim = 16 * NV, an int8 head's values left unscaled: its scale is returned (1 for a
+// float cache), for the caller to apply to the head's score or weight rather than to every value.
+template <int NV, typename C>
+inline float head_to_float(const C* head, float* dst) {
+  for (int v = 0; v < NV; ++v) store16(dst + 16 * v, load16(head + 16 * v));
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float s;
+    std::memcpy(&s, head + 16 * NV, sizeof s);
+    return s;
+  }
+  return 1.f;
+}
+
 // The cache offsets (elements) of keys k0 .. k0 + n of kv head `kv_head`: one division for the range,
 // then block by block.
-template <typename T>
-inline void key_offsets(const ItemArgs<T>& a, int64_t kv_head, int64_t k0, int64_t n, int64_t* out) {
+template <typename T, typename C>
+inline void key_offsets(const ItemArgs<T, C>& a, int64_t kv_head, int64_t k0, int64_t n, int64_t* out) {
+  const CacheStrides& c = a.strides;
   int64_t block = k0 / a.block_size, within = k0 - block * a.block_size;
-  int64_t base = int64_t(a.table[block]) * a.block_size;
+  int64_t base = int64_t(a.table[block]) * c.block + kv_head * c.head;
   for (int64_t j = 0; j < n; ++j) {
-    out[j] = (base + within) * a.slot_stride + kv_head * a.head_dim;
+    out[j] = base + within * c.slot;
     if (++within == a.block_size) {
       within = 0;
-      if (j + 1 < n) base = int64_t(a.table[++block]) * a.block_size;
+      if (j + 1 < n) base = int64_t(a.table[++block]) * c.block + kv_head * c.head;
     }
   }
 }
 
-template <typename T>
-void init_item(const Item& it, const ItemArgs<T>& a, Partial st, float* qf) {
+template <typename T, typename C>
+void init_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf) {
   const int64_t R = it.rows * a.group, D = a.head_dim;
   for (int64_t r = 0; r < R; ++r) {  // r = row * group + head within the group
     const T* src = a.q + (it.row0 + r / a.group) * a.q_row_stride + (it.kv_head * a.group + r % a.group) * a.q_head_stride;
@@ -78,7 +111,6 @@ inline int64_t visible(const Item& it, int64_t r_row, int64_t past, int64_t k0, 
 }
 
 // Folds row r's new scores s[0..n) (n_vis of them visible) into its running softmax; s becomes the weights.
-template <bool Vector>
 inline void softmax_step(float* s, int64_t n, int64_t n_vis, Partial st, int64_t r, int64_t D) {
   if (n_vis == 0) {
     std::fill(s, s + n, 0.f);
@@ -87,12 +119,7 @@ inline void softmax_step(float* s, int64_t n, int64_t n_vis, Partial st, int64_t
   float m = st.max[r];
   for (int64_t j = 0; j < n_vis; ++j) m = std::max(m, s[j]);
   const float correction = std::exp(st.max[r] - m);
-  if constexpr (Vector) {
-    const F16 shift = splat(-m);
-    for (int64_t j = 0; j < n; j += 16) store16(s + j, exp16(add16(load16(s + j), shift)));
-  } else {
-    for (int64_t j = 0; j < n_vis; ++j) s[j] = std::exp(s[j] - m);
-  }
+  for (int64_t j = 0; j < n_vis; ++j) s[j] = std::exp(s[j] - m);
   std::fill(s + n_vis, s + n, 0.f);
   float total = 0.f;
   for (int64_t j = 0; j < n_vis; ++j) total += s[j];
@@ -104,9 +131,34 @@ inline void softmax_step(float* s, int64_t n, int64_t n_vis, Partial st, int64_t
   }
 }
 
+// The same 16 lanes at a time over s[0..n16), n16 a multiple of 16: the max and the sum in vectors.
+inline void softmax_step16(float* s, int64_t n16, int64_t n_vis, Partial st, int64_t r, int64_t D) {
+  if (n_vis == 0) {
+    std::fill(s, s + n16, 0.f);
+    return;
+  }
+  const int64_t vis16 = (n_vis + 15) / 16 * 16;
+  std::fill(s + n_vis, s + vis16, -std::numeric_limits<float>::infinity());
+  F16 top = splat(st.max[r]);
+  for (int64_t j = 0; j < vis16; j += 16) top = max16(top, load16(s + j));
+  const float m = hmax16(top);
+  const F16 shift = splat(-m);
+  for (int64_t j = 0; j < vis16; j += 16) store16(s + j, exp16(add16(load16(s + j), shift)));
+  std::fill(s + n_vis, s + n16, 0.f);  // exactly: exp16 of -inf is tiny, not 0
+  F16 total = zero16();
+  for (int64_t j = 0; j < vis16; j += 16) total = add16(total, load16(s + j));
+  const float correction = std::exp(st.max[r] - m);
+  st.sum[r] = st.sum[r] * correction + hsum16(total);
+  st.max[r] = m;
+  if (correction != 1.f) {
+    float* acc = st.acc + r * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+  }
+}
+
 // Any head_dim: one key at a time.
-template <typename T>
-void run_item_scalar(const Item& it, const ItemArgs<T>& a, Partial st, float* qf, float* kf, float* scores) {
+template <typename T, typename C>
+void run_item_scalar(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, float* kf, float* scores) {
   const int64_t R = it.rows * a.group, D = a.head_dim;
   init_item(it, a, st, qf);
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
@@ -115,15 +167,13 @@ void run_item_scalar(const Item& it, const ItemArgs<T>& a, Partial st, float* qf
     int64_t offsets[SUB];
     key_offsets(a, it.kv_head, k0, n, offsets);
     for (int64_t j = 0; j < n; ++j) {
-      const T* kp = a.k_cache + offsets[j];
-      for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kp[d]);
+      head_to_float(a.k_cache + offsets[j], kf, D);
       for (int64_t r = 0; r < R; ++r) scores[r * SUB + j] = dot(qf + r * D, kf, D);
     }
     for (int64_t r = 0; r < R; ++r)
-      softmax_step<false>(scores + r * SUB, n, visible(it, r / a.group, a.past, k0, n), st, r, D);
+      softmax_step(scores + r * SUB, n, visible(it, r / a.group, a.past, k0, n), st, r, D);
     for (int64_t j = 0; j < n; ++j) {
-      const T* vp = a.v_cache + offsets[j];
-      for (int64_t d = 0; d < D; ++d) kf[d] = to_float(vp[d]);
+      head_to_float(a.v_cache + offsets[j], kf, D);
       for (int64_t r = 0; r < R; ++r) {
         const float w = scores[r * SUB + j];
         if (w != 0.f) axpy(st.acc + r * D, w, kf, D);
@@ -153,39 +203,56 @@ inline void accumulate_values(float* acc, const float* weights, const float* buf
     for (int v = 0; v < NV; ++v) store16(acc + r * D + 16 * v, sum[r][v]);
 }
 
-template <typename T, int NV>
-void run_item_simd(const Item& it, const ItemArgs<T>& a, Partial st, float* qf, float* buf, float* scores) {
+template <typename T, typename C, int NV>
+void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, float* buf, float* scores) {
   constexpr int64_t D = 16 * NV;
+  constexpr bool scaled = std::is_same_v<C, int8_t>;
   const int64_t R = it.rows * a.group;
   init_item(it, a, st, qf);
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
+  alignas(64) float head_scale[SUB];  // an int8 cache's per-key scales (keys, then values)
+  int64_t offsets[SUB], next[SUB];
+  key_offsets(a, it.kv_head, it.key0, std::min(SUB, key_end - it.key0), next);
+  constexpr int64_t head_bytes = D * sizeof(C) + (std::is_same_v<C, int8_t> ? 4 : 0);
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
-    const int64_t n = std::min(SUB, key_end - k0);
-    int64_t offsets[SUB];
-    key_offsets(a, it.kv_head, k0, n, offsets);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* kp = a.k_cache + offsets[j];
-      for (int v = 0; v < NV; ++v) store16(buf + j * D + 16 * v, load16(kp + 16 * v));
+    const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
+    std::copy(next, next + n, offsets);
+    const int64_t n_next = std::min(SUB, key_end - k0 - n);
+    if (n_next > 0) key_offsets(a, it.kv_head, k0 + n, n_next, next);
+    for (int64_t j = 0; j < n_next; ++j) {  // the next range's keys and values, while this one computes
+      const char* kp = reinterpret_cast<const char*>(a.k_cache + next[j]);
+      const char* vp = reinterpret_cast<const char*>(a.v_cache + next[j]);
+      for (int64_t b = 0; b < head_bytes; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
+      }
     }
+    for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(a.k_cache + offsets[j], buf + j * D);
+    std::fill(buf + n * D, buf + n16 * D, 0.f);  // the last range's padding scores 0
+    std::fill(head_scale + n, head_scale + n16, 0.f);
     for (int64_t r = 0; r < R; ++r) {
       F16 q[NV];
       for (int v = 0; v < NV; ++v) q[v] = load16(qf + r * D + 16 * v);
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      for (int64_t j0 = 0; j0 < n16; j0 += 16) {
         F16 dots[16];
+        const float* k = buf + j0 * D;
         for (int64_t jj = 0; jj < 16; ++jj) {
-          F16 d = zero16();
-          if (j0 + jj < n)
-            for (int v = 0; v < NV; ++v) d = fma16(q[v], load16(buf + (j0 + jj) * D + 16 * v), d);
+          F16 d = mul16(q[0], load16(k + jj * D));
+          for (int v = 1; v < NV; ++v) d = fma16(q[v], load16(k + jj * D + 16 * v), d);
           dots[jj] = d;
         }
-        store16(scores + r * SUB + j0, sum16(dots));
+        F16 sums = sum16(dots);
+        if constexpr (scaled) sums = mul16(sums, load16(head_scale + j0));
+        store16(scores + r * SUB + j0, sums);
       }
     }
     for (int64_t r = 0; r < R; ++r)
-      softmax_step<true>(scores + r * SUB, n, visible(it, r / a.group, a.past, k0, n), st, r, D);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vp = a.v_cache + offsets[j];
-      for (int v = 0; v < NV; ++v) store16(buf + j * D + 16 * v, load16(vp + 16 * v));
+      softmax_step16(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
+    for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(a.v_cache + offsets[j], buf + j * D);
+    if constexpr (scaled) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j0 = 0; j0 < n16; j0 += 16)
+          store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(head_scale + j0)));
     }
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) accumulate_values<NV, 4>(st.acc + r * D, scores + r * SUB, buf, n);
@@ -198,15 +265,156 @@ void run_item_simd(const Item& it, const ItemArgs<T>& a, Partial st, float* qf, 
   }
 }
 
-template <typename T>
-void run_item(const Item& it, const ItemArgs<T>& a, Partial st, float* qf, float* buf, float* scores) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// An int8 cache on AVX512-VNNI, head_dim = 64 * NZ: keys are scored in integers without converting them.
+// Each query vector is quantized in two parts, q = s1 * q1 + s2 * q2 with s1 = max|q| / 127 and
+// s2 = s1 / 128 (|q2| <= 64, so the error is at most s1 / 256), both offset by 128 to be vpdpbusd's
+// unsigned operand against the cache's signed int8 keys: sum((q1 + 128) k) * 128 + sum((q2 + 128) k)
+// = 128 sum(q1 k) + sum(q2 k) + 16512 sum(k), and sum(k) comes from one more vpdpbusd per key against ones.
+// Values are converted to float32 as they are read and summed with the weights times their scales.
+
+// lane j: the sum of the lanes of a[j] (int32)
+inline __m512i isum16(const __m512i* a) {
+  __m512i x[8], y[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
+  const __m512i u0 =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(y[0], y[1], 0x88), _mm512_shuffle_i32x4(y[0], y[1], 0xDD));
+  const __m512i u1 =
+      _mm512_add_epi32(_mm512_shuffle_i32x4(y[2], y[3], 0x88), _mm512_shuffle_i32x4(y[2], y[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0x88), _mm512_shuffle_i32x4(u0, u1, 0xDD));
+}
+
+// acc[r][.] += weights[r][j] * value_j for the RB query vectors, reading each value from the cache once
+template <int NV, int RB>
+inline void accumulate_int8_values(float* acc, const float* weights, const int8_t* cache, const int64_t* offsets,
+                                   int64_t n) {
+  constexpr int64_t D = 16 * NV;
+  F16 sum[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < NV; ++v) sum[r][v] = load16(acc + r * D + 16 * v);
+  for (int64_t j = 0; j < n; ++j) {
+    F16 val[NV];
+    for (int v = 0; v < NV; ++v) val[v] = load16(cache + offsets[j] + 16 * v);
+    for (int r = 0; r < RB; ++r) {
+      const F16 w = splat(weights[r * SUB + j]);
+      for (int v = 0; v < NV; ++v) sum[r][v] = fma16(w, val[v], sum[r][v]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < NV; ++v) store16(acc + r * D + 16 * v, sum[r][v]);
+}
+
+template <typename T, int NZ>
+void run_item_vnni(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, float* qf, float* buf, float* scores) {
+  constexpr int64_t D = 64 * NZ, NV = 4 * NZ, RB = 16 / NV;  // RB query vectors' sums held in registers
+  const int64_t R = it.rows * a.group;
+  init_item(it, a, st, qf);
+  // buf holds the quantized queries: [R, D] bytes of each part, then R float scales (s2)
+  uint8_t* q1 = reinterpret_cast<uint8_t*>(buf);
+  uint8_t* q2 = q1 + R * D;
+  float* q_scale = reinterpret_cast<float*>(q2 + R * D);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = qf + r * D;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float s1 = amax > 0.f ? amax / 127.f : 1.f, s2 = s1 / 128.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float a1 = std::nearbyint(x[d] / s1);
+      const float a2 = std::min(64.f, std::max(-64.f, std::nearbyint((x[d] - a1 * s1) / s2)));
+      q1[r * D + d] = static_cast<uint8_t>(int(a1) + 128);
+      q2[r * D + d] = static_cast<uint8_t>(int(a2) + 128);
+    }
+    q_scale[r] = s2;
+  }
+  const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
+  alignas(64) float head_scale[SUB];
+  alignas(64) static const int8_t zeros[D] = {};
+  const __m512i ones = _mm512_set1_epi8(1), bias = _mm512_set1_epi32(16512);
+  int64_t offsets[SUB], next[SUB];
+  key_offsets(a, it.kv_head, it.key0, std::min(SUB, key_end - it.key0), next);
+  for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
+    const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
+    std::copy(next, next + n, offsets);
+    const int64_t n_next = std::min(SUB, key_end - k0 - n);
+    if (n_next > 0) key_offsets(a, it.kv_head, k0 + n, n_next, next);
+    for (int64_t j = 0; j < n_next; ++j) {  // the next range's keys and values, while this one computes
+      for (int64_t b = 0; b < D + 4; b += 64) {
+        __builtin_prefetch(a.k_cache + next[j] + b);
+        __builtin_prefetch(a.v_cache + next[j] + b);
+      }
+    }
+    for (int64_t j0 = 0; j0 < n16; j0 += 16) {
+      const int8_t* key[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        key[jj] = j0 + jj < n ? a.k_cache + offsets[j0 + jj] : zeros;
+        if (j0 + jj < n) std::memcpy(head_scale + j0 + jj, key[jj] + D, sizeof(float));
+        else head_scale[j0 + jj] = 0.f;
+      }
+      __m512i acc[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        __m512i s = _mm512_setzero_si512();
+        for (int z = 0; z < NZ; ++z) s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(key[jj] + 64 * z));
+        acc[jj] = s;
+      }
+      const __m512i offset = _mm512_mullo_epi32(isum16(acc), bias);  // 16512 sum(k) per key
+      const __m512 kscale = _mm512_load_ps(head_scale + j0);
+      for (int64_t r = 0; r < R; ++r) {
+        __m512i qa[NZ], qb[NZ];
+        for (int z = 0; z < NZ; ++z) {
+          qa[z] = _mm512_loadu_si512(q1 + r * D + 64 * z);
+          qb[z] = _mm512_loadu_si512(q2 + r * D + 64 * z);
+        }
+        for (int64_t jj = 0; jj < 16; ++jj) {
+          __m512i s = _mm512_setzero_si512();
+          for (int z = 0; z < NZ; ++z) s = _mm512_dpbusd_epi32(s, qa[z], _mm512_loadu_si512(key[jj] + 64 * z));
+          s = _mm512_slli_epi32(s, 7);
+          for (int z = 0; z < NZ; ++z) s = _mm512_dpbusd_epi32(s, qb[z], _mm512_loadu_si512(key[jj] + 64 * z));
+          acc[jj] = s;
+        }
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum16(acc), offset));
+        _mm512_storeu_ps(scores + r * SUB + j0, _mm512_mul_ps(_mm512_mul_ps(dots, kscale), _mm512_set1_ps(q_scale[r])));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      softmax_step16(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(head_scale + j, a.v_cache + offsets[j] + D, sizeof(float));
+    std::fill(head_scale + n, head_scale + n16, 0.f);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j0 = 0; j0 < n16; j0 += 16)
+        store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(head_scale + j0)));
+    int64_t r = 0;
+    for (; r + RB <= R; r += RB)
+      accumulate_int8_values<NV, RB>(st.acc + r * D, scores + r * SUB, a.v_cache, offsets, n);
+    float* acc = st.acc + r * D;
+    const float* w = scores + r * SUB;
+    switch (R - r) {  // RB is 4 (head_dim 64) or 2
+      case 3: accumulate_int8_values<NV, 3>(acc, w, a.v_cache, offsets, n); break;
+      case 2: accumulate_int8_values<NV, 2>(acc, w, a.v_cache, offsets, n); break;
+      case 1: accumulate_int8_values<NV, 1>(acc, w, a.v_cache, offsets, n); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+template <typename T, typename C>
+void run_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, float* buf, float* scores) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<C, int8_t>) {
+    if (a.head_dim == 64) return run_item_vnni<T, 1>(it, a, st, qf, buf, scores);
+    if (a.head_dim == 128) return run_item_vnni<T, 2>(it, a, st, qf, buf, scores);
+  }
+#endif
   switch (a.head_dim) {
-    case 64: return run_item_simd<T, 4>(it, a, st, qf, buf, scores);
-    case 128: return run_item_simd<T, 8>(it, a, st, qf, buf, scores);
-    case 96: return run_item_simd<T, 6>(it, a, st, qf, buf, scores);
-    case 80: return run_item_simd<T, 5>(it, a, st, qf, buf, scores);
-    case 256: return run_item_simd<T, 16>(it, a, st, qf, buf, scores);
-    default: return run_item_scalar<T>(it, a, st, qf, buf, scores);
+    case 64: return run_item_simd<T, C, 4>(it, a, st, qf, buf, scores);
+    case 128: return run_item_simd<T, C, 8>(it, a, st, qf, buf, scores);
+    case 96: return run_item_simd<T, C, 6>(it, a, st, qf, buf, scores);
+    case 80: return run_item_simd<T, C, 5>(it, a, st, qf, buf, scores);
+    case 256: return run_item_simd<T, C, 16>(it, a, st, qf, buf, scores);
+    default: return run_item_scalar<T, C>(it, a, st, qf, buf, scores);
   }
 }
 
@@ -221,11 +429,15 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_attention: out must be contiguous, shaped and typed like q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "paged_attention: k_cache and v_cache must be contiguous [slots, KV, D] of one shape");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_attention: the cache must hold q's dtype");
-  TORCH_CHECK(k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
-              "paged_attention: head_dim differs or the query heads are not a multiple of the kv heads");
+              "paged_attention: k_cache and v_cache must be contiguous and of one shape");
+  const CacheStrides strides = cache_strides(k_cache, block_size, "paged_attention");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || int8_cache) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention: the cache must hold q's dtype or int8");
+  TORCH_CHECK(k_cache.size(-1) == q.size(2) + (int8_cache ? 4 : 0) && q.size(1) % k_cache.size(1) == 0,
+              "paged_attention: the cache's head width is not head_dim (+ 4 for an int8 cache) or the query heads "
+              "are not a multiple of the kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_starts.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "paged_attention: block_tables, seq_lens and query_starts must be int32 (block_tables contiguous)");
@@ -270,78 +482,85 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   std::vector<float> split_buf(num_partials * R_max * (D + 2));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t slot_stride = kv_heads * D;
-    // small steps (short contexts) run on one thread: waking the others costs more than they save
-    int64_t work = 0;
-    for (const Item& it : items) work += (it.key1 - it.key0) * it.rows * group;
-    const int64_t grain = work < 4096 ? int64_t(items.size()) : 1;
-    at::parallel_for(0, int64_t(items.size()), grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(R_max * D * 2 + SUB * D + R_max * SUB + 2 * R_max);
-      float* qf = scratch.data();
-      float* own_acc = qf + R_max * D;
-      float* buf = own_acc + R_max * D;
-      float* scores = buf + SUB * D;
-      float* own_max = scores + R_max * SUB;
-      float* own_sum = own_max + R_max;
-      for (int64_t i = begin; i < end; ++i) {
-        const Item& it = items[i];
-        const int64_t n = starts[it.seq + 1] - starts[it.seq];
-        Partial st{own_max, own_sum, own_acc};
-        if (it.partial >= 0) {
-          float* base = split_buf.data() + it.partial * R_max * (D + 2);
-          st = Partial{base, base + R_max, base + 2 * R_max};
-        }
-        const ItemArgs<scalar_t> args{qp + starts[it.seq] * q.stride(0), q.stride(0), q.stride(1), kc, vc,
-                                      slot_stride, tables + it.seq * width, block_size, lens[it.seq] - n, group, D,
-                                      float(scale)};
-        run_item<scalar_t>(it, args, st, qf, buf, scores);
-        if (it.partial >= 0) continue;
-        for (int64_t r = 0; r < it.rows * group; ++r) {
-          const float inv = st.sum[r] > 0.f ? 1.f / st.sum[r] : 0.f;
-          scalar_t* dst = op + ((starts[it.seq] + it.row0 + r / group) * heads + it.kv_head * group + r % group) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = scalar_t(st.acc[r * D + d] * inv);
-        }
-      }
-    });
-    if (num_partials == 0) return;
-    // merge the split ranges of each (sequence, kv head, tile): items of one tile are consecutive
-    std::vector<std::pair<int64_t, int64_t>> groups;  // [first item, end item)
-    for (int64_t i = 0; i < int64_t(items.size());) {
-      int64_t j = i + 1;
-      while (j < int64_t(items.size()) && items[j].seq == items[i].seq && items[j].kv_head == items[i].kv_head &&
-             items[j].row0 == items[i].row0)
-        ++j;
-      if (items[i].partial >= 0) groups.emplace_back(i, j);
-      i = j;
-    }
-    at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(D);
-      for (int64_t g = begin; g < end; ++g) {
-        const Item& first = items[groups[g].first];
-        for (int64_t r = 0; r < first.rows * group; ++r) {
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t i = groups[g].first; i < groups[g].second; ++i)
-            m = std::max(m, split_buf[items[i].partial * R_max * (D + 2) + r]);
-          float total = 0.f;
-          std::fill(acc.begin(), acc.end(), 0.f);
-          for (int64_t i = groups[g].first; i < groups[g].second; ++i) {
-            const float* base = split_buf.data() + items[i].partial * R_max * (D + 2);
-            if (base[r] == -std::numeric_limits<float>::infinity()) continue;
-            const float w = std::exp(base[r] - m);
-            total += base[R_max + r] * w;
-            axpy(acc.data(), w, base + 2 * R_max + r * D, D);
+    auto run = [&](auto cache_element) {
+      using C = decltype(cache_element);
+      const scalar_t* qp = q.data_ptr<scalar_t>();
+      const C* kc = static_cast<const C*>(k_cache.data_ptr());
+      const C* vc = static_cast<const C*>(v_cache.data_ptr());
+      scalar_t* op = out.data_ptr<scalar_t>();
+
+      // small steps (short contexts) run on one thread: waking the others costs more than they save
+      int64_t work = 0;
+      for (const Item& it : items) work += (it.key1 - it.key0) * it.rows * group;
+      const int64_t grain = work < 4096 ? int64_t(items.size()) : 1;
+      at::parallel_for(0, int64_t(items.size()), grain, [&](int64_t begin, int64_t end) {
+        // buf: SUB keys or values as float32, or (run_item_vnni) the quantized queries and their scales
+        const int64_t buf_size = std::max(SUB * D, (2 * R_max * D + 4 * R_max) / 4 + 16);
+        std::vector<float> scratch(R_max * D * 2 + buf_size + R_max * SUB + 2 * R_max);
+        float* qf = scratch.data();
+        float* own_acc = qf + R_max * D;
+        float* buf = own_acc + R_max * D;
+        float* scores = buf + buf_size;
+        float* own_max = scores + R_max * SUB;
+        float* own_sum = own_max + R_max;
+        for (int64_t i = begin; i < end; ++i) {
+          const Item& it = items[i];
+          const int64_t n = starts[it.seq + 1] - starts[it.seq];
+          Partial st{own_max, own_sum, own_acc};
+          if (it.partial >= 0) {
+            float* base = split_buf.data() + it.partial * R_max * (D + 2);
+            st = Partial{base, base + R_max, base + 2 * R_max};
           }
-          const float inv = total > 0.f ? 1.f / total : 0.f;
-          scalar_t* dst =
-              op + ((starts[first.seq] + first.row0 + r / group) * heads + first.kv_head * group + r % group) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = scalar_t(acc[d] * inv);
+          const ItemArgs<scalar_t, C> args{qp + starts[it.seq] * q.stride(0), q.stride(0), q.stride(1), kc, vc,
+                                           strides, tables + it.seq * width, block_size,
+                                           lens[it.seq] - n, group, D, float(scale)};
+          run_item(it, args, st, qf, buf, scores);
+          if (it.partial >= 0) continue;
+          for (int64_t r = 0; r < it.rows * group; ++r) {
+            const float inv = st.sum[r] > 0.f ? 1.f / st.sum[r] : 0.f;
+            scalar_t* dst = op + ((starts[it.seq] + it.row0 + r / group) * heads + it.kv_head * group + r % group) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = scalar_t(st.acc[r * D + d] * inv);
+          }
         }
+      });
+      if (num_partials == 0) return;
+      // merge the split ranges of each (sequence, kv head, tile): items of one tile are consecutive
+      std::vector<std::pair<int64_t, int64_t>> groups;  // [first item, end item)
+      for (int64_t i = 0; i < int64_t(items.size());) {
+        int64_t j = i + 1;
+        while (j < int64_t(items.size()) && items[j].seq == items[i].seq && items[j].kv_head == items[i].kv_head &&
+               items[j].row0 == items[i].row0)
+          ++j;
+        if (items[i].partial >= 0) groups.emplace_back(i, j);
+        i = j;
       }
-    });
+      at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> acc(D);
+        for (int64_t g = begin; g < end; ++g) {
+          const Item& first = items[groups[g].first];
+          for (int64_t r = 0; r < first.rows * group; ++r) {
+            float m = -std::numeric_limits<float>::infinity();
+            for (int64_t i = groups[g].first; i < groups[g].second; ++i)
+              m = std::max(m, split_buf[items[i].partial * R_max * (D + 2) + r]);
+            float total = 0.f;
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t i = groups[g].first; i < groups[g].second; ++i) {
+              const float* base = split_buf.data() + items[i].partial * R_max * (D + 2);
+              if (base[r] == -std::numeric_limits<float>::infinity()) continue;
+              const float w = std::exp(base[r] - m);
+              total += base[R_max + r] * w;
+              axpy(acc.data(), w, base + 2 * R_max + r * D, D);
+            }
+            const float inv = total > 0.f ? 1.f / total : 0.f;
+            scalar_t* dst =
+                op + ((starts[first.seq] + first.row0 + r / group) * heads + first.kv_head * group + r % group) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = scalar_t(acc[d] * inv);
+          }
+        }
+      });
+    };
+    if (int8_cache) run(int8_t{});
+    else run(scalar_t{});
   });
 }
 

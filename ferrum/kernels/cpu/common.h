@@ -56,6 +56,21 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// Where a paged KV cache's elements lie: element (block, slot within the block, kv head, d) at
+// block * block + within * slot + head * head + d. Two layouts: [blocks, KV, block_size, W] (each kv
+// head's slots of a block side by side) and [slots, KV, W] (slot = block * block_size + within).
+struct CacheStrides {
+  int64_t block, slot, head;
+};
+
+inline CacheStrides cache_strides(const at::Tensor& cache, int64_t block_size, const char* op) {
+  TORCH_CHECK(cache.dim() == 3 || (cache.dim() == 4 && cache.size(2) == block_size),
+              message(op, ": the cache must be [blocks, KV, block_size (", block_size, "), W] or [slots, KV, W]"));
+  const int64_t kv = cache.size(1), width = cache.size(-1);
+  if (cache.dim() == 4) return {kv * block_size * width, width, block_size * width};
+  return {block_size * kv * width, kv * width, width};
+}
+
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                      int64_t block_size, double scale);

@@ -76,6 +76,17 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   }
 }
 
+// One head's D values into an int8 cache head: D int8 values, then their float32 scale max|x| / 127
+// (each value round(x / scale), so |error| <= scale / 2).
+template <typename T>
+inline void write_int8_head(const T* x, int8_t* dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(to_float(x[d]) * inv));
+  std::memcpy(dst + D, &scale, sizeof scale);
+}
+
 }  // namespace
 
 
@@ -130,16 +141,21 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
 
 // Rotates the q and k heads of qkv [T, (H + 2 KV) * D] in place by each row's position (the
 // half-split layout; cos and sin rounded to the dtype first, as the torch path does) and writes
-// each row's k and v heads to its slot of the caches [slots, KV, D].
+// each row's k and v heads to its slot of the caches, [blocks, KV, block_size, W] or [slots, KV, W]
+// (common.h's CacheStrides): W = D in qkv's dtype, or int8 with W = D + 4, each head's values quantized
+// with a float32 scale of their own after them.
 void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
                 int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_write: qkv must be [T, width] with contiguous rows");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == qkv.scalar_type(),
-              "rope_write: the caches must be contiguous [slots, KV, D] in qkv's dtype");
-  const int64_t T = qkv.size(0), D = k_cache.size(2), half = D / 2;
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == qkv.scalar_type() || int8_cache),
+              "rope_write: the caches must be contiguous, of one shape, in qkv's dtype or int8");
+  const int64_t block_size = k_cache.dim() == 4 ? k_cache.size(2) : 1;
+  const CacheStrides strides = cache_strides(k_cache, block_size, "rope_write");
+  const int64_t T = qkv.size(0), D = k_cache.size(-1) - (int8_cache ? 4 : 0), half = D / 2;
   TORCH_CHECK(k_cache.size(1) == num_kv_heads && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
               "rope_write: qkv's width is not (heads + 2 kv heads) * head_dim");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.size(0) == T &&
@@ -150,7 +166,7 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
               "rope_write: the cos / sin tables must be float32 [max_positions, head_dim]");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t max_pos = cos_table.size(0), num_slots = k_cache.size(0);
+  const int64_t max_pos = cos_table.size(0), num_slots = k_cache.size(0) * block_size;
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos && slot[t] >= 0 && slot[t] < num_slots,
                 message("rope_write: row ", t, " has position ", pos[t], " (table of ", max_pos, ") and slot ", slot[t],
@@ -160,8 +176,6 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
   const int64_t rotated = num_heads + num_kv_heads, row_stride = qkv.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> x(D);
       for (int64_t t = begin; t < end; ++t) {
@@ -178,10 +192,20 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
             head[d] = scalar_t(a + b);
           }
         }
-        scalar_t* kdst = kc + slot[t] * num_kv_heads * D;
-        scalar_t* vdst = vc + slot[t] * num_kv_heads * D;
-        std::copy(row + num_heads * D, row + rotated * D, kdst);
-        std::copy(row + rotated * D, row + (rotated + num_kv_heads) * D, vdst);
+        const scalar_t* k = row + num_heads * D;
+        const scalar_t* v = row + rotated * D;
+        const int64_t block = slot[t] / block_size;
+        const int64_t offset = block * strides.block + (slot[t] - block * block_size) * strides.slot;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const int64_t at = offset + h * strides.head;
+          if (int8_cache) {
+            write_int8_head(k + h * D, static_cast<int8_t*>(k_cache.data_ptr()) + at, D);
+            write_int8_head(v + h * D, static_cast<int8_t*>(v_cache.data_ptr()) + at, D);
+          } else {
+            std::copy(k + h * D, k + (h + 1) * D, k_cache.data_ptr<scalar_t>() + at);
+            std::copy(v + h * D, v + (h + 1) * D, v_cache.data_ptr<scalar_t>() + at);
+          }
+        }
       }
     });
   });

@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +28,8 @@ inline void store16(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
 inline F16 fma16(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline F16 add16(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F16 mul16(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16 max16(F16 a, F16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float hmax16(F16 a) { return _mm512_reduce_max_ps(a.v); }
 inline F16 load16(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
@@ -101,6 +104,13 @@ inline void store16(float* p, F16 a) {
 inline F16 fma16(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline F16 add16(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline F16 mul16(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 max16(F16 a, F16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline float hmax16(F16 a) {
+  const __m256 s = _mm256_max_ps(a.lo, a.hi);
+  const __m128 q = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 d = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(d, _mm_movehdup_ps(d)));
+}
 inline __m256 bf16x8(const c10::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -209,6 +219,15 @@ inline F16 add16(F16 a, F16 b) {
 inline F16 mul16(F16 a, F16 b) {
   for (int i = 0; i < 16; ++i) a.x[i] *= b.x[i];
   return a;
+}
+inline F16 max16(F16 a, F16 b) {
+  for (int i = 0; i < 16; ++i) a.x[i] = std::max(a.x[i], b.x[i]);
+  return a;
+}
+inline float hmax16(F16 a) {
+  float m = a.x[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, a.x[i]);
+  return m;
 }
 inline F16 round_bf16(F16 a) {
   for (int i = 0; i < 16; ++i) a.x[i] = static_cast<float>(c10::BFloat16(a.x[i]));

@@ -40,12 +40,18 @@ class AttentionBackend(Protocol):
 def select_attention(device: Device, layout: KVCacheLayout, kernels: KernelConfig,
                      cpu_kernels: bool = False) -> AttentionBackend:
     """triton_paged where Triton compiles for the device, cpu_paged on the CPU once its kernels are
-    loaded (`cpu_kernels`: ferrum.kernels.cpu.build), torch_paged elsewhere."""
+    loaded (`cpu_kernels`: ferrum.kernels.cpu.build), torch_paged elsewhere. An int8 cache
+    (`layout.quantized`) is read by cpu_paged alone: ValueError elsewhere."""
+    cpu_paged = cpu_kernels and device.kind == "cpu" and not device.triton
+    if layout.quantized and not cpu_paged:
+        reason = "its C++ kernels are not loaded" if device.kind == "cpu" else f"it is not the CPU ({device.kind})"
+        raise ValueError(f"kv_cache_dtype int8 is read only by the CPU kernels' attention (cpu_paged), and this "
+                         f"engine's device {device.torch_device} cannot run it: {reason}. Use kv_cache_dtype auto")
     if device.triton:
         from ferrum.models.attention.triton_paged import TritonPagedAttention
 
         return TritonPagedAttention(device, layout, kernels)
-    if cpu_kernels and device.kind == "cpu":
+    if cpu_paged:
         from ferrum.models.attention.cpu_paged import CpuPagedAttention
 
         return CpuPagedAttention(device, layout)

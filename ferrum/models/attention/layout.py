@@ -1,8 +1,10 @@
 """`KVCacheLayout`: how the paged KV cache is laid out, shared by the block manager, both model
 runners and the memory planner.
 
-The cache of one layer is two tensors (k, v) of shape [num_slots, num_kv_heads, head_dim], with
-num_slots = num_blocks * block_size. A sequence's token at position p lives in slot
+The cache of one layer is two tensors (k, v) of shape [num_slots, num_kv_heads, head_width], with
+num_slots = num_blocks * block_size. head_width is head_dim in a float dtype; an int8 cache
+(kv_cache_dtype int8) holds each head's head_dim int8 values followed by their float32 scale, 4 bytes:
+head_dim + 4. A sequence's token at position p lives in slot
 
     block_table[p // block_size] * block_size + p % block_size
 
@@ -21,13 +23,15 @@ from ferrum.models.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k, v)
 
+INT8_SCALE_BYTES = 4  # an int8 cache head's float32 scale, after its values
+
 
 @dataclass(frozen=True)
 class KVCacheLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what a slot holds: a float dtype, or torch.int8 (values and a scale per head)
     block_size: int
 
     def __post_init__(self) -> None:
@@ -39,9 +43,19 @@ class KVCacheLayout:
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, dtype, block_size)
 
     @property
+    def quantized(self) -> bool:
+        """An int8 cache: each head's values with a float32 scale of their own."""
+        return self.dtype == torch.int8
+
+    @property
+    def head_width(self) -> int:
+        """Elements of `dtype` one kv head of one slot takes."""
+        return self.head_dim + INT8_SCALE_BYTES if self.quantized else self.head_dim
+
+    @property
     def bytes_per_token(self) -> int:
         """k and v of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_width * self.dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -64,12 +78,16 @@ class KVCacheLayout:
         size = self.block_size
         return [block_table[p // size] * size + p % size for p in range(start, end)]
 
-    def allocate(self, num_blocks: int, device: torch.device, zeroed: bool = True) -> list[KVCache]:
+    def allocate(self, num_blocks: int, device: torch.device, zeroed: bool = True,
+                 block_major: bool = False) -> list[KVCache]:
         """k and v tensors of `num_blocks` blocks for every layer: zeroed, or left as allocated for a
         backend that never reads a slot before writing it (on the host its pages are then only
-        backed as they are first written)."""
-        slots = num_blocks * self.block_size
-        shape = (slots, self.num_kv_heads, self.head_dim)
+        backed as they are first written). `block_major`: [num_blocks, num_kv_heads, block_size,
+        head_width], each kv head's slots of a block side by side (cpu_paged: a work item reading one
+        kv head streams whole blocks); else [num_slots, num_kv_heads, head_width]."""
+        shape: tuple[int, ...] = (num_blocks * self.block_size, self.num_kv_heads, self.head_width)
+        if block_major:
+            shape = (num_blocks, self.num_kv_heads, self.block_size, self.head_width)
         make = torch.zeros if zeroed else torch.empty
         return [(make(shape, dtype=self.dtype, device=device), make(shape, dtype=self.dtype, device=device))
                 for _ in range(self.num_layers)]
