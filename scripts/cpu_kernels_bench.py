@@ -6,7 +6,7 @@
              at the demo model's shapes, 30 copies of each weight so that they stream from memory as a
              model's layers do; 1, 8 and 64 rows
   attention  one decode query over the paged cache at 50, 2,000 and 6,000 tokens of context
-             (ferrum_cpu.paged_attention against torch_paged's gather + SDPA)
+             (ferrum_cpu.paged_attention over bf16 and int8 caches, against torch_paged's gather + SDPA)
   engine     the demo model's decode step in process (LLMEngine.step, one sequence, greedy) at 50 and
              2,000 tokens of context: plain PyTorch (engine.kernels.cpu false) against the kernels, bf16
              weights against quantization auto (the decode chain and the int8 LM head), 2 threads against 1
@@ -114,17 +114,31 @@ def every_layer(caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tens
         torch.ops.ferrum_cpu.paged_attention(out, q, k, v, *rest)
 
 
+def int8_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A float cache as kv_cache_dtype int8 stores it: each head's values, then their float32 scale."""
+    scale = cache.float().abs().amax(-1, keepdim=True) / 127
+    return torch.cat(((cache.float() / scale).round().to(torch.int8), scale.view(torch.int8)), -1)
+
+
 def attention_table() -> None:
     """One layer's cache called again and again stays in the last-level cache (4.9 MB at 6,000 tokens);
-    the per-layer column rotates through 30 layers' caches, as a decode step does, so they come from memory."""
-    print("\n| context | ferrum_cpu.paged_attention us (one cache, warm) | per layer, 30 layers' caches us | "
-          "GB/s from memory | gather + SDPA us | ratio |")
-    print("|---|---|---|---|---|---|")
+    the per-layer columns rotate through 30 layers' caches, as a decode step does, so they come from
+    memory. The caches are laid out as the engine allocates them for these kernels (block-major); bf16
+    and kv_cache_dtype int8 (the VNNI path where the CPU has it)."""
+    print("\n| context | bf16 one cache, warm us | bf16 per layer, 30 caches us | GB/s | int8 per layer us | GB/s | "
+          "int8 / bf16 | gather + SDPA us (bf16, warm) |")
+    print("|---|---|---|---|---|---|---|---|")
     heads, kv_heads, dim, block = 9, 3, 64, 16
     blocks = 400
-    caches = [(torch.randn(blocks * block, kv_heads, dim).to(torch.bfloat16),
-               torch.randn(blocks * block, kv_heads, dim).to(torch.bfloat16)) for _ in range(30)]
-    k_cache, v_cache = caches[0]
+
+    def block_major(cache: torch.Tensor) -> torch.Tensor:
+        return cache.view(-1, block, *cache.shape[1:]).transpose(1, 2).contiguous()
+
+    flat = [(torch.randn(blocks * block, kv_heads, dim).to(torch.bfloat16),
+             torch.randn(blocks * block, kv_heads, dim).to(torch.bfloat16)) for _ in range(30)]
+    caches = {"bf16": [(block_major(k), block_major(v)) for k, v in flat],
+              "int8": [(block_major(int8_cache(k)), block_major(int8_cache(v))) for k, v in flat]}
+    k_cache, v_cache = caches["bf16"][0]
     order = torch.randperm(blocks)
     for context in (50, 2000, 6000):
         table = order[: -(-context // block)].to(torch.int32)[None]
@@ -132,14 +146,15 @@ def attention_table() -> None:
         out = torch.empty_like(q)
         rest = (table, torch.tensor([context], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), block,
                 dim**-0.5)
-        ours = timed(partial(torch.ops.ferrum_cpu.paged_attention, out, q, k_cache, v_cache, *rest), 50)
-
-        per_layer = timed(partial(every_layer, caches, out, q, rest), 5) / len(caches)
-        read = 2 * context * kv_heads * dim * 2
+        warm = timed(partial(torch.ops.ferrum_cpu.paged_attention, out, q, k_cache, v_cache, *rest), 50)
+        per_layer = {name: timed(partial(every_layer, c, out, q, rest), 5) / len(c) for name, c in caches.items()}
+        read = {name: 2 * context * kv_heads * c[0][0].shape[-1] * c[0][0].element_size() for name, c in caches.items()}
         slots = (table[0].long()[:, None] * block + torch.arange(block)).reshape(-1)[:context]
-        theirs = timed(partial(gathered, k_cache, v_cache, q, slots), 50)
-        print(f"| {context} | {ours * 1e6:.1f} | {per_layer * 1e6:.1f} | {read / per_layer / 1e9:.1f} | "
-              f"{theirs * 1e6:.1f} | {theirs / ours:.1f} |")
+        theirs = timed(partial(gathered, flat[0][0], flat[0][1], q, slots), 50)
+        print(f"| {context} | {warm * 1e6:.1f} | {per_layer['bf16'] * 1e6:.1f} | "
+              f"{read['bf16'] / per_layer['bf16'] / 1e9:.1f} | {per_layer['int8'] * 1e6:.1f} | "
+              f"{read['int8'] / per_layer['int8'] / 1e9:.1f} | {per_layer['int8'] / per_layer['bf16']:.2f} | "
+              f"{theirs * 1e6:.1f} |")
 
 
 def decode_ms(model: str, context: int, **settings: Any) -> float:

@@ -99,10 +99,11 @@ def dequantized(cache: torch.Tensor) -> torch.Tensor:
     return values.float() * scale
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64, 128: the VNNI path where the CPU has it
 def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int) -> None:
-    """Against SDPA over the same cache dequantized: the kernel's only rounding is bf16's output; and
-    against the unquantized cache, the int8 cache's cost (random values: per-head scales)."""
+    """Against SDPA over the same cache dequantized: the kernel's roundings (the queries in two int8
+    parts, the weights of a prefill tile's values in two uint8 parts, bf16's output) stay within the
+    output's rounding; and against the unquantized cache, the int8 cache's cost (random values)."""
     torch.manual_seed(3)
     heads, kv_heads, block_size, cases = 6, 2, 16, [(1, 37), (1, 1500), (20, 90)]
     num_blocks = sum(-(-length // block_size) for _, length in cases)

@@ -92,6 +92,22 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// int8 weights are stored offset by 128 (unsigned bytes). With VNNI one vpdpbusd multiplies them by x's
+// signed bytes and the offset comes off through x's sums (-128 * sum(x)). Without it, maddubs would
+// saturate (255 * 127 * 2 > 32767): the weight's signed value takes x's sign and meets |x| instead, so
+// that each pair stays within 2 * 127 * 127, and nothing comes off.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr int32_t INT8_OFFSET = 128;
+inline __m256i dot_int8(__m256i acc, __m256i offset_weights, __m256i x) { return dot_u8s8(acc, offset_weights, x); }
+#else
+constexpr int32_t INT8_OFFSET = 0;
+inline __m256i dot_int8(__m256i acc, __m256i offset_weights, __m256i x) {
+  const __m256i w = _mm256_xor_si256(offset_weights, _mm256_set1_epi8(char(0x80)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)),
+                                                 _mm256_set1_epi16(1)));
+}
+#endif
+
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -193,10 +209,10 @@ void int8_groups(const QuantizedX& xq, const uint8_t* packed, const float* scale
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
         __m256i dot[R];
-        for (int r = 0; r < R; ++r) dot[r] = _mm256_set1_epi32(-128 * xq.q_sum[r * blocks + b]);
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_set1_epi32(-INT8_OFFSET * xq.q_sum[r * blocks + b]);
         for (int c = 0; c < 8; ++c) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (b * 8 + c) * 32));
-          for (int r = 0; r < R; ++r) dot[r] = dot_u8s8(dot[r], v, broadcast4(xq.q.data() + r * K + b * QBLOCK + 4 * c));
+          for (int r = 0; r < R; ++r) dot[r] = dot_int8(dot[r], v, broadcast4(xq.q.data() + r * K + b * QBLOCK + 4 * c));
         }
         for (int r = 0; r < R; ++r)
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(xq.scale[r * blocks + b]), acc[r]);
