@@ -6,6 +6,9 @@ cache."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,6 +208,32 @@ def test_build_is_cached_and_a_failed_build_leaves_nothing(ops: object, tmp_path
     with pytest.raises(CpuKernelBuildError, match="false failed"):
         load_cpu_kernels(tmp_path / "kernels")
     assert not any(p.is_file() for p in (tmp_path / "kernels").rglob("*"))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c", "bmi2", "avx512f"} <= _cpu_flags() or "FERRUM_TEST_MARCH" in os.environ,
+                    reason="needs a CPU with AVX-512 (an AVX2-only CPU's own build is the AVX2 path)")
+def test_the_avx2_build_passes_the_same_tests(tmp_path: Path) -> None:
+    """The kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512, no VNNI) pass this module too: the path
+    an AVX2-only CPU compiles, which a CPU with AVX-512 never runs otherwise (its int8 GEMV saturated
+    maddubs once, unseen)."""
+    wrapper = tmp_path / "g++-avx2"
+    wrapper.write_text('#!/bin/sh\nfor a; do shift; [ "$a" = -march=native ] && a=-march="$FERRUM_TEST_MARCH"; '
+                       'set -- "$@" "$a"; done\nexec g++ "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "CXX": str(wrapper), "FERRUM_TEST_MARCH": "x86-64-v3"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                           "-k", "not avx2_build and not build_is_cached"],
+                          env=env, capture_output=True, text=True, check=False, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " skipped" not in done.stdout
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@
 //         128; scale float32 [N/8, 8] (a row's) or [N/8, K/g, 8] (a group's): w = (byte - 128) * scale.
 
 #include "common.h"
+#include "simd.h"
 
 
 #if defined(__AVX2__)
@@ -343,6 +344,21 @@ namespace ferrum_cpu {
 
 // The weight the repacked storage stands for, [N, K] in `dtype` (float32 or bfloat16): for products of
 // many rows (prefill), which then take one dense matrix product.
+// out[0..32) = (low, then high) * s + o, in the output's dtype (rounded as a scalar conversion would)
+template <typename T>
+inline void scaled_block(T* out, const float* low, const float* high, float s, float o) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    const F16 scale16 = splat(s), offset16 = splat(o);
+    store16(out, fma16(load16(low), scale16, offset16));
+    store16(out + 16, fma16(load16(high), scale16, offset16));
+  } else {
+    for (int64_t i = 0; i < 16; ++i) {
+      out[i] = T(low[i] * s + o);
+      out[16 + i] = T(high[i] * s + o);
+    }
+  }
+}
+
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset, bool zero_point,
                            int64_t group, at::ScalarType dtype) {
   const int64_t row_groups = packed.size(0), blocks = packed.size(1), K = blocks * QBLOCK, N = row_groups * LANES;
@@ -354,21 +370,26 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, co
     const float* sp = s32.data_ptr<float>();
     const float* op = o32.data_ptr<float>();
     scalar_t* dst = out.data_ptr<scalar_t>();
+    // row by row, a block's 32 outputs at a time (16 bytes: its low nibbles are inputs 0-15, the high 16-31)
     at::parallel_for(0, row_groups, 1, [&](int64_t g0, int64_t g1) {
+      alignas(64) float low[16], high[16];
       for (int64_t rg = g0; rg < g1; ++rg)
-        for (int64_t b = 0; b < blocks; ++b)
-          for (int64_t c = 0; c < 4; ++c)
-            for (int64_t lane = 0; lane < LANES; ++lane) {
-              const int64_t g = b / per_group, row = rg * LANES + lane;
-              const float s = sp[(rg * groups + g) * LANES + lane];
-              const float o = op[(rg * groups + g) * LANES + lane] - (zero_point ? 8.f * s : 0.f);
+        for (int64_t lane = 0; lane < LANES; ++lane) {
+          const int64_t row = rg * LANES + lane;
+          for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t g = b / per_group;
+            const float s = sp[(rg * groups + g) * LANES + lane];
+            const float o = op[(rg * groups + g) * LANES + lane] - (zero_point ? 8.f * s : 0.f);
+            for (int64_t c = 0; c < 4; ++c) {
               const uint8_t* bytes = w + ((rg * blocks + b) * 4 + c) * 32 + lane * 4;
-              scalar_t* low = dst + row * K + b * QBLOCK + 4 * c;
               for (int64_t j = 0; j < 4; ++j) {
-                low[j] = scalar_t(float(bytes[j] & 0xF) * s + o);
-                low[16 + j] = scalar_t(float(bytes[j] >> 4) * s + o);
+                low[4 * c + j] = float(bytes[j] & 0xF);
+                high[4 * c + j] = float(bytes[j] >> 4);
               }
             }
+            scaled_block(dst + row * K + b * QBLOCK, low, high, s, o);
+          }
+        }
     });
   });
   return out;
