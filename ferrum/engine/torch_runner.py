@@ -37,7 +37,7 @@ class TorchModelRunner:
         # kernels read each kv head's keys of a block as one run of memory (block_major)
         cpu_paged = isinstance(attention, CpuPagedAttention)
         self.kv_caches = layout.allocate(num_blocks, self.device, zeroed=not cpu_paged, block_major=cpu_paged)
-        self.chain = CpuDecodeChain.for_model(model) if isinstance(attention, CpuPagedAttention) else None
+        self.chain = CpuDecodeChain.for_model(model) if cpu_paged else None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:

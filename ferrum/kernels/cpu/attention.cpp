@@ -203,6 +203,20 @@ inline void accumulate_values(float* acc, const float* weights, const float* buf
     for (int v = 0; v < NV; ++v) store16(acc + r * D + 16 * v, sum[r][v]);
 }
 
+// accumulate_values for R query vectors, 4 at a time
+template <int NV>
+inline void accumulate_rows(float* acc, const float* weights, const float* buf, int64_t n, int64_t R) {
+  constexpr int64_t D = 16 * NV;
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) accumulate_values<NV, 4>(acc + r * D, weights + r * SUB, buf, n);
+  switch (R - r) {
+    case 3: accumulate_values<NV, 3>(acc + r * D, weights + r * SUB, buf, n); break;
+    case 2: accumulate_values<NV, 2>(acc + r * D, weights + r * SUB, buf, n); break;
+    case 1: accumulate_values<NV, 1>(acc + r * D, weights + r * SUB, buf, n); break;
+    default: break;
+  }
+}
+
 template <typename T, typename C, int NV>
 void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, float* buf, float* scores) {
   constexpr int64_t D = 16 * NV;
@@ -254,14 +268,7 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
         for (int64_t j0 = 0; j0 < n16; j0 += 16)
           store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(head_scale + j0)));
     }
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) accumulate_values<NV, 4>(st.acc + r * D, scores + r * SUB, buf, n);
-    switch (R - r) {
-      case 3: accumulate_values<NV, 3>(st.acc + r * D, scores + r * SUB, buf, n); break;
-      case 2: accumulate_values<NV, 2>(st.acc + r * D, scores + r * SUB, buf, n); break;
-      case 1: accumulate_values<NV, 1>(st.acc + r * D, scores + r * SUB, buf, n); break;
-      default: break;
-    }
+    accumulate_rows<NV>(st.acc, scores, buf, n, R);
   }
 }
 
@@ -485,14 +492,7 @@ void run_item_vnni(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, flo
 #endif
     if (R > RB) {  // several passes over the values: converted once, into buf
       for (int64_t j = 0; j < n; ++j) head_to_float<NV>(a.v_cache + offsets[j], buf + j * D);
-      int64_t r = 0;
-      for (; r + 4 <= R; r += 4) accumulate_values<NV, 4>(st.acc + r * D, scores + r * SUB, buf, n);
-      switch (R - r) {
-        case 3: accumulate_values<NV, 3>(st.acc + r * D, scores + r * SUB, buf, n); break;
-        case 2: accumulate_values<NV, 2>(st.acc + r * D, scores + r * SUB, buf, n); break;
-        case 1: accumulate_values<NV, 1>(st.acc + r * D, scores + r * SUB, buf, n); break;
-        default: break;
-      }
+      accumulate_rows<NV>(st.acc, scores, buf, n, R);
       continue;
     }
     switch (R) {  // one pass, each value read from the cache once
