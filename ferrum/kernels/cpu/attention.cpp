@@ -131,7 +131,12 @@ inline void softmax_step(float* s, int64_t n, int64_t n_vis, Partial st, int64_t
   }
 }
 
-// The same 16 lanes at a time over s[0..n16), n16 a multiple of 16: the max and the sum in vectors.
+// The same 16 lanes at a time over s[0..n16), n16 a multiple of 16: the max and the exponentials in
+// vectors; the sum in vectors too (VectorSum), or one weight after another as softmax_step adds them,
+// which a float cache keeps so that its results stay what they were: bf16's roundings of the demo model
+// decide its greedy answers (a sum in another order turned "Paris" into "L'Étoile, ..."), where an int8
+// cache's are new anyway.
+template <bool VectorSum>
 inline void softmax_step16(float* s, int64_t n16, int64_t n_vis, Partial st, int64_t r, int64_t D) {
   if (n_vis == 0) {
     std::fill(s, s + n16, 0.f);
@@ -145,10 +150,16 @@ inline void softmax_step16(float* s, int64_t n16, int64_t n_vis, Partial st, int
   const F16 shift = splat(-m);
   for (int64_t j = 0; j < vis16; j += 16) store16(s + j, exp16(add16(load16(s + j), shift)));
   std::fill(s + n_vis, s + n16, 0.f);  // exactly: exp16 of -inf is tiny, not 0
-  F16 total = zero16();
-  for (int64_t j = 0; j < vis16; j += 16) total = add16(total, load16(s + j));
+  float sum = 0.f;
+  if constexpr (VectorSum) {
+    F16 total = zero16();
+    for (int64_t j = 0; j < vis16; j += 16) total = add16(total, load16(s + j));
+    sum = hsum16(total);
+  } else {
+    for (int64_t j = 0; j < n_vis; ++j) sum += s[j];
+  }
   const float correction = std::exp(st.max[r] - m);
-  st.sum[r] = st.sum[r] * correction + hsum16(total);
+  st.sum[r] = st.sum[r] * correction + sum;
   st.max[r] = m;
   if (correction != 1.f) {
     float* acc = st.acc + r * D;
@@ -261,7 +272,7 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
       }
     }
     for (int64_t r = 0; r < R; ++r)
-      softmax_step16(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
+      softmax_step16<std::is_same_v<C, int8_t>>(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
     for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(a.v_cache + offsets[j], buf + j * D);
     if constexpr (scaled) {
       for (int64_t r = 0; r < R; ++r)
@@ -466,7 +477,7 @@ void run_item_vnni(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, flo
       }
     }
     for (int64_t r = 0; r < R; ++r)
-      softmax_step16(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
+      softmax_step16<true>(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
     for (int64_t j = 0; j < n; ++j) std::memcpy(head_scale + j, a.v_cache + offsets[j] + D, sizeof(float));
     std::fill(head_scale + n, head_scale + n16, 0.f);
     for (int64_t r = 0; r < R; ++r)

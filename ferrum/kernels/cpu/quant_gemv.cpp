@@ -349,8 +349,8 @@ template <typename T>
 inline void scaled_block(T* out, const float* low, const float* high, float s, float o) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     const F16 scale16 = splat(s), offset16 = splat(o);
-    store16(out, fma16(load16(low), scale16, offset16));
-    store16(out + 16, fma16(load16(high), scale16, offset16));
+    store16(out, add16(mul16(load16(low), scale16), offset16));  // q * s + o, rounded twice as before
+    store16(out + 16, add16(mul16(load16(high), scale16), offset16));
   } else {
     for (int64_t i = 0; i < 16; ++i) {
       out[i] = T(low[i] * s + o);
