@@ -195,16 +195,16 @@ void run_item_scalar(const Item& it, const ItemArgs<T, C>& a, Partial st, float*
 
 // head_dim = 16 * NV: a range's keys (then values) are converted to float32 once into buf [SUB, D];
 // scores take 16 keys at a time per query vector, the weighted values RB query vectors at a time
-// with their sums in registers.
-template <int NV, int RB>
-inline void accumulate_values(float* acc, const float* weights, const float* buf, int64_t n) {
+// with their sums in registers (`value(j)`: value j in buf, or an int8 cache's row read in place).
+template <int NV, int RB, typename Values>
+inline void accumulate_values(float* acc, const float* weights, int64_t n, Values value) {
   constexpr int64_t D = 16 * NV;
   F16 sum[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) sum[r][v] = load16(acc + r * D + 16 * v);
   for (int64_t j = 0; j < n; ++j) {
     F16 val[NV];
-    for (int v = 0; v < NV; ++v) val[v] = load16(buf + j * D + 16 * v);
+    for (int v = 0; v < NV; ++v) val[v] = load16(value(j) + 16 * v);  // value j: float32 or int8, unscaled
     for (int r = 0; r < RB; ++r) {
       const F16 w = splat(weights[r * SUB + j]);
       for (int v = 0; v < NV; ++v) sum[r][v] = fma16(w, val[v], sum[r][v]);
@@ -218,12 +218,13 @@ inline void accumulate_values(float* acc, const float* weights, const float* buf
 template <int NV>
 inline void accumulate_rows(float* acc, const float* weights, const float* buf, int64_t n, int64_t R) {
   constexpr int64_t D = 16 * NV;
+  const auto value = [buf](int64_t j) { return buf + j * D; };
   int64_t r = 0;
-  for (; r + 4 <= R; r += 4) accumulate_values<NV, 4>(acc + r * D, weights + r * SUB, buf, n);
+  for (; r + 4 <= R; r += 4) accumulate_values<NV, 4>(acc + r * D, weights + r * SUB, n, value);
   switch (R - r) {
-    case 3: accumulate_values<NV, 3>(acc + r * D, weights + r * SUB, buf, n); break;
-    case 2: accumulate_values<NV, 2>(acc + r * D, weights + r * SUB, buf, n); break;
-    case 1: accumulate_values<NV, 1>(acc + r * D, weights + r * SUB, buf, n); break;
+    case 3: accumulate_values<NV, 3>(acc + r * D, weights + r * SUB, n, value); break;
+    case 2: accumulate_values<NV, 2>(acc + r * D, weights + r * SUB, n, value); break;
+    case 1: accumulate_values<NV, 1>(acc + r * D, weights + r * SUB, n, value); break;
     default: break;
   }
 }
@@ -303,26 +304,6 @@ inline __m512i isum16(const __m512i* a) {
   const __m512i u1 =
       _mm512_add_epi32(_mm512_shuffle_i32x4(y[2], y[3], 0x88), _mm512_shuffle_i32x4(y[2], y[3], 0xDD));
   return _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0x88), _mm512_shuffle_i32x4(u0, u1, 0xDD));
-}
-
-// acc[r][.] += weights[r][j] * value_j for the RB query vectors, reading each value from the cache once
-template <int NV, int RB>
-inline void accumulate_int8_values(float* acc, const float* weights, const int8_t* cache, const int64_t* offsets,
-                                   int64_t n) {
-  constexpr int64_t D = 16 * NV;
-  F16 sum[RB][NV];
-  for (int r = 0; r < RB; ++r)
-    for (int v = 0; v < NV; ++v) sum[r][v] = load16(acc + r * D + 16 * v);
-  for (int64_t j = 0; j < n; ++j) {
-    F16 val[NV];
-    for (int v = 0; v < NV; ++v) val[v] = load16(cache + offsets[j] + 16 * v);
-    for (int r = 0; r < RB; ++r) {
-      const F16 w = splat(weights[r * SUB + j]);
-      for (int v = 0; v < NV; ++v) sum[r][v] = fma16(w, val[v], sum[r][v]);
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int v = 0; v < NV; ++v) store16(acc + r * D + 16 * v, sum[r][v]);
 }
 
 #if defined(__AVX512VBMI__)
@@ -506,11 +487,12 @@ void run_item_vnni(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, flo
       accumulate_rows<NV>(st.acc, scores, buf, n, R);
       continue;
     }
+    const auto value = [&](int64_t j) { return a.v_cache + offsets[j]; };
     switch (R) {  // one pass, each value read from the cache once
-      case 4: accumulate_int8_values<NV, 4>(st.acc, scores, a.v_cache, offsets, n); break;
-      case 3: accumulate_int8_values<NV, 3>(st.acc, scores, a.v_cache, offsets, n); break;
-      case 2: accumulate_int8_values<NV, 2>(st.acc, scores, a.v_cache, offsets, n); break;
-      default: accumulate_int8_values<NV, 1>(st.acc, scores, a.v_cache, offsets, n); break;
+      case 4: accumulate_values<NV, 4>(st.acc, scores, n, value); break;
+      case 3: accumulate_values<NV, 3>(st.acc, scores, n, value); break;
+      case 2: accumulate_values<NV, 2>(st.acc, scores, n, value); break;
+      default: accumulate_values<NV, 1>(st.acc, scores, n, value); break;
     }
   }
 }
