@@ -10,10 +10,9 @@ engine has its `Device`, before the model is built.
                                 GEMV, and the LM head is int8 in groups of 32 for decode steps
                                 (ferrum.models.layers.int8_head). Decode on the CPU streams every
                                 weight once a token: int4 reads a quarter of bf16's bytes, and the
-                                kernels read them at the memory's speed. The KV cache stays in the
-                                serving dtype: kv_cache_dtype int8 halves its bytes, but with the rest
-                                of auto it turned the demo's "What is the capital of France?" answer
-                                into "L'Étoile, la Marseillaise, ..." (bf16's near-ties), so it is opt-in
+                                kernels read them at the memory's speed. The KV cache is int8 too
+                                (kv_cache_dtype auto; a float32 scale per head and token), whose
+                                bytes a decode step streams as well: about half of bfloat16's
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
@@ -40,6 +39,7 @@ class QuantizationChoice:
     quantization: QuantizationConfig | None  # the linear layers' on-load quantization (None: as stored)
     reason: str = ""  # what auto picked and why (empty when the setting was not auto)
     int8_head: bool = False  # the LM head int8 for decode steps (ferrum.models.layers.int8_head)
+    int8_kv: bool = False  # the KV cache int8 where kv_cache_dtype is auto (KVCacheLayout.quantized)
 
 
 def streamed_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -67,11 +67,13 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (the layers' widths "
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
     head = ("; the LM head int8 in groups of 32 for decode steps of up to 4 rows (float activations, "
-            "float32 logits)")
+            "float32 logits); the KV cache int8 with a float32 scale per head and token, unless kv_cache_dtype "
+            "says otherwise")
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
-                                  int8_head=True)
+                                  int8_head=True, int8_kv=True)
     on_load = QuantizationConfig("int4", group_size=CPU_GROUP)
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
-                                       f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True)
+                                       f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True,
+                              int8_kv=True)
