@@ -114,10 +114,15 @@ def every_layer(caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tens
         torch.ops.ferrum_cpu.paged_attention(out, q, k, v, *rest)
 
 
-def int8_cache(cache: torch.Tensor) -> torch.Tensor:
-    """A float cache as kv_cache_dtype int8 stores it: each head's values, then their float32 scale."""
-    scale = cache.float().abs().amax(-1, keepdim=True) / 127
-    return torch.cat(((cache.float() / scale).round().to(torch.int8), scale.view(torch.int8)), -1)
+def int8_caches(k: torch.Tensor, v: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[slots, KV, D] keys and values as kv_cache_dtype int8 stores them for these kernels (tiles of
+    `block` slots), written by the kernels' own rope_write with cos 1 and sin 0 (no rotation)."""
+    slots, kv_heads, dim = k.shape
+    k8, v8 = (torch.empty(slots // block, kv_heads, block, dim + 4, dtype=torch.int8) for _ in range(2))
+    qkv = torch.cat((torch.zeros(slots, dim, dtype=k.dtype), k.reshape(slots, -1), v.reshape(slots, -1)), 1)
+    torch.ops.ferrum_cpu.rope_write(qkv, torch.zeros(slots, dtype=torch.long), torch.ones(1, dim),
+                                    torch.zeros(1, dim), k8, v8, torch.arange(slots), 1, kv_heads)
+    return k8, v8
 
 
 def attention_table() -> None:
@@ -137,7 +142,7 @@ def attention_table() -> None:
     flat = [(torch.randn(blocks * block, kv_heads, dim).to(torch.bfloat16),
              torch.randn(blocks * block, kv_heads, dim).to(torch.bfloat16)) for _ in range(30)]
     caches = {"bf16": [(block_major(k), block_major(v)) for k, v in flat],
-              "int8": [(block_major(int8_cache(k)), block_major(int8_cache(v))) for k, v in flat]}
+              "int8": [int8_caches(k, v, block) for k, v in flat]}
     k_cache, v_cache = caches["bf16"][0]
     order = torch.randperm(blocks)
     for context in (50, 2000, 6000):

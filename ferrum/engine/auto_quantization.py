@@ -10,9 +10,10 @@ engine has its `Device`, before the model is built.
                                 GEMV, and the LM head is int8 in groups of 32 for decode steps
                                 (ferrum.models.layers.int8_head). Decode on the CPU streams every
                                 weight once a token: int4 reads a quarter of bf16's bytes, and the
-                                kernels read them at the memory's speed. The KV cache is int8 too
-                                (kv_cache_dtype auto; a float32 scale per head and token), whose
-                                bytes a decode step streams as well: about half of bfloat16's
+                                kernels read them at the memory's speed. With AVX512-VNNI and head_dim
+                                64 or 128 the KV cache is int8 too (kv_cache_dtype auto; a float32
+                                scale per head and token; block_size a multiple of 16), whose bytes a
+                                decode step streams as well: about half of bfloat16's
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
@@ -32,6 +33,7 @@ from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
 ASSUMED_CACHE = 32 * 2**20  # a CPU whose cache sysfs does not report
+INT8_KV_HEAD_DIMS = (64, 128)  # the CPU kernels' integer attention over an int8 cache (attention.cpp, run_item_tiled)
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,17 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     if any(width % CPU_GROUP for width in widths):
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (the layers' widths "
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
+    int8_kv = "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
     head = ("; the LM head int8 in groups of 32 for decode steps of up to 4 rows (float activations, "
-            "float32 logits); the KV cache int8 with a float32 scale per head and token, unless kv_cache_dtype "
-            "says otherwise")
+            "float32 logits); " + ("the KV cache int8 with a float32 scale per head and token (read as integers "
+                                   "with AVX512-VNNI), unless kv_cache_dtype says otherwise" if int8_kv else
+                                   "the KV cache in the serving dtype (int8 is read as integers only with "
+                                   f"AVX512-VNNI and head_dim {' or '.join(map(str, INT8_KV_HEAD_DIMS))})"))
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
-                                  int8_head=True, int8_kv=True)
+                                  int8_head=True, int8_kv=int8_kv)
     on_load = QuantizationConfig("int4", group_size=CPU_GROUP)
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
                                        f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True,
-                              int8_kv=True)
+                              int8_kv=int8_kv)

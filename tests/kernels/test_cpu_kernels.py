@@ -91,7 +91,7 @@ def test_paged_attention_matches_sdpa_over_gathered_slots(ops: object, dtype: to
 
 
 def int8_cache(x: torch.Tensor) -> torch.Tensor:
-    """[slots, KV, D] floats -> the int8 cache layout [slots, KV, D + 4]: values, then their float32 scale."""
+    """[slots, KV, D] floats -> int8 rows [slots, KV, D + 4]: values, then their float32 scale."""
     scale = x.float().abs().amax(-1, keepdim=True) / 127
     values = (x.float() / scale.clamp_min(1e-30)).round().to(torch.int8)
     return torch.cat((values, scale.view(torch.int8)), -1)
@@ -102,21 +102,57 @@ def dequantized(cache: torch.Tensor) -> torch.Tensor:
     return values.float() * scale
 
 
+def untiled(cache: torch.Tensor, key: bool) -> torch.Tensor:
+    """An int8 cache in tiles (common.h), [blocks, KV, block_size, D + 4], as rows [slots, KV, D + 4]: a
+    tile's block_size * D value bytes, then block_size float32 scales; keys plus 128 as uint8, each 16
+    tokens' by 4 dimensions ([D / 4, 16, 4]), values each 4 tokens' side by side ([D, 4])."""
+    blocks, kv, size, width = cache.shape
+    dim = width - 4
+    tiles = cache.reshape(blocks, kv, size * width)
+    data, scales = tiles[..., : size * dim], tiles[..., size * dim :].contiguous().view(torch.float32)
+    if key:
+        data = data.view(torch.uint8).view(blocks, kv, size // 16, dim // 4, 16, 4).permute(0, 1, 2, 4, 3, 5)
+        values = (data.reshape(blocks, kv, size, dim).to(torch.int16) - 128).to(torch.int8)
+    else:
+        values = data.view(blocks, kv, size // 4, dim, 4).permute(0, 1, 2, 4, 3).reshape(blocks, kv, size, dim)
+    rows = torch.cat((values, scales.unsqueeze(-1).view(torch.int8)), -1)
+    return rows.transpose(1, 2).reshape(blocks * size, kv, width)
+
+
+def written_int8(ops: object, k: torch.Tensor, v: torch.Tensor, block_size: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [slots, KV, D] written by rope_write (cos 1, sin 0: no rotation) into int8 caches: in tiles,
+    [blocks, KV, block_size, D + 4], or (block_size None) in rows, [slots, KV, D + 4]."""
+    slots, kv_heads, dim = k.shape
+    shape = (slots, kv_heads, dim + 4) if block_size is None else (slots // block_size, kv_heads, block_size, dim + 4)
+    k8, v8 = torch.empty(shape, dtype=torch.int8), torch.empty(shape, dtype=torch.int8)
+    qkv = torch.cat((torch.zeros(slots, dim, dtype=k.dtype), k.reshape(slots, -1), v.reshape(slots, -1)), 1)
+    ops.rope_write(qkv, torch.zeros(slots, dtype=torch.long), torch.ones(1, dim), torch.zeros(1, dim),  # type: ignore[attr-defined]
+                   k8, v8, torch.arange(slots), 1, kv_heads)
+    return k8, v8
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64, 128: the VNNI path where the CPU has it
-def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int) -> None:
+@pytest.mark.parametrize("tiles", [True, False])
+def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int, tiles: bool) -> None:
     """Against SDPA over the same cache dequantized: the kernel's roundings (the queries in two int8
-    parts, the weights of a prefill tile's values in two uint8 parts, bf16's output) stay within the
-    output's rounding; and against the unquantized cache, the int8 cache's cost (random values)."""
+    parts, the weights of the values in two uint8 parts, bf16's output) stay within the output's
+    rounding; and against the unquantized cache, the int8 cache's cost (random values)."""
     torch.manual_seed(3)
-    heads, kv_heads, block_size, cases = 6, 2, 16, [(1, 37), (1, 1500), (20, 90)]
-    num_blocks = sum(-(-length // block_size) for _, length in cases)
+    heads, kv_heads, block_size, cases = 6, 2, 16, [(1, 37), (1, 1500), (20, 90), (33, 33)]
+    num_blocks = sum(-(-length // block_size) for _, length in cases) + 2
     k = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    k8, v8 = int8_cache(k), int8_cache(v)
-    tables, lens, starts, first = [], [], [0], 0
+    k8, v8 = written_int8(ops, k, v, block_size if tiles else None)
+    k_rows, v_rows = (untiled(k8, True), untiled(v8, False)) if tiles else (k8, v8)
+    torch.testing.assert_close(dequantized(k_rows), dequantized(int8_cache(k)), rtol=0, atol=0.03)
+    order = torch.randperm(num_blocks).tolist()  # blocks scattered through the cache
+    tables: list[list[int]] = []
+    lens: list[int] = []
+    starts = [0]
     for n, length in cases:
-        tables.append(list(range(first, first + -(-length // block_size))))
-        first += len(tables[-1])
+        used = sum(len(t) for t in tables)
+        tables.append(order[used : used + -(-length // block_size)])
         lens.append(length)
         starts.append(starts[-1] + n)
     table = torch.zeros(len(cases), max(map(len, tables)), dtype=torch.int32)
@@ -124,10 +160,9 @@ def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int) -> None
         table[i, : len(t)] = torch.tensor(t)
     q = torch.randn(starts[-1], heads, head_dim, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    ops.paged_attention(out, q, block_major(k8, block_size), block_major(v8, block_size), table,  # type: ignore[attr-defined]
-                        torch.tensor(lens, dtype=torch.int32),
+    ops.paged_attention(out, q, k8, v8, table, torch.tensor(lens, dtype=torch.int32),  # type: ignore[attr-defined]
                         torch.tensor(starts, dtype=torch.int32), block_size, 1 / math.sqrt(head_dim))
-    exact = reference_attention(q, dequantized(k8), dequantized(v8), tables, lens, starts, block_size)
+    exact = reference_attention(q, dequantized(k_rows), dequantized(v_rows), tables, lens, starts, block_size)
     assert (out.float() - exact).abs().max().item() < 1.6e-2  # bf16's rounding of values ~1
     unquantized = reference_attention(q, k, v, tables, lens, starts, block_size)
     assert (out.float() - unquantized).abs().max().item() < 0.05
@@ -136,7 +171,7 @@ def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int) -> None
                             table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
                             block_size, 1.0)
     with pytest.raises(RuntimeError, match="block_size \\(16\\)"):  # blocks of another size
-        ops.paged_attention(out, q, k8.view(-1, 8, kv_heads, head_dim + 4), v8.view(-1, 8, kv_heads, head_dim + 4),  # type: ignore[attr-defined]
+        ops.paged_attention(out, q, k8.view(-1, kv_heads, 8, head_dim + 4), v8.view(-1, kv_heads, 8, head_dim + 4),  # type: ignore[attr-defined]
                             table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
                             block_size, 1.0)
 
@@ -187,16 +222,24 @@ def test_rope_write_rotates_q_and_k_and_fills_the_slots(ops: object, dtype: torc
     with pytest.raises(RuntimeError, match="slot 10 \\(cache of 10\\)"):
         ops.rope_write(qkv, positions, cos, sin, k_cache, v_cache, torch.tensor([1, 2, 10]),  # type: ignore[attr-defined]
                        heads, kv_heads)
-    # an int8 cache: each head's values round(x / scale) with scale max|x| / 127 after them
+    # an int8 cache: each head's values round(x / scale) with scale max|x| / 127, in rows (blocks of 2
+    # slots) or in tiles (blocks of 16)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
-    k8, v8 = (torch.zeros(5, kv_heads, 2, dim + 4, dtype=torch.int8) for _ in range(2))  # blocks of 2 slots
     v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim).clone()
-    ops.rope_write(qkv, positions, cos, sin, k8, v8, slots, heads, kv_heads)  # type: ignore[attr-defined]
-    k8, v8 = (c.transpose(1, 2).reshape(10, kv_heads, dim + 4) for c in (k8, v8))  # as [slots, KV, W]
-    for cache, want in ((k8, qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)), (v8, v)):
-        scale = cache[slots, :, dim:].contiguous().view(torch.float32)
-        torch.testing.assert_close(scale, want.float().abs().amax(-1, keepdim=True) / 127)
-        assert ((dequantized(cache[slots]) - want.float()).abs() <= scale / 2 * 1.0001).all()
+    slots = torch.tensor([4, 9, 17])
+    for block_size in (2, 16):
+        k8, v8 = (torch.zeros(32 // block_size, kv_heads, block_size, dim + 4, dtype=torch.int8) for _ in range(2))
+        ops.rope_write(qkv.clone(), positions, cos, sin, k8, v8, slots, heads, kv_heads)  # type: ignore[attr-defined]
+        if block_size == 16:
+            k8, v8 = untiled(k8, True), untiled(v8, False)
+        else:
+            k8, v8 = (c.transpose(1, 2).reshape(32, kv_heads, dim + 4) for c in (k8, v8))  # as [slots, KV, W]
+        k = apply_rotary(qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim),
+                         cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype))
+        for cache, want in ((k8, k), (v8, v)):
+            scale = cache[slots, :, dim:].contiguous().view(torch.float32)
+            torch.testing.assert_close(scale, want.float().abs().amax(-1, keepdim=True) / 127)
+            assert ((dequantized(cache[slots]) - want.float()).abs() <= scale / 2 * 1.0001).all()
 
 
 def test_build_is_cached_and_a_failed_build_leaves_nothing(ops: object, tmp_path: Path,

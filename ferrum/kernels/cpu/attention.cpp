@@ -13,10 +13,10 @@
 // heads alone leave threads idle (decode), its keys are split into ranges whose partial results
 // (max, sum, weighted values) are merged afterwards: flash-decoding on the CPU.
 //
-// The cache holds the activations' dtype, or int8 (kv_cache_dtype int8): then each kv head of a slot is
-// head_dim int8 values followed by their float32 scale (4 bytes), written by rope_write, and keys and
-// values are converted to float32 with their scale as they are read, so a step reads about half the
-// bytes of a bfloat16 cache.
+// The cache holds the activations' dtype, or int8 (kv_cache_dtype int8), written by rope_write: each kv
+// head's values of a slot as int8 with a float32 scale, in rows or in tiles (common.h), about half the
+// bytes of a bfloat16 cache. Tiles with head_dim 64 or 128 on AVX512-VNNI are read as integers
+// (run_item_tiled); otherwise each head is converted to float32 with its scale as it is read.
 
 #include "common.h"
 #include "simd.h"
@@ -49,6 +49,7 @@ struct ItemArgs {
   const int32_t* table;  // the sequence's block table
   int64_t block_size, past, group, head_dim;
   float scale;
+  bool tiled;  // an int8 cache in tiles (common.h)
 };
 
 // One cached head as float32: a float cache's values as they are, an int8 cache's times their scale.
@@ -74,6 +75,25 @@ inline float head_to_float(const C* head, float* dst) {
     return s;
   }
   return 1.f;
+}
+
+// Key (Key) or value `offset`'s head as a row: where it lies, or for an int8 cache in tiles its
+// values and scale gathered into `row` (D + 4 bytes), the keys' 128 taken off.
+template <bool Key, typename T, typename C>
+inline const C* cached_row(const ItemArgs<T, C>& a, int64_t offset, C* row) {
+  const C* cache = Key ? a.k_cache : a.v_cache;
+  if constexpr (std::is_same_v<C, int8_t>) {
+    if (a.tiled) {
+      const int64_t D = a.head_dim, t = offset % (a.block_size * (D + 4));
+      const int8_t* tile = cache + offset - t;
+      for (int64_t d = 0; d < D; ++d)
+        row[d] = Key ? static_cast<int8_t>(int(static_cast<uint8_t>(tile[key_byte(t, d, D)])) - 128)
+                     : tile[value_byte(t, d, D)];
+      std::memcpy(row + D, tile + a.block_size * D + 4 * t, 4);
+      return row;
+    }
+  }
+  return cache + offset;
 }
 
 // The cache offsets (elements) of keys k0 .. k0 + n of kv head `kv_head`: one division for the range,
@@ -172,19 +192,20 @@ template <typename T, typename C>
 void run_item_scalar(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, float* kf, float* scores) {
   const int64_t R = it.rows * a.group, D = a.head_dim;
   init_item(it, a, st, qf);
+  std::vector<C> row(D + 4);
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
     const int64_t n = std::min(SUB, key_end - k0);
     int64_t offsets[SUB];
     key_offsets(a, it.kv_head, k0, n, offsets);
     for (int64_t j = 0; j < n; ++j) {
-      head_to_float(a.k_cache + offsets[j], kf, D);
+      head_to_float(cached_row<true>(a, offsets[j], row.data()), kf, D);
       for (int64_t r = 0; r < R; ++r) scores[r * SUB + j] = dot(qf + r * D, kf, D);
     }
     for (int64_t r = 0; r < R; ++r)
       softmax_step(scores + r * SUB, n, visible(it, r / a.group, a.past, k0, n), st, r, D);
     for (int64_t j = 0; j < n; ++j) {
-      head_to_float(a.v_cache + offsets[j], kf, D);
+      head_to_float(cached_row<false>(a, offsets[j], row.data()), kf, D);
       for (int64_t r = 0; r < R; ++r) {
         const float w = scores[r * SUB + j];
         if (w != 0.f) axpy(st.acc + r * D, w, kf, D);
@@ -237,6 +258,7 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
   init_item(it, a, st, qf);
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
   alignas(64) float head_scale[SUB];  // an int8 cache's per-key scales (keys, then values)
+  alignas(64) C row[D + 4];            // an int8 cache's head gathered from its tile
   int64_t offsets[SUB], next[SUB];
   key_offsets(a, it.kv_head, it.key0, std::min(SUB, key_end - it.key0), next);
   constexpr int64_t head_bytes = D * sizeof(C) + (std::is_same_v<C, int8_t> ? 4 : 0);
@@ -253,7 +275,7 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
         __builtin_prefetch(vp + b);
       }
     }
-    for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(a.k_cache + offsets[j], buf + j * D);
+    for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(cached_row<true>(a, offsets[j], row), buf + j * D);
     std::fill(buf + n * D, buf + n16 * D, 0.f);  // the last range's padding scores 0
     std::fill(head_scale + n, head_scale + n16, 0.f);
     for (int64_t r = 0; r < R; ++r) {
@@ -274,7 +296,7 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
     }
     for (int64_t r = 0; r < R; ++r)
       softmax_step16<std::is_same_v<C, int8_t>>(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
-    for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(a.v_cache + offsets[j], buf + j * D);
+    for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(cached_row<false>(a, offsets[j], row), buf + j * D);
     if constexpr (scaled) {
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j0 = 0; j0 < n16; j0 += 16)
@@ -285,108 +307,82 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// An int8 cache on AVX512-VNNI, head_dim = 64 * NZ: keys are scored in integers without converting them.
-// Each query vector is quantized in two parts, q = s1 * q1 + s2 * q2 with s1 = max|q| / 127 and
-// s2 = s1 / 128 (|q2| <= 64, so the error is at most s1 / 256), both offset by 128 to be vpdpbusd's
-// unsigned operand against the cache's signed int8 keys: sum((q1 + 128) k) * 128 + sum((q2 + 128) k)
-// = 128 sum(q1 k) + sum(q2 k) + 16512 sum(k), and sum(k) comes from one more vpdpbusd per key against ones.
-// Values are converted to float32 as they are read and summed with the weights times their scales.
+// An int8 cache in tiles (common.h) on AVX512-VNNI, head_dim = 64 * NZ: keys and values are used as
+// integers where they lie, 16 keys or 4 values per vpdpbusd, with no conversion and no horizontal sums.
+// Each query vector is quantized in two signed parts, q = s1 * q1 + s2 * q2 with s1 = max|q| / 127 and
+// s2 = s1 / 128 (|q2| <= 64, so the error is at most s1 / 256); against the tiles' keys plus 128,
+// 128 sum((k + 128) q1) + sum((k + 128) q2) = 128 sum(k q1) + sum(k q2) + 128 (128 sum(q1) + sum(q2)),
+// whose last term is the query's own. A range's weights times the values' scales are quantized per
+// query vector in two unsigned parts, w = s1 u1 + s2 u2 with s1 = max w / 255 and s2 = s1 / 256 (an
+// error of at most s1 / 512 per weight), and the values summed in int32 (at most SUB * 255 * 127).
 
-// lane j: the sum of the lanes of a[j] (int32)
-inline __m512i isum16(const __m512i* a) {
-  __m512i x[8], y[4];
-  for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    y[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
-  const __m512i u0 =
-      _mm512_add_epi32(_mm512_shuffle_i32x4(y[0], y[1], 0x88), _mm512_shuffle_i32x4(y[0], y[1], 0xDD));
-  const __m512i u1 =
-      _mm512_add_epi32(_mm512_shuffle_i32x4(y[2], y[3], 0x88), _mm512_shuffle_i32x4(y[2], y[3], 0xDD));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0x88), _mm512_shuffle_i32x4(u0, u1, 0xDD));
-}
-
-#if defined(__AVX512VBMI__)
-// Values in integers too: 4 keys' 64-byte value rows a, b, c, d -> out[z] whose dword lane l holds the 4
-// keys' bytes of dimension 16 z + l, so that one vpdpbusd adds 4 keys' weighted values to 16 dimensions.
-inline void interleave4(__m512i a, __m512i b, __m512i c, __m512i d, int8_t* out) {
-  alignas(64) static const struct Indices {
-    uint8_t pairs[2][64];
-    uint16_t quads[2][32];
-    Indices() {
-      for (int half = 0; half < 2; ++half)
-        for (int i = 0; i < 64; ++i) pairs[half][i] = uint8_t((i % 2 ? 64 : 0) + 32 * half + i / 2);
-      for (int part = 0; part < 2; ++part)
-        for (int i = 0; i < 32; ++i) quads[part][i] = uint16_t((i % 2 ? 32 : 0) + 16 * part + i / 2);
-    }
-  } idx;
-  for (int half = 0; half < 2; ++half) {
-    const __m512i pick = _mm512_load_si512(idx.pairs[half]);
-    const __m512i ab = _mm512_permutex2var_epi8(a, pick, b), cd = _mm512_permutex2var_epi8(c, pick, d);
-    for (int part = 0; part < 2; ++part)
-      _mm512_storeu_si512(out + 64 * (2 * half + part),
-                          _mm512_permutex2var_epi16(ab, _mm512_load_si512(idx.quads[part]), cd));
-  }
-}
-
-// acc[.] += sum_j weights[j] * value_j over n keys whose values `interleaved` holds (interleave4's
-// layout, 4 * NZ vectors per 4 keys). The weights (>= 0) are quantized in two unsigned parts,
-// w = s1 u1 + s2 u2 with s1 = max w / 255 (u1 = floor(w / s1)) and s2 = s1 / 256, an error of at most
-// s1 / 512 per weight; each part's sums are int32 (at most 64 keys * 255 * 127).
-template <int NZ>
-inline void accumulate_interleaved(float* acc, const float* weights, const int8_t* interleaved, int64_t n) {
+// acc[r] += sum_j weights[r][j] * value_j for RQ query vectors over the range's n16 keys, whose values
+// lie in 16-key tile groups `values[n16 / 16]` (value_byte's layout); weights past the range's keys are 0.
+template <int NZ, int RQ>
+inline void accumulate_tiled(float* acc, const float* weights, const int8_t* const* values, int64_t n16) {
   constexpr int NV = 4 * NZ;
-  __m512 top = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(weights + j));
-  const float w_max = _mm512_reduce_max_ps(top);
-  if (!(w_max > 0.f)) return;
-  const float s1 = w_max / 255.f, s2 = s1 / 256.f;
-  alignas(64) uint8_t u1[SUB], u2[SUB];
-  const __m512 inv1 = _mm512_set1_ps(255.f / w_max), inv2 = _mm512_set1_ps(1.f / s2), step1 = _mm512_set1_ps(s1);
+  constexpr int64_t D = 64 * NZ;
+  alignas(64) uint8_t u1[RQ][SUB], u2[RQ][SUB];
+  float s1[RQ], s2[RQ];
   const __m512 most = _mm512_set1_ps(255.f), none = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {  // weights past n are 0 (the caller's padding)
-    const __m512 w = _mm512_loadu_ps(weights + j);
-    const __m512 a1 = _mm512_min_ps(most, _mm512_roundscale_ps(_mm512_mul_ps(w, inv1), _MM_FROUND_TO_NEG_INF));
-    const __m512 rest = _mm512_max_ps(none, _mm512_fnmadd_ps(a1, step1, w));
-    const __m512 a2 = _mm512_min_ps(most, _mm512_roundscale_ps(_mm512_mul_ps(rest, inv2),
-                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm_store_si128(reinterpret_cast<__m128i*>(u1 + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a1)));
-    _mm_store_si128(reinterpret_cast<__m128i*>(u2 + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a2)));
-  }
-  __m512i sum1[NV], sum2[NV];
-  for (int v = 0; v < NV; ++v) sum1[v] = sum2[v] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < n / 4; ++g) {
-    int32_t w1, w2;
-    std::memcpy(&w1, u1 + 4 * g, 4);
-    std::memcpy(&w2, u2 + 4 * g, 4);
-    const __m512i b1 = _mm512_set1_epi32(w1), b2 = _mm512_set1_epi32(w2);
-    const int8_t* vals = interleaved + g * NV * 64;
-    for (int v = 0; v < NV; ++v) {
-      const __m512i values = _mm512_loadu_si512(vals + 64 * v);
-      sum1[v] = _mm512_dpbusd_epi32(sum1[v], b1, values);
-      sum2[v] = _mm512_dpbusd_epi32(sum2[v], b2, values);
+  for (int r = 0; r < RQ; ++r) {
+    const float* w_r = weights + r * SUB;
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n16; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(w_r + j));
+    const float w_max = _mm512_reduce_max_ps(top);
+    s1[r] = w_max > 0.f ? w_max / 255.f : 0.f;
+    s2[r] = s1[r] / 256.f;
+    const __m512 inv1 = _mm512_set1_ps(w_max > 0.f ? 255.f / w_max : 0.f);
+    const __m512 inv2 = _mm512_set1_ps(w_max > 0.f ? 1.f / s2[r] : 0.f), step1 = _mm512_set1_ps(s1[r]);
+    for (int64_t j = 0; j < n16; j += 16) {
+      const __m512 w = _mm512_loadu_ps(w_r + j);
+      const __m512 a1 = _mm512_min_ps(most, _mm512_roundscale_ps(_mm512_mul_ps(w, inv1), _MM_FROUND_TO_NEG_INF));
+      const __m512 rest = _mm512_max_ps(none, _mm512_fnmadd_ps(a1, step1, w));
+      const __m512 a2 = _mm512_min_ps(most, _mm512_roundscale_ps(_mm512_mul_ps(rest, inv2),
+                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm_store_si128(reinterpret_cast<__m128i*>(u1[r] + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a1)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(u2[r] + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a2)));
     }
   }
-  const __m512 f1 = _mm512_set1_ps(s1), f2 = _mm512_set1_ps(s2);
-  for (int v = 0; v < NV; ++v) {
-    const __m512 add = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1[v]), f1, _mm512_mul_ps(_mm512_cvtepi32_ps(sum2[v]), f2));
-    _mm512_storeu_ps(acc + 16 * v, _mm512_add_ps(_mm512_loadu_ps(acc + 16 * v), add));
+  __m512i sum1[RQ][NV], sum2[RQ][NV];
+  for (int r = 0; r < RQ; ++r)
+    for (int v = 0; v < NV; ++v) sum1[r][v] = sum2[r][v] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) {
+    const int8_t* vals = values[g / (KEY_TILE / VALUE_TILE)] + (g % (KEY_TILE / VALUE_TILE)) * VALUE_TILE * D;
+    __m512i x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_si512(vals + 64 * v);
+    for (int r = 0; r < RQ; ++r) {
+      int32_t w1, w2;
+      std::memcpy(&w1, u1[r] + VALUE_TILE * g, 4);
+      std::memcpy(&w2, u2[r] + VALUE_TILE * g, 4);
+      const __m512i b1 = _mm512_set1_epi32(w1), b2 = _mm512_set1_epi32(w2);
+      for (int v = 0; v < NV; ++v) {
+        sum1[r][v] = _mm512_dpbusd_epi32(sum1[r][v], b1, x[v]);
+        sum2[r][v] = _mm512_dpbusd_epi32(sum2[r][v], b2, x[v]);
+      }
+    }
+  }
+  for (int r = 0; r < RQ; ++r) {
+    const __m512 f1 = _mm512_set1_ps(s1[r]), f2 = _mm512_set1_ps(s2[r]);
+    for (int v = 0; v < NV; ++v) {
+      const __m512 add =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1[r][v]), f1, _mm512_mul_ps(_mm512_cvtepi32_ps(sum2[r][v]), f2));
+      _mm512_storeu_ps(acc + r * D + 16 * v, _mm512_add_ps(_mm512_loadu_ps(acc + r * D + 16 * v), add));
+    }
   }
 }
-#endif
 
 template <typename T, int NZ>
-void run_item_vnni(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, float* qf, float* buf, float* scores) {
-  constexpr int64_t D = 64 * NZ, NV = 4 * NZ, RB = 16 / NV;  // RB query vectors' sums fit in registers
+void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, float* qf, float* buf, float* scores) {
+  constexpr int64_t D = 64 * NZ, DG = D / 4;  // DG: groups of 4 dimensions, one vpdpbusd each
   const int64_t R = it.rows * a.group;
   init_item(it, a, st, qf);
-  // buf: SUB values as float32 (when more than RB query vectors share them), then the quantized queries:
-  // [R, D] bytes of each part, then R float scales (s2)
-  uint8_t* q1 = reinterpret_cast<uint8_t*>(buf + SUB * D);
-  uint8_t* q2 = q1 + R * D;
+  // buf: the quantized queries, [R, D] bytes of each part, then R scales s2 and R offsets
+  int8_t* q1 = reinterpret_cast<int8_t*>(buf);
+  int8_t* q2 = q1 + R * D;
   float* q_scale = reinterpret_cast<float*>(q2 + R * D);
+  int32_t* q_offset = reinterpret_cast<int32_t*>(q_scale + R);
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i offset128 = _mm512_set1_epi32(128);
   for (int64_t r = 0; r < R; ++r) {
     const float* x = qf + r * D;
     __m512 top = _mm512_setzero_ps();
@@ -395,105 +391,87 @@ void run_item_vnni(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, flo
     const float s1 = amax > 0.f ? amax / 127.f : 1.f, s2 = s1 / 128.f;
     const __m512 inv1 = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f), inv2 = _mm512_set1_ps(1.f / s2);
     const __m512 step1 = _mm512_set1_ps(s1), lo = _mm512_set1_ps(-64.f), hi = _mm512_set1_ps(64.f);
+    __m512i sum1 = _mm512_setzero_si512(), sum2 = _mm512_setzero_si512();
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 v = _mm512_loadu_ps(x + d);
       const __m512 a1 = _mm512_roundscale_ps(_mm512_mul_ps(v, inv1), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m512 rest = _mm512_fnmadd_ps(a1, step1, v);
       const __m512 a2 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(
           _mm512_mul_ps(rest, inv2), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + r * D + d),
-                       _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(a1), offset128)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + r * D + d),
-                       _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(a2), offset128)));
+      const __m512i i1 = _mm512_cvtps_epi32(a1), i2 = _mm512_cvtps_epi32(a2);
+      sum1 = _mm512_add_epi32(sum1, i1);
+      sum2 = _mm512_add_epi32(sum2, i2);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + r * D + d), _mm512_cvtepi32_epi8(i1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + r * D + d), _mm512_cvtepi32_epi8(i2));
     }
     q_scale[r] = s2;
+    q_offset[r] = 128 * (128 * _mm512_reduce_add_epi32(sum1) + _mm512_reduce_add_epi32(sum2));
   }
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
-  alignas(64) float head_scale[SUB];
-  alignas(64) static const int8_t zeros[D] = {};
-  const __m512i ones = _mm512_set1_epi8(1), bias = _mm512_set1_epi32(16512);
-  int64_t offsets[SUB], next[SUB];
-  key_offsets(a, it.kv_head, it.key0, std::min(SUB, key_end - it.key0), next);
+  const int64_t scales_at = a.block_size * D;  // a tile's scales, after its values
+  alignas(64) float k_scale[SUB], v_scale[SUB];
+  const int8_t* keys[SUB / KEY_TILE];
+  const int8_t* values[SUB / KEY_TILE];
+  // the 16-key groups of the range from k0 (a multiple of 16, as block_size is: each group lies in one tile)
+  const auto group_at = [&](int64_t p, const int8_t* cache) {
+    const int64_t tile = int64_t(a.table[p / a.block_size]) * a.strides.block + it.kv_head * a.strides.head;
+    return cache + tile + (p % a.block_size) * D;
+  };
+  const auto scale_at = [&](const int8_t* group, int64_t p) {
+    return group - (p % a.block_size) * D + scales_at + 4 * (p % a.block_size);
+  };
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
     const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
-    std::copy(next, next + n, offsets);
-    const int64_t n_next = std::min(SUB, key_end - k0 - n);
-    if (n_next > 0) key_offsets(a, it.kv_head, k0 + n, n_next, next);
-    for (int64_t j = 0; j < n_next; ++j) {  // the next range's keys and values, while this one computes
-      for (int64_t b = 0; b < D + 4; b += 64) {
-        __builtin_prefetch(a.k_cache + next[j] + b);
-        __builtin_prefetch(a.v_cache + next[j] + b);
-      }
+    for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
+      const int64_t p = k0 + g * KEY_TILE;
+      keys[g] = group_at(p, a.k_cache);
+      values[g] = group_at(p, a.v_cache);
+      std::memcpy(k_scale + g * KEY_TILE, scale_at(keys[g], p), 4 * KEY_TILE);
+      std::memcpy(v_scale + g * KEY_TILE, scale_at(values[g], p), 4 * KEY_TILE);
     }
-    for (int64_t j0 = 0; j0 < n16; j0 += 16) {
-      const int8_t* key[16];
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        key[jj] = j0 + jj < n ? a.k_cache + offsets[j0 + jj] : zeros;
-        if (j0 + jj < n) std::memcpy(head_scale + j0 + jj, key[jj] + D, sizeof(float));
-        else head_scale[j0 + jj] = 0.f;
+    std::fill(k_scale + n, k_scale + n16, 0.f);  // the last group's keys past the range: garbage, weight 0
+    std::fill(v_scale + n, v_scale + n16, 0.f);
+    for (int64_t p = k0 + SUB; p < std::min(key_end, k0 + 2 * SUB); p += KEY_TILE) {  // the next range's
+      const int8_t* kp = group_at(p, a.k_cache);
+      const int8_t* vp = group_at(p, a.v_cache);
+      for (int64_t b = 0; b < KEY_TILE * D; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
       }
-      __m512i acc[16];
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        __m512i s = _mm512_setzero_si512();
-        for (int z = 0; z < NZ; ++z) s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(key[jj] + 64 * z));
-        acc[jj] = s;
-      }
-      const __m512i offset = _mm512_mullo_epi32(isum16(acc), bias);  // 16512 sum(k) per key
-      const __m512 kscale = _mm512_load_ps(head_scale + j0);
+      __builtin_prefetch(scale_at(kp, p));
+      __builtin_prefetch(scale_at(vp, p));
+    }
+    for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
+      const __m512 kscale = _mm512_load_ps(k_scale + g * KEY_TILE);
       for (int64_t r = 0; r < R; ++r) {
-        __m512i qa[NZ], qb[NZ];
-        for (int z = 0; z < NZ; ++z) {
-          qa[z] = _mm512_loadu_si512(q1 + r * D + 64 * z);
-          qb[z] = _mm512_loadu_si512(q2 + r * D + 64 * z);
+        const int8_t* qa = q1 + r * D;
+        const int8_t* qb = q2 + r * D;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;  // two chains per part
+        for (int64_t dg = 0; dg < DG; dg += 2) {
+          const __m512i k_even = _mm512_loadu_si512(keys[g] + 64 * dg);
+          const __m512i k_odd = _mm512_loadu_si512(keys[g] + 64 * (dg + 1));
+          int32_t w[4];
+          std::memcpy(w, qa + 4 * dg, 8);
+          std::memcpy(w + 2, qb + 4 * dg, 8);
+          a0 = _mm512_dpbusd_epi32(a0, k_even, _mm512_set1_epi32(w[0]));
+          a1 = _mm512_dpbusd_epi32(a1, k_odd, _mm512_set1_epi32(w[1]));
+          b0 = _mm512_dpbusd_epi32(b0, k_even, _mm512_set1_epi32(w[2]));
+          b1 = _mm512_dpbusd_epi32(b1, k_odd, _mm512_set1_epi32(w[3]));
         }
-        for (int64_t jj = 0; jj < 16; ++jj) {
-          __m512i s = _mm512_setzero_si512();
-          for (int z = 0; z < NZ; ++z) s = _mm512_dpbusd_epi32(s, qa[z], _mm512_loadu_si512(key[jj] + 64 * z));
-          s = _mm512_slli_epi32(s, 7);
-          for (int z = 0; z < NZ; ++z) s = _mm512_dpbusd_epi32(s, qb[z], _mm512_loadu_si512(key[jj] + 64 * z));
-          acc[jj] = s;
-        }
-        const __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum16(acc), offset));
-        _mm512_storeu_ps(scores + r * SUB + j0, _mm512_mul_ps(_mm512_mul_ps(dots, kscale), _mm512_set1_ps(q_scale[r])));
+        const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 7), _mm512_add_epi32(b0, b1));
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(total, _mm512_set1_epi32(q_offset[r])));
+        _mm512_storeu_ps(scores + r * SUB + g * KEY_TILE, _mm512_mul_ps(_mm512_mul_ps(dots, kscale), _mm512_set1_ps(q_scale[r])));
       }
     }
-    for (int64_t r = 0; r < R; ++r)
+    for (int64_t r = 0; r < R; ++r) {
       softmax_step16<true>(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
-    for (int64_t j = 0; j < n; ++j) std::memcpy(head_scale + j, a.v_cache + offsets[j] + D, sizeof(float));
-    std::fill(head_scale + n, head_scale + n16, 0.f);
-    for (int64_t r = 0; r < R; ++r)
       for (int64_t j0 = 0; j0 < n16; j0 += 16)
-        store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(head_scale + j0)));
-#if defined(__AVX512VBMI__)
-    if (R > RB) {  // several passes over the values: in integers, interleaved 4 keys at a time into buf
-      // (padding keys are 0); for RB query vectors or fewer, the float path below reads each value once
-      // and measured faster (decode, 3 query heads per kv head: 122 against 136 us at 6,000 keys)
-      const int64_t n4 = (n + 3) / 4 * 4;
-      int8_t* interleaved = reinterpret_cast<int8_t*>(buf);
-      for (int64_t g = 0; g < n4; g += 4) {
-        const int8_t* row[4];
-        for (int i = 0; i < 4; ++i) row[i] = g + i < n ? a.v_cache + offsets[g + i] : zeros;
-        for (int z = 0; z < NZ; ++z)
-          interleave4(_mm512_loadu_si512(row[0] + 64 * z), _mm512_loadu_si512(row[1] + 64 * z),
-                      _mm512_loadu_si512(row[2] + 64 * z), _mm512_loadu_si512(row[3] + 64 * z),
-                      interleaved + ((g / 4) * NV + 4 * z) * 64);
-      }
-      for (int64_t r = 0; r < R; ++r) accumulate_interleaved<NZ>(st.acc + r * D, scores + r * SUB, interleaved, n4);
-      continue;
+        store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(v_scale + j0)));
     }
-#endif
-    if (R > RB) {  // several passes over the values: converted once, into buf
-      for (int64_t j = 0; j < n; ++j) head_to_float<NV>(a.v_cache + offsets[j], buf + j * D);
-      accumulate_rows<NV>(st.acc, scores, buf, n, R);
-      continue;
-    }
-    const auto value = [&](int64_t j) { return a.v_cache + offsets[j]; };
-    switch (R) {  // one pass, each value read from the cache once
-      case 4: accumulate_values<NV, 4>(st.acc, scores, n, value); break;
-      case 3: accumulate_values<NV, 3>(st.acc, scores, n, value); break;
-      case 2: accumulate_values<NV, 2>(st.acc, scores, n, value); break;
-      default: accumulate_values<NV, 1>(st.acc, scores, n, value); break;
-    }
+    constexpr int RQ = NZ == 1 ? 2 : 1;  // query vectors whose int32 sums (2 * 4 * NZ vectors each) stay in registers
+    int64_t r = 0;
+    for (; r + RQ <= R; r += RQ) accumulate_tiled<NZ, RQ>(st.acc + r * D, scores + r * SUB, values, n16);
+    for (; r < R; ++r) accumulate_tiled<NZ, 1>(st.acc + r * D, scores + r * SUB, values, n16);
   }
 }
 #endif
@@ -502,8 +480,8 @@ template <typename T, typename C>
 void run_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, float* buf, float* scores) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<C, int8_t>) {
-    if (a.head_dim == 64) return run_item_vnni<T, 1>(it, a, st, qf, buf, scores);
-    if (a.head_dim == 128) return run_item_vnni<T, 2>(it, a, st, qf, buf, scores);
+    if (a.tiled && a.head_dim == 64) return run_item_tiled<T, 1>(it, a, st, qf, buf, scores);
+    if (a.tiled && a.head_dim == 128) return run_item_tiled<T, 2>(it, a, st, qf, buf, scores);
   }
 #endif
   switch (a.head_dim) {
@@ -529,6 +507,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "paged_attention: k_cache and v_cache must be contiguous and of one shape");
   const CacheStrides strides = cache_strides(k_cache, block_size, "paged_attention");
+  const bool tiled = int8_tiled(k_cache, block_size);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || int8_cache) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
@@ -567,7 +546,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         const int64_t rows = std::min(TILE, n - row0), keys = past + row0 + rows;
         int64_t splits = 1;
         if (base_items < want) splits = std::max<int64_t>(1, std::min(want / base_items, keys / MIN_SPLIT));
-        const int64_t per = (keys + splits - 1) / splits;
+        const int64_t per = ((keys + splits - 1) / splits + 15) / 16 * 16;  // ranges start at multiples of 16
         for (int64_t s = 0; s < splits; ++s) {
           const int64_t k0 = s * per, k1 = std::min(keys, k0 + per);
           if (k0 >= k1) break;
@@ -593,7 +572,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       const int64_t grain = work < 4096 ? int64_t(items.size()) : 1;
       at::parallel_for(0, int64_t(items.size()), grain, [&](int64_t begin, int64_t end) {
         // buf: SUB keys or values as float32, or (run_item_vnni) the quantized queries and their scales
-        const int64_t buf_size = SUB * D + (2 * R_max * D + 4 * R_max) / 4 + 16;
+        const int64_t buf_size = SUB * D + (2 * R_max * D + 8 * R_max) / 4 + 16;
         std::vector<float> scratch(R_max * D * 2 + buf_size + R_max * SUB + 2 * R_max);
         float* qf = scratch.data();
         float* own_acc = qf + R_max * D;
@@ -611,7 +590,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
           }
           const ItemArgs<scalar_t, C> args{qp + starts[it.seq] * q.stride(0), q.stride(0), q.stride(1), kc, vc,
                                            strides, tables + it.seq * width, block_size,
-                                           lens[it.seq] - n, group, D, float(scale)};
+                                           lens[it.seq] - n, group, D, float(scale), tiled};
           run_item(it, args, st, qf, buf, scores);
           if (it.partial >= 0) continue;
           for (int64_t r = 0; r < it.rows * group; ++r) {

@@ -58,16 +58,40 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 
 // Where a paged KV cache's elements lie: element (block, slot within the block, kv head, d) at
 // block * block + within * slot + head * head + d. Two layouts: [blocks, KV, block_size, W] (each kv
-// head's slots of a block side by side) and [slots, KV, W] (slot = block * block_size + within).
+// head's slots of a block side by side) and [slots, KV, W] (slot = block * block_size + within). An
+// int8 cache in tiles (below) has slot 1: the offset of (block, within, head) is its tile's plus within.
 struct CacheStrides {
   int64_t block, slot, head;
 };
+
+// An int8 cache (kv_cache_dtype int8) holds each kv head's head_dim (D) values of a slot as int8 with
+// their float32 scale max|x| / 127, in one of two arrangements:
+//  - rows: the D values, then the scale's 4 bytes (W = D + 4 per head and slot);
+//  - tiles, where the cache is [blocks, KV, block_size, D + 4] with block_size a multiple of 16 and D of
+//    4 (what the engine allocates for these kernels): each (block, kv head) is one tile of
+//    block_size * (D + 4) bytes, the block's values first, then its block_size float32 scales. A k
+//    tile holds each 16 tokens' keys plus 128, as uint8, by 4 dimensions at a time: token t's dimension
+//    d at key_byte(t, d, D). A v tile holds each 4 tokens' values side by side: value_byte(t, d, D).
+//    One vpdpbusd then scores 16 keys on 4 dimensions, or adds 4 tokens' weighted values to 16
+//    dimensions, with no reordering as the cache is read.
+constexpr int64_t KEY_TILE = 16, VALUE_TILE = 4;
+inline int64_t key_byte(int64_t t, int64_t d, int64_t D) {
+  return (t / KEY_TILE) * KEY_TILE * D + (d / 4) * 4 * KEY_TILE + (t % KEY_TILE) * 4 + d % 4;
+}
+inline int64_t value_byte(int64_t t, int64_t d, int64_t D) {
+  return (t / VALUE_TILE) * VALUE_TILE * D + d * VALUE_TILE + t % VALUE_TILE;
+}
+
+inline bool int8_tiled(const at::Tensor& cache, int64_t block_size) {
+  return cache.scalar_type() == at::kChar && cache.dim() == 4 && block_size % KEY_TILE == 0 &&
+         (cache.size(-1) - 4) % 4 == 0;
+}
 
 inline CacheStrides cache_strides(const at::Tensor& cache, int64_t block_size, const char* op) {
   TORCH_CHECK(cache.dim() == 3 || (cache.dim() == 4 && cache.size(2) == block_size),
               message(op, ": the cache must be [blocks, KV, block_size (", block_size, "), W] or [slots, KV, W]"));
   const int64_t kv = cache.size(1), width = cache.size(-1);
-  if (cache.dim() == 4) return {kv * block_size * width, width, block_size * width};
+  if (cache.dim() == 4) return {kv * block_size * width, int8_tiled(cache, block_size) ? 1 : width, block_size * width};
   return {block_size * kv * width, kv * width, width};
 }
 

@@ -76,15 +76,32 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   }
 }
 
-// One head's D values into an int8 cache head: D int8 values, then their float32 scale max|x| / 127
-// (each value round(x / scale), so |error| <= scale / 2).
+// One head's D values quantized for an int8 cache (common.h): round(x / scale) with scale max|x| / 127,
+// so |error| <= scale / 2; as a row (the values, then the scale) or into token t of a k or v tile.
 template <typename T>
-inline void write_int8_head(const T* x, int8_t* dst, int64_t D) {
+inline float int8_head(const T* x, int64_t D, int32_t* q) {
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
-  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(to_float(x[d]) * inv));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d) q[d] = static_cast<int32_t>(std::nearbyint(to_float(x[d]) * inv));
+  return amax / 127.f;
+}
+
+template <typename T>
+inline void write_int8_row(const T* x, int8_t* dst, int64_t D, int32_t* q) {
+  const float scale = int8_head(x, D, q);
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(q[d]);
   std::memcpy(dst + D, &scale, sizeof scale);
+}
+
+template <bool Key, typename T>
+inline void write_int8_tile(const T* x, int8_t* tile, int64_t t, int64_t block_size, int64_t D, int32_t* q) {
+  const float scale = int8_head(x, D, q);
+  for (int64_t d = 0; d < D; ++d) {
+    if constexpr (Key) tile[key_byte(t, d, D)] = static_cast<int8_t>(static_cast<uint8_t>(q[d] + 128));
+    else tile[value_byte(t, d, D)] = static_cast<int8_t>(q[d]);
+  }
+  std::memcpy(tile + block_size * D + 4 * t, &scale, sizeof scale);
 }
 
 }  // namespace
@@ -143,7 +160,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
 // half-split layout; cos and sin rounded to the dtype first, as the torch path does) and writes
 // each row's k and v heads to its slot of the caches, [blocks, KV, block_size, W] or [slots, KV, W]
 // (common.h's CacheStrides): W = D in qkv's dtype, or int8 with W = D + 4, each head's values quantized
-// with a float32 scale of their own after them.
+// with a float32 scale of their own, in rows or tiles (common.h).
 void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
                 int64_t num_kv_heads) {
@@ -174,10 +191,14 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
   const float* ct = cos_table.data_ptr<float>();
   const float* st = sin_table.data_ptr<float>();
   const int64_t rotated = num_heads + num_kv_heads, row_stride = qkv.stride(0);
+  const bool tiled = int8_tiled(k_cache, block_size);
+  int8_t* k8 = int8_cache ? static_cast<int8_t*>(k_cache.data_ptr()) : nullptr;
+  int8_t* v8 = int8_cache ? static_cast<int8_t*>(v_cache.data_ptr()) : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
     at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> x(D);
+      std::vector<int32_t> q(D);
       for (int64_t t = begin; t < end; ++t) {
         scalar_t* row = base + t * row_stride;
         const float* c = ct + pos[t] * D;
@@ -198,9 +219,13 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
         const int64_t offset = block * strides.block + (slot[t] - block * block_size) * strides.slot;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           const int64_t at = offset + h * strides.head;
-          if (int8_cache) {
-            write_int8_head(k + h * D, static_cast<int8_t*>(k_cache.data_ptr()) + at, D);
-            write_int8_head(v + h * D, static_cast<int8_t*>(v_cache.data_ptr()) + at, D);
+          if (tiled) {
+            const int64_t t_in = slot[t] - block * block_size;  // at = the tile's offset + t_in
+            write_int8_tile<true>(k + h * D, k8 + at - t_in, t_in, block_size, D, q.data());
+            write_int8_tile<false>(v + h * D, v8 + at - t_in, t_in, block_size, D, q.data());
+          } else if (int8_cache) {
+            write_int8_row(k + h * D, k8 + at, D, q.data());
+            write_int8_row(v + h * D, v8 + at, D, q.data());
           } else {
             std::copy(k + h * D, k + (h + 1) * D, k_cache.data_ptr<scalar_t>() + at);
             std::copy(v + h * D, v + (h + 1) * D, v_cache.data_ptr<scalar_t>() + at);
