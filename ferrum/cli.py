@@ -35,9 +35,8 @@ QUANTIZATION_HELP = (
     "checkpoint must be in: gptq | awq | fp8 | compressed-tensors | gguf (detected without the flag)"
 )
 KV_CACHE_DTYPE_HELP = (
-    "what the KV cache holds: auto (the serving dtype, or int8 where quantization auto quantizes the weights on a "
-    "CPU with AVX512-VNNI) | bfloat16 | float16 | float32 | int8 (per-head int8 with a float32 scale: about half "
-    "the bytes of bfloat16; read by the CPU kernels' attention only)"
+    "what the KV cache holds: auto (the serving dtype) | bfloat16 | float16 | float32 | int8 (per-head int8 with "
+    "a float32 scale: about half the bytes of bfloat16; read by the CPU kernels' attention only)"
 )
 
 

@@ -10,10 +10,13 @@ engine has its `Device`, before the model is built.
                                 GEMV, and the LM head is int8 in groups of 32 for decode steps
                                 (ferrum.models.layers.int8_head). Decode on the CPU streams every
                                 weight once a token: int4 reads a quarter of bf16's bytes, and the
-                                kernels read them at the memory's speed. With AVX512-VNNI and head_dim
-                                64 or 128 the KV cache is int8 too (kv_cache_dtype auto; a float32
-                                scale per head and token; block_size a multiple of 16), whose bytes a
-                                decode step streams as well: about half of bfloat16's
+                                kernels read them at the memory's speed. The KV cache stays in the
+                                serving dtype: kv_cache_dtype int8 halves its bytes, but with the rest
+                                of auto it turns the demo's "What is the capital of France?" answer
+                                into "L'Étoile, la Marseillaise, ..." once another chat has cached the
+                                system prompt's block. The first token is a near-tie in float32 ("The"
+                                -1.864, "L" -1.963); int8 keys and values move it by up to 0.3, so it
+                                is opt-in
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
@@ -33,7 +36,6 @@ from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
 ASSUMED_CACHE = 32 * 2**20  # a CPU whose cache sysfs does not report
-INT8_KV_HEAD_DIMS = (64, 128)  # the CPU kernels' integer attention over an int8 cache (attention.cpp, run_item_tiled)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,6 @@ class QuantizationChoice:
     quantization: QuantizationConfig | None  # the linear layers' on-load quantization (None: as stored)
     reason: str = ""  # what auto picked and why (empty when the setting was not auto)
     int8_head: bool = False  # the LM head int8 for decode steps (ferrum.models.layers.int8_head)
-    int8_kv: bool = False  # the KV cache int8 where kv_cache_dtype is auto (KVCacheLayout.quantized)
 
 
 def streamed_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -68,17 +69,12 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     if any(width % CPU_GROUP for width in widths):
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (the layers' widths "
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
-    int8_kv = "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
     head = ("; the LM head int8 in groups of 32 for decode steps of up to 4 rows (float activations, "
-            "float32 logits); " + ("the KV cache int8 with a float32 scale per head and token (read as integers "
-                                   "with AVX512-VNNI), unless kv_cache_dtype says otherwise" if int8_kv else
-                                   "the KV cache in the serving dtype (int8 is read as integers only with "
-                                   f"AVX512-VNNI and head_dim {' or '.join(map(str, INT8_KV_HEAD_DIMS))})"))
+            "float32 logits)")
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
-                                  int8_head=True, int8_kv=int8_kv)
+                                  int8_head=True)
     on_load = QuantizationConfig("int4", group_size=CPU_GROUP)
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
-                                       f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True,
-                              int8_kv=int8_kv)
+                                       f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True)

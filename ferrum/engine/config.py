@@ -86,11 +86,10 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if gpu else 1024),
         )
 
-    def kv_dtype(self, serving: torch.dtype, auto_int8: bool = False) -> torch.dtype:
-        """What the KV cache holds for a model served in `serving`; `auto_int8`: what auto means is int8
-        (quantization auto's choice on the CPU, ferrum.engine.auto_quantization)."""
+    def kv_dtype(self, serving: torch.dtype) -> torch.dtype:
+        """What the KV cache holds for a model served in `serving`."""
         if self.kv_cache_dtype == "auto":
-            return torch.int8 if auto_int8 else serving
+            return serving
         return torch.int8 if self.kv_cache_dtype == "int8" else serving_dtype(self.kv_cache_dtype)
 
     @property

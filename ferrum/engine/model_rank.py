@@ -76,9 +76,7 @@ class ModelRank:
         self.quantization = resolve_quantization(config.quantization, device, model_config, self.cpu_kernels, dtype)
         if self.quantization.reason and self.tp.rank == 0:
             log.info("%s", self.quantization.reason)
-        # int8's tiles hold 16 tokens' keys (ferrum/kernels/cpu/common.h)
-        kv_dtype = config.kv_dtype(dtype, auto_int8=self.quantization.int8_kv and config.block_size % 16 == 0)
-        self.layout = KVCacheLayout.of(self.shard.rank_config(), kv_dtype, config.block_size)
+        self.layout = KVCacheLayout.of(self.shard.rank_config(), config.kv_dtype(dtype), config.block_size)
         self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels)
         self._report = report
         plan = plan_host(device, self.layout, config) if not device.dedicated_memory else None

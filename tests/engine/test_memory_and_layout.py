@@ -45,8 +45,6 @@ def test_kv_layout_bytes_slots_and_allocation() -> None:
 
 def test_kv_cache_dtype_is_checked_and_int8_is_refused_without_the_cpu_kernels(tmp_path: Path) -> None:
     assert EngineConfig(kv_cache_dtype="auto").kv_dtype(torch.bfloat16) == torch.bfloat16
-    assert EngineConfig(kv_cache_dtype="auto").kv_dtype(torch.bfloat16, auto_int8=True) == torch.int8
-    assert EngineConfig(kv_cache_dtype="bf16").kv_dtype(torch.float32, auto_int8=True) == torch.bfloat16
     assert EngineConfig(kv_cache_dtype="bf16").kv_dtype(torch.float32) == torch.bfloat16
     assert EngineConfig(kv_cache_dtype="fp16").kv_dtype(torch.bfloat16) == torch.float16
     assert EngineConfig(kv_cache_dtype="int8").kv_dtype(torch.bfloat16) == torch.int8

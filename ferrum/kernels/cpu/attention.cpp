@@ -546,7 +546,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         const int64_t rows = std::min(TILE, n - row0), keys = past + row0 + rows;
         int64_t splits = 1;
         if (base_items < want) splits = std::max<int64_t>(1, std::min(want / base_items, keys / MIN_SPLIT));
-        const int64_t per = ((keys + splits - 1) / splits + 15) / 16 * 16;  // ranges start at multiples of 16
+        // ranges start at multiples of SUB, so that however a sequence's keys are split (which its batch
+        // decides) the same SUB keys share a range: an int8 cache quantizes a range's weights together
+        const int64_t per = ((keys + splits - 1) / splits + SUB - 1) / SUB * SUB;
         for (int64_t s = 0; s < splits; ++s) {
           const int64_t k0 = s * per, k1 = std::min(keys, k0 + per);
           if (k0 >= k1) break;

@@ -2,9 +2,10 @@
 runners and the memory planner.
 
 The cache of one layer is two tensors (k, v) of shape [num_slots, num_kv_heads, head_width], with
-num_slots = num_blocks * block_size. head_width is head_dim in a float dtype; an int8 cache
-(kv_cache_dtype int8) holds each head's head_dim int8 values followed by their float32 scale, 4 bytes:
-head_dim + 4. A sequence's token at position p lives in slot
+num_slots = num_blocks * block_size (or block-major, below). head_width is head_dim in a float dtype; an
+int8 cache (kv_cache_dtype int8) holds each head's head_dim int8 values and their float32 scale, 4 bytes:
+head_dim + 4 (block-major, the CPU kernels arrange each block's values and scales in tiles of their own:
+ferrum/kernels/cpu/common.h). A sequence's token at position p lives in slot
 
     block_table[p // block_size] * block_size + p % block_size
 
