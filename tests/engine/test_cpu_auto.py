@@ -12,8 +12,8 @@ ratio <= 1.02 (13.856 -> 13.936 prefilled, 1.006x; 13.877 four tokens a step, 1.
 in two int8 parts; one int8 part gave 14.158, 1.022x), top-1 agreement >= 93% (97.2% and 96.4%). The same
 text from the demo GGUF (Q4_1 stored as it ships): 13.793. The int8 KV cache, alone on the bf16 model
 (AMD EPYC Zen 5, 2026-11-25): 13.848 prefilled and 13.864 four tokens a step (0.9994x, 1.0014x), top-1
-97%; with the rest of auto: 13.905 and 13.936, and with the cache in tiles (commit after 3de35f1) 13.911
-and 13.897 (1.0039x, 1.0029x), top-1 97%.
+97%; with the rest of auto: 13.905 and 13.936, and with the cache in tiles 13.911 and 13.888
+(1.0039x, 1.0022x), top-1 97%.
 """
 
 from __future__ import annotations
