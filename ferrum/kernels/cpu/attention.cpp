@@ -573,7 +573,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       for (const Item& it : items) work += (it.key1 - it.key0) * it.rows * group;
       const int64_t grain = work < 4096 ? int64_t(items.size()) : 1;
       at::parallel_for(0, int64_t(items.size()), grain, [&](int64_t begin, int64_t end) {
-        // buf: SUB keys or values as float32, or (run_item_vnni) the quantized queries and their scales
+        // buf: SUB keys or values as float32, or (run_item_tiled) the quantized queries, their scales and offsets
         const int64_t buf_size = SUB * D + (2 * R_max * D + 8 * R_max) / 4 + 16;
         std::vector<float> scratch(R_max * D * 2 + buf_size + R_max * SUB + 2 * R_max);
         float* qf = scratch.data();
