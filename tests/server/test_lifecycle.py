@@ -127,8 +127,9 @@ def test_weight_load_faults_are_explained_then_exit_nonzero(
 
 async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int, first: asyncio.Event) -> dict[str, Any]:
     body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    out: dict[str, Any] = {"tokens": 0, "finish": None, "error": None, "done": False}
+            "stream": True, "stream_options": {"include_usage": True}}
+    # tokens: the final usage chunk's count (a chunk may carry several tokens when the client reads slowly)
+    out: dict[str, Any] = {"tokens": None, "finish": None, "error": None, "done": False}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
@@ -141,8 +142,11 @@ async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int, first: a
             if "error" in event:
                 out["error"] = event["error"]
                 continue
+            if event.get("usage"):
+                out["tokens"] = event["usage"]["completion_tokens"]
+            if not event["choices"]:  # the usage chunk
+                continue
             choice = event["choices"][0]
-            out["tokens"] += 1 if choice["text"] else 0
             out["finish"] = choice["finish_reason"] or out["finish"]
             first.set()
     return out
