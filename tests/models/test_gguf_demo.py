@@ -1,15 +1,15 @@
 """The demo model served from its own Q4_1 GGUF (`ferrum serve --model SmolLM2-135M-Instruct.Q4_1.gguf`)
-against the bf16 folder `make` converts from the same file, both through the API in the default dtype:
-32 fixed prompts' greedy continuations (64 tokens, EOS ignored) and the perplexity of a fixed text
-from the prompt logprobs (scripts/perplexity.py).
+against folders converted from the same file, all through the API in float32: 32 fixed prompts' greedy
+continuations (64 tokens, EOS ignored) and the perplexity of a fixed text from the prompt logprobs
+(scripts/perplexity.py).
 
 The GGUF path serves the file's own values (its int4 groups of 32 repacked exactly, float32 scales
-and zeros); the folder holds them rounded to bf16 by the conversion, so the two models differ by that
-rounding, as a bf16 and a float32 run of one model do. Compared in float32 (in bf16 the CPU's int4
-kernel and bf16 matmuls round differently again). Measured on an AMD EPYC, 2026-11-25: identical
-64-token outputs on 72% of the prompts in float32 (16% in bf16), the issue asks 90%: the bound below
-is what this model's rounding allows; perplexity 13.909 against 13.892 (1.0013x; bf16 0.999x), within
-the issue's 1.01x.
+and zeros). A folder converted to float32 (`scripts/prepare_demo_model.py --dtype float32`) holds the
+same values, so the two differ only in the order of roundings: measured on an AMD EPYC, 2026-11-25,
+identical outputs on 32 of 32 prompts (the issue asks 90%). The bf16 folder `make` writes holds the
+values rounded to bf16, so that model differs by that rounding as a bf16 and a float32 run of one model
+do: 23 of 32 (72%; the bound below is what this model's rounding allows), perplexity 13.909 against
+13.897 (1.0009x), within the issue's 1.01x; against the float32 folder 13.909 both.
 
 And the served model's logits against HF transformers loading the same GGUF (its own dequantization,
 float32): equal to float32 rounding, since the repack is exact.
@@ -34,7 +34,8 @@ pytestmark = [
     pytest.mark.skipif(not GGUF.is_file() or not (MODEL_DIR / "model.safetensors").is_file(),
                        reason="demo model files not present (make model)"),
 ]
-BOUND_IDENTICAL = 0.6  # measured 0.72 (float32)
+BOUND_IDENTICAL = 0.9  # against the same values (the float32 folder): measured 32 of 32
+BOUND_IDENTICAL_BF16 = 0.6  # against the bf16 folder: measured 0.72
 BOUND_PERPLEXITY = 1.01
 
 
@@ -51,16 +52,19 @@ def served(model: Path, *flags: str) -> tuple[list[str], float]:
         return texts, float(json.loads(done.stdout)["perplexity"])
 
 
-def test_demo_gguf_serves_as_its_converted_folder() -> None:
-    dtype = "float32"
-    folder_texts, folder_ppl = served(MODEL_DIR, "--dtype", dtype)
-    gguf_texts, gguf_ppl = served(GGUF, "--dtype", dtype)
-    same = sum(a == b for a, b in zip(folder_texts, gguf_texts, strict=True)) / len(PROMPTS)
-    ratio = gguf_ppl / folder_ppl
-    print(f"{dtype} gguf vs folder: identical outputs {same:.0%} of {len(PROMPTS)}; perplexity {gguf_ppl:.4f} vs "
-          f"{folder_ppl:.4f} ({ratio:.4f}x)")
-    assert same >= BOUND_IDENTICAL, f"identical outputs on {same:.0%} of prompts"
-    assert abs(ratio - 1.0) <= BOUND_PERPLEXITY - 1.0, f"perplexity {gguf_ppl:.4f} vs {folder_ppl:.4f}"
+def test_demo_gguf_serves_as_its_converted_folders(tmp_path: Path) -> None:
+    exact = tmp_path / "SmolLM2-135M-Instruct"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_demo_model.py"), "--out", str(exact), "--gguf",
+                    str(GGUF), "--dtype", "float32"], check=True, timeout=600, capture_output=True)
+    gguf_texts, gguf_ppl = served(GGUF, "--dtype", "float32")
+    for folder, bound in ((exact, BOUND_IDENTICAL), (MODEL_DIR, BOUND_IDENTICAL_BF16)):
+        folder_texts, folder_ppl = served(folder, "--dtype", "float32")
+        same = sum(a == b for a, b in zip(folder_texts, gguf_texts, strict=True)) / len(PROMPTS)
+        ratio = gguf_ppl / folder_ppl
+        print(f"gguf vs {folder}: identical outputs {same:.0%} of {len(PROMPTS)}; perplexity {gguf_ppl:.4f} vs "
+              f"{folder_ppl:.4f} ({ratio:.4f}x)")
+        assert same >= bound, f"{folder}: identical outputs on {same:.0%} of prompts"
+        assert abs(ratio - 1.0) <= BOUND_PERPLEXITY - 1.0, f"{folder}: perplexity {gguf_ppl:.4f} vs {folder_ppl:.4f}"
 
 
 def test_demo_gguf_logits_equal_transformers_on_the_same_file() -> None:
