@@ -6,8 +6,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from ferrum.bench.errors import BenchError
 from ferrum.bench.progress import RequestProgress
+from ferrum.bench.roofline import ModelCost, Roofline, RooflineReport, measure_peaks
 from ferrum.bench.workload import BenchRequest, WorkloadSpec, make_workload, prompt_token_pool, warmup_request
 from ferrum.dtypes import dtype_name
 from ferrum.engine.builder import create_engine
@@ -41,6 +44,7 @@ class OfflineResult:
     weight_bytes: int = 0  # the model's weights as stored on its device(s), every rank summed
     peak_load_host_bytes: int = 0  # the resident set at its highest while the weights loaded
     peak_load_device_bytes: int = 0  # the device allocator's peak while the weights loaded (CPU: 0)
+    roofline: RooflineReport | None = None  # the run's per-step roofline (ferrum.bench.roofline)
 
     @property
     def requests_per_s(self) -> float:
@@ -102,11 +106,14 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
         pool = prompt_token_pool(engine.tokenizer, engine.model_config.vocab_size)
         requests = make_workload(spec, pool)
         _run(engine, [warmup_request(spec, pool)], spec.ignore_eos, "warmup", None)
+        roofline = _roofline(engine)
+        stop_observing = engine.add_observer(roofline.add)
         with RequestProgress(len(requests), "bench offline") as progress:
             started = time.perf_counter()
             counts = _run(engine, requests, spec.ignore_eos, "run", progress)
             engine.device.runtime.synchronize()
             elapsed = time.perf_counter() - started
+        stop_observing()
         device, dtype, settings = engine.device, engine.dtype, _settings(engine.config)
         reports = engine.rank_reports
     finally:  # tensor-parallel ranks stopped and torch.distributed left before the interpreter exits
@@ -127,7 +134,20 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
         weight_bytes=sum(r.nbytes for r in reports),
         peak_load_host_bytes=max((r.peak_host_bytes for r in reports), default=0),
         peak_load_device_bytes=max((r.peak_device_bytes for r in reports), default=0),
+        roofline=RooflineReport.of(roofline, elapsed),
     )
+
+
+def _roofline(engine: LLMEngine) -> Roofline:
+    """The run's roofline, the device's peaks measured now (after the warm-up, before the run)."""
+    ranks = engine.config.tensor_parallel_size
+    peaks = measure_peaks(engine.device.torch_device, engine.dtype)
+    if engine.device.kind == "cuda":
+        torch.cuda.empty_cache()  # the measurement's buffers go back to the device
+    peaks = type(peaks)(peaks.matmul_flops * ranks, peaks.bandwidth * ranks)
+    cost = ModelCost.of(engine.model_config, sum(r.nbytes for r in engine.rank_reports), engine.dtype.itemsize,
+                        engine.layout.bytes_per_token * ranks)
+    return Roofline(cost, peaks)
 
 
 def _settings(config: EngineConfig) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,7 @@ def offline_json(result: OfflineResult) -> dict[str, Any]:
         "weight_bytes": result.weight_bytes,
         "peak_load_host_bytes": result.peak_load_host_bytes,
         "peak_load_device_bytes": result.peak_load_device_bytes,
+        "roofline": asdict(result.roofline) if result.roofline is not None else None,
     }
 
 
@@ -165,9 +167,27 @@ def offline_table(result: OfflineResult) -> str:
         _line("Request throughput (req/s)", result.requests_per_s),
         _line("Output token throughput (tok/s)", result.output_tokens_per_s),
         _line("Total token throughput (tok/s)", result.total_tokens_per_s),
+        *_roofline_lines(result),
         "=" * _WIDTH,
     ]
     return "\n".join(lines)
+
+
+def _roofline_lines(result: OfflineResult) -> list[str]:
+    r = result.roofline
+    if r is None:
+        return []
+    kinds = ", ".join(f"{kind} {s:.2f}" for kind, s in r.seconds_by_kind.items())
+    return [
+        _title("Per-step roofline"),
+        _line("Measured peak matmul (TFLOP/s)", r.peak_tflops),
+        _line("Measured copy bandwidth (GB/s)", r.bandwidth_gbs),
+        _line("Roofline (s)", r.seconds),
+        _line("Of the measured time", f"{r.fraction:.1%}"),
+        _line("Forward passes", r.passes),
+        _line("Compute-bound / memory-bound", f"{r.compute_bound_passes} / {r.passes - r.compute_bound_passes}"),
+        _line("Roofline by step kind (s)", kinds or "-"),
+    ]
 
 
 def _quantization_label(settings: dict[str, Any] | None) -> str:

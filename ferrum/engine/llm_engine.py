@@ -214,8 +214,7 @@ class LLMEngine:
         generated = self._generation_tokens
         record: dict[str, object] = {}
         if self._burst is not None:  # greedy decodes already queued on the device
-            seqs = self._finish_burst()
-            record.update(kind="burst", num_tokens=len(seqs))
+            seqs = self._finish_burst(record)
         else:
             plan = self.scheduler.schedule()
             self._preemptions += plan.num_preempted
@@ -224,8 +223,7 @@ class LLMEngine:
             if plan.burst:
                 seqs = [s.seq for s in plan.scheduled]
                 self._burst = (seqs, self.runner.launch_greedy(seqs, plan.burst))
-                seqs = self._finish_burst()
-                record.update(kind="burst", num_tokens=len(seqs))
+                seqs = self._finish_burst(record)
             else:
                 seqs = self._run(plan, record)
         deltas = []
@@ -250,7 +248,10 @@ class LLMEngine:
         scheduled = list(plan.scheduled)
         decodes = sum(1 for s in scheduled if s.is_decode)
         kind: StepKind = "decode" if decodes == len(scheduled) else ("prefill" if not decodes else "mixed")
-        record.update(kind=kind, num_tokens=sum(s.num_new_tokens for s in scheduled))
+        record.update(kind=kind, num_tokens=sum(s.num_new_tokens for s in scheduled),
+                      cached_tokens=sum(s.seq.num_computed_tokens for s in scheduled),
+                      attended_keys=sum(s.num_new_tokens * s.seq.num_computed_tokens
+                                        + s.num_new_tokens * (s.num_new_tokens + 1) // 2 for s in scheduled))
         # the grammars' masks are computed on the host while the device runs the step
         masks = self.guides.start_masks([s.seq for s in scheduled if s.completes_pending])
         logits, seqs = self.runner.execute(scheduled)
@@ -263,17 +264,20 @@ class LLMEngine:
             record.update(logits=logits, request_ids=tuple(seq.request_id for seq in seqs))
         return [s.seq for s in scheduled]
 
-    def _finish_burst(self) -> list[Sequence]:
+    def _finish_burst(self, record: dict[str, object]) -> list[Sequence]:
         """Takes the queued burst's tokens; when no sequence can have stopped in it (by token,
         length, or abort) and no request waits for a free slot, queues the next burst of the same
         sequences on the device first, so that the GPU decodes while the host detokenizes. Small
         batches queue it even before the host has the tokens (_queue_ahead). Returns the burst's
-        sequences."""
+        sequences; `record` gets what the step ran, for the observers."""
         assert self._burst is not None
         seqs, burst = self._burst
         self._burst = None
         following = self._queue_ahead(seqs, burst.steps)
         chosen = self.runner.read_greedy(burst)
+        cached = sum(seq.num_computed_tokens for seq in seqs)
+        record.update(kind="burst", num_tokens=len(seqs), iterations=max(1, len(chosen)), cached_tokens=cached,
+                      attended_keys=cached + len(seqs))
         if following is None and self.scheduler.burst_continues(seqs, chosen):
             following = self._continue(seqs, len(chosen))
         if following is not None:

@@ -25,6 +25,9 @@ class StepRecord:
     finished: float
     request_ids: tuple[str, ...] = ()
     logits: torch.Tensor | None = None
+    iterations: int = 1  # forward passes the step stands for: a burst's decode iterations read, else 1
+    cached_tokens: int = 0  # the step's sequences' tokens already in the cache when its first pass began
+    attended_keys: int = 0  # over every token the first pass ran, the cached keys its attention read (its own too)
 
 
 StepObserver = Callable[[StepRecord], None]

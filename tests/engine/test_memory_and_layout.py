@@ -137,6 +137,9 @@ def test_step_observer_sees_every_step(engine) -> None:  # the conftest engine: 
     assert [r.kind for r in records] == ["prefill", "decode", "decode"]
     assert records[0].num_tokens == len(prompt) and records[1].num_tokens == 1
     assert all(r.num_generated == 1 and r.num_seqs == 1 and r.finished >= r.started for r in records)
+    n = len(prompt)  # what each step's passes read from the cache (the roofline's input)
+    assert [(r.iterations, r.cached_tokens, r.attended_keys) for r in records] == [
+        (1, 0, n * (n + 1) // 2), (1, n, n + 1), (1, n + 1, n + 2)]
     chosen = []
     for r in records:
         assert r.logits is not None  # an ordinary step keeps its logits
