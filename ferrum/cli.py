@@ -36,7 +36,9 @@ QUANTIZATION_HELP = (
 )
 KV_CACHE_DTYPE_HELP = (
     "what the KV cache holds: auto (the serving dtype) | bfloat16 | float16 | float32 | int8 (per-head int8 with "
-    "a float32 scale: about half the bytes of bfloat16; read by the CPU kernels' attention only)"
+    "a float32 scale: about half the bytes of bfloat16; read by the CPU kernels' attention only) | fp8 (e4m3 with a "
+    "scale per layer, from the checkpoint or measured at start-up: half the bytes; GPUs with fp8, compute "
+    "capability 8.9+)"
 )
 
 

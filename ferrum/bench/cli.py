@@ -100,7 +100,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one step")
     off.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
     off.add_argument("--kv-cache-memory-gb", type=float, metavar="G", help="KV cache size")
-    off.add_argument("--kv-cache-dtype", help="auto | bfloat16 | float16 | float32 | int8 (default auto)")
+    off.add_argument("--kv-cache-dtype", help="auto | bfloat16 | float16 | float32 | int8 | fp8 (default auto)")
     off.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                      help="on GPUs: share of device memory for weights and KV cache")
     off.add_argument("--tensor-parallel-size", type=int, metavar="N",

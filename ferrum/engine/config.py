@@ -18,6 +18,7 @@ from ferrum.dtypes import serving_dtype
 from ferrum.kernels.config import KernelConfig
 from ferrum.weights.quantization.scheme import QuantizationConfig
 
+FP8_KV_NAMES = ("fp8", "fp8_e4m3")  # kv_cache_dtype names of an e4m3 cache (vLLM takes both)
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -41,18 +42,20 @@ class EngineConfig:
     # the linear layers' weights quantized as they load (None: served in the dtype)
     quantization: QuantizationConfig | None = None
     # what the KV cache holds: auto (the serving dtype) | bfloat16 | float16 | float32 | int8 (each head's
-    # values with a float32 scale: half a bfloat16 cache's bytes; read by the CPU kernels' attention only)
+    # values with a float32 scale: half a bfloat16 cache's bytes; read by the CPU kernels' attention only) |
+    # fp8 (e4m3 with a scale per layer for k and one for v: half the bytes; GPUs with fp8, and the plain
+    # torch attention; "fp8_e4m3" is the same)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             serving_dtype(self.dtype)  # ValueError naming the valid ones
-        if self.kv_cache_dtype not in ("auto", "int8"):
+        if self.kv_cache_dtype not in ("auto", "int8", *FP8_KV_NAMES):
             try:
                 serving_dtype(self.kv_cache_dtype)
             except ValueError:
-                raise ValueError(f"kv_cache_dtype must be auto, int8 or a serving dtype (float32, bfloat16, "
-                                 f"float16), got {self.kv_cache_dtype!r}") from None
+                raise ValueError(f"kv_cache_dtype must be auto, int8, fp8 (fp8_e4m3) or a serving dtype (float32, "
+                                 f"bfloat16, float16), got {self.kv_cache_dtype!r}") from None
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
                      "tensor_parallel_size", "threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -90,6 +93,8 @@ class EngineConfig:
         """What the KV cache holds for a model served in `serving`."""
         if self.kv_cache_dtype == "auto":
             return serving
+        if self.kv_cache_dtype in FP8_KV_NAMES:
+            return torch.float8_e4m3fn
         return torch.int8 if self.kv_cache_dtype == "int8" else serving_dtype(self.kv_cache_dtype)
 
     @property

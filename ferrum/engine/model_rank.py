@@ -24,10 +24,12 @@ import torch
 from ferrum.backends.device import Device
 from ferrum.engine.auto_quantization import resolve_quantization
 from ferrum.engine.config import EngineConfig
+from ferrum.engine.kv_calibration import CALIBRATION_TEXT, measure_scales, scales_from_checkpoint
 from ferrum.engine.memory_plan import MemoryPlan, in_use_bytes, plan_gpu, plan_host
 from ferrum.engine.runner import ModelRunner
 from ferrum.engine.sampler import sample
 from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.engine.startup import StartupProgress
 from ferrum.engine.torch_runner import TorchModelRunner
@@ -42,6 +44,7 @@ from ferrum.models.layers.int8_head import Int8Head, int8_head_fits
 from ferrum.models.layers.parallel import ShardPlan, TensorParallel
 from ferrum.models.llama import LlamaForCausalLM
 from ferrum.models.loader import WeightLoadReport, load_model, run_sync
+from ferrum.tokenizer import Tokenizer
 from ferrum.weights.loader import WeightLoader
 from ferrum.weights.locations.model_files import ModelFiles
 from ferrum.weights.spec.loader_config import WeightLoaderConfig
@@ -77,7 +80,7 @@ class ModelRank:
         if self.quantization.reason and self.tp.rank == 0:
             log.info("%s", self.quantization.reason)
         self.layout = KVCacheLayout.of(self.shard.rank_config(), config.kv_dtype(dtype), config.block_size)
-        self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels)
+        self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels, dtype)
         self._report = report
         plan = plan_host(device, self.layout, config) if not device.dedicated_memory else None
         if plan is not None:  # sized before loading, so that a cache too small fails fast
@@ -86,6 +89,8 @@ class ModelRank:
         if self.quantization.int8_head and self.tp.size == 1 and int8_head_fits(self.model.lm_head):
             self.model.lm_head = Int8Head(self.model.lm_head)
         report(StartupProgress("warming"))
+        if self.layout.fp8:
+            self._fp8_kv_scales(files)
         if plan is None:
             plan = plan_gpu(device, self.layout, config, self._profile)
         self.memory_plan: MemoryPlan = plan
@@ -114,6 +119,28 @@ class ModelRank:
                               quantization=self.quantization.quantization, chosen=self.quantization.reason or None)
         finally:
             run_sync(loader.aclose())
+
+    def _fp8_kv_scales(self, files: ModelFiles) -> None:
+        """Each attention layer's fp8 KV-cache scales: the checkpoint's, else measured on a fixed prompt
+        run through a scratch runner (every rank runs it: their collectives meet)."""
+        if scales_from_checkpoint(self.model):
+            log.info("fp8 KV cache: the checkpoint's k and v scales")
+            return
+        ids = Tokenizer.from_folder(files.folder).encode(CALIBRATION_TEXT)
+        ids = ids[: min(self.max_model_len, self.config.tokens_per_step)]
+        blocks = self.layout.blocks_for(len(ids))
+        scratch = self.make_runner(blocks, graph_sizes=[])
+
+        def run(token_ids: list[int]) -> None:
+            probe = Sequence("kv-calibration", token_ids, SamplingParams(max_tokens=1), 0.0)
+            probe.block_table = list(range(blocks))
+            scratch.execute([ScheduledSequence(probe, len(token_ids))])
+            self.device.runtime.synchronize()
+
+        try:
+            measure_scales(self.model, run, ids)
+        finally:
+            scratch.release()
 
     def make_runner(self, num_blocks: int, graph_sizes: list[int] | None = None) -> ModelRunner:
         return runner_for(self.model, self.device, self.layout, num_blocks, self.attention, self.config,

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable
+from ferrum.kernels.kv_fp8 import cache_value, scales_arg
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 from ferrum.kernels.quant_weight import QuantWeight
 
@@ -634,7 +635,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
 @triton.jit
 def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, NW: tl.tensor,
                      POS: tl.tensor, COS: tl.tensor, SIN: tl.tensor, SLOTS: tl.tensor, QOUT: tl.tensor, KC: tl.tensor,
-                     VC: tl.tensor, IDX: tl.tensor, M: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
+                     VC: tl.tensor, KVS: tl.tensor, IDX: tl.tensor, M: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
                      stride_wn: tl.tensor, stride_sn: tl.tensor, stride_cs: tl.tensor, stride_qt: tl.tensor,
                      stride_qh: tl.tensor, stride_kc: tl.tensor, stride_kh: tl.tensor, eps: tl.tensor,
                      magic: tl.tensor, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
@@ -677,12 +678,16 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
         y2 = x2
     if head < H:
         dst = QOUT + rows[:, None] * stride_qt + head * stride_qh
+        tl.store(dst + d[None, :], y1.to(act_ty), mask=rmask[:, None])
+        tl.store(dst + D // 2 + d[None, :], y2.to(act_ty), mask=rmask[:, None])
     elif head < H + KV:
         dst = KC + slot[:, None] * stride_kc + (head - H) * stride_kh
+        tl.store(dst + d[None, :], cache_value(y1.to(act_ty), KC, KVS, 0), mask=rmask[:, None])
+        tl.store(dst + D // 2 + d[None, :], cache_value(y2.to(act_ty), KC, KVS, 0), mask=rmask[:, None])
     else:
         dst = VC + slot[:, None] * stride_kc + (head - H - KV) * stride_kh
-    tl.store(dst + d[None, :], y1.to(act_ty), mask=rmask[:, None])
-    tl.store(dst + D // 2 + d[None, :], y2.to(act_ty), mask=rmask[:, None])
+        tl.store(dst + d[None, :], cache_value(y1.to(act_ty), VC, KVS, 1), mask=rmask[:, None])
+        tl.store(dst + D // 2 + d[None, :], cache_value(y2.to(act_ty), VC, KVS, 1), mask=rmask[:, None])
 
 
 # STEP_START: the kernels of a decode step read before their PDL wait what the step's inputs hold
@@ -706,11 +711,13 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
                    norm_weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, table: GemvTable,
-                   x_rows: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                   x_rows: torch.Tensor | None = None, pdl: bool = False,
+                   kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm (optional) -> q/k/v projection -> rope on q and k -> k and v into their cache
     slots, in one kernel for a few decode rows. Returns q: [M, H, D]. weight: a tensor or a
     QuantWeight (then `table` is its kind's). x_rows (int64 [M]): x is a table (the embedding) and
-    these are the rows (then launched without PDL: see STEP_START)."""
+    these are the rows (then launched without PDL: see STEP_START). kv_scale: an fp8 cache's k and v
+    scales ([2] float32)."""
     m = x_rows.shape[0] if x_rows is not None else x.shape[0]
     k = x.shape[1]
     kw = kernel_weight(weight)
@@ -733,7 +740,8 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
     pdl = pdl and x_rows is None
     _qkv_rope_kernel[grid](
         x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
-        positions, cos, sin, slots, q, k_cache, v_cache, x_rows if x_rows is not None else x, m, k,
+        positions, cos, sin, slots, q, k_cache, v_cache, scales_arg(kv_scale, k_cache),
+        x_rows if x_rows is not None else x, m, k,
         x.stride(0), kw.stride_wn, kw.stride_sn, cos.stride(0), q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), eps, MAGIC,
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,

@@ -2,6 +2,8 @@
 
 The cache of one layer is two tensors [num_slots, num_kv_heads, head_dim]; a token at position p
 of a sequence lives in slot block_table[p // page] * page + p % page (ferrum.models.attention.layout).
+An fp8 cache's values are read as they lie and widened to q's dtype in registers: the k scale joins the
+softmax's scale, the v scale multiplies the output once (ferrum.kernels.kv_fp8).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels.kv_fp8 import cache_scale, scales_arg
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 
 
@@ -52,8 +55,9 @@ def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, ke
                   PRECISION: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One block of keys k [BLOCK_N, D] into the running max m, sums and output acc of q's rows
     (v: the block's values, or pointers to load them from, masked by valid; keep: which scores
-    count). A block where a row keeps nothing leaves that row as it was."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    count). A block where a row keeps nothing leaves that row as it was. k and v (an fp8 cache's too)
+    are widened to q's dtype."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept yet: no -inf - -inf
@@ -62,13 +66,13 @@ def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, ke
     sums = sums * alpha + tl.sum(p, axis=1)
     if v.dtype.is_ptr():
         v = tl.load(v, mask=valid[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, sums, acc
 
 
 # The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
 @triton.jit(do_not_specialize=["stride_bt"])
-def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, OUT: tl.tensor, PART_ACC: tl.tensor,
+def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, OUT: tl.tensor, PART_ACC: tl.tensor,
                    PART_ML: tl.tensor, TABLES: tl.tensor, LENS: tl.tensor, scale: tl.tensor,
                    stride_qt: tl.tensor, stride_qh: tl.tensor, stride_kc: tl.tensor, stride_kh: tl.tensor,
                    stride_bt: tl.tensor, stride_ot: tl.tensor, stride_oh: tl.tensor,
@@ -115,7 +119,7 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, OUT: tl.tensor, P
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
     q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * 1.4426950408889634 * cache_scale(KC, KVS, 0)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     sums = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -127,6 +131,7 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, OUT: tl.tensor, P
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
         m, sums, acc = _softmax_step(q, k, VC + off, valid, valid[None, :], m, sums, acc, qk_scale, PRECISION)
     heads = kvh * G + g
+    acc = acc * cache_scale(VC, KVS, 1)
     if SPLITS == 1:
         out = acc / sums[:, None]
         tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -177,9 +182,9 @@ def decode_splits(batch: int, kv_heads: int, num_sms: int, max_splits: int = 32)
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, page: int, scale: float, splits: int = 1,
                  out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                 pdl: bool = False) -> torch.Tensor:
+                 pdl: bool = False, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache;
-    block_n: cache tokens per step of each program's loop."""
+    block_n: cache tokens per step of each program's loop; kv_scale: an fp8 cache's k and v scales."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -189,7 +194,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, context_lens, scale,
+        q, k_cache, v_cache, scales_arg(kv_scale, k_cache), out, part_acc, part_ml, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
@@ -205,7 +210,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
-def _prefill_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, OUT: tl.tensor, TABLES: tl.tensor,
+def _prefill_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, OUT: tl.tensor, TABLES: tl.tensor,
                     TILE_SEQ: tl.tensor, TILE_M: tl.tensor, Q_START: tl.tensor, Q_LEN: tl.tensor,
                     PAST: tl.tensor, scale: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor,
                     stride_kc: tl.tensor, stride_kh: tl.tensor, stride_bt: tl.tensor, stride_ot: tl.tensor,
@@ -228,8 +233,9 @@ def _prefill_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, OUT: tl.tensor, 
     q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
     end = past + tl.minimum(m0 + BLOCK_M, q_len)
     m, sums, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
-                                 scale * 1.4426950408889634, past + rows, BLOCK_M, D, PAGE, BLOCK_N, True, PRECISION)
-    out = acc / sums[:, None]
+                                 scale * 1.4426950408889634 * cache_scale(KC, KVS, 0), past + rows, BLOCK_M, D, PAGE,
+                                 BLOCK_N, True, PRECISION)
+    out = acc * cache_scale(VC, KVS, 1) / sums[:, None]
     tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=rmask[:, None])
 
@@ -239,7 +245,8 @@ PREFILL_BLOCK_M = 64
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   tile_seq: torch.Tensor, tile_m: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
-                  past: torch.Tensor, page: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                  past: torch.Tensor, page: int, scale: float, out: torch.Tensor | None = None,
+                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] packed new tokens of several sequences (their k/v already in the cache).
     Tiles (tile_seq, tile_m) cover each sequence's new tokens in steps of PREFILL_BLOCK_M; only the
     rows of tiled sequences are written."""
@@ -247,7 +254,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kv_heads = k_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
     _prefill_kernel[(tile_seq.shape[0], heads)](
-        q, k_cache, v_cache, out, block_tables, tile_seq, tile_m, q_start, q_len, past, scale,
+        q, k_cache, v_cache, scales_arg(kv_scale, k_cache), out, block_tables, tile_seq, tile_m, q_start, q_len, past,
+        scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=heads // kv_heads, D=dim, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64,

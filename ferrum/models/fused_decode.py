@@ -77,7 +77,7 @@ class FusedDecode:
                 q = qkv_rope_store(h, w, attn.qkv_proj.bias, norm1.weight, norm1.eps,
                                    batch.positions, batch.cos_table, batch.sin_table, batch.slot_mapping,
                                    cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, table,
-                                   x_rows=rows, pdl=pdl)
+                                   x_rows=rows, pdl=pdl, kv_scale=attn.kv_scale)
                 out = batch.attend_stored(attn, q, cache)
             else:  # per-head q/k norms need whole heads: a separate rope kernel
                 qkv = gemv(h, w, table, bias=attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps,

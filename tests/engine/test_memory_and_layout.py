@@ -48,7 +48,7 @@ def test_kv_cache_dtype_is_checked_and_int8_is_refused_without_the_cpu_kernels(t
     assert EngineConfig(kv_cache_dtype="bf16").kv_dtype(torch.float32) == torch.bfloat16
     assert EngineConfig(kv_cache_dtype="fp16").kv_dtype(torch.bfloat16) == torch.float16
     assert EngineConfig(kv_cache_dtype="int8").kv_dtype(torch.bfloat16) == torch.int8
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, int8 or a serving dtype"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be auto, int8, fp8 \(fp8_e4m3\) or a serving dtype"):
         EngineConfig(kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="read only by the CPU kernels' attention.*not loaded"):
         create_engine(make_tiny_llama(tmp_path / "tiny"), backend="cpu", kv_cache_dtype="int8",

@@ -116,6 +116,28 @@ def test_qkv_projection_with_rope_and_cache_write(rows: int, table: GemvTable) -
         assert not ours[untouched.to(DEVICE)].any()
 
 
+def test_qkv_projection_writes_an_fp8_cache() -> None:
+    """The fused projection's cache write into an fp8 cache: what rope_and_store writes there from the
+    unfused projection (each k and v over its layer's scale), to the products' rounding."""
+    gen = torch.Generator().manual_seed(23)
+    heads, kv_heads, dim, hidden = 4, 2, 32, 128
+    x = torch.randn(1, hidden, generator=gen).to(DTYPE).to(DEVICE)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=gen) / 4).to(DTYPE).to(DEVICE)
+    emb = torch.outer(torch.arange(64).float(), 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))).repeat(1, 2)
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    positions, slots = torch.tensor([9], device=DEVICE), torch.tensor([6], device=DEVICE)
+    scales = torch.tensor([0.01, 0.005], device=DEVICE)
+    caches = [torch.zeros(8, kv_heads, dim, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(4)]
+    table = GemvTable()
+    tg.qkv_rope_store(x, w, None, None, 1e-5, positions, cos, sin, slots, caches[0], caches[1], heads, kv_heads, dim,
+                      table, kv_scale=scales)
+    qkv = tg.gemv(x, w, table)
+    rope.rope_and_store(qkv, positions, cos, sin, slots, caches[2], caches[3], heads, kv_heads, dim, kv_scale=scales)
+    for ours, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert ref[slots].float().abs().sum() > 0
+        assert rel_err(ours[slots].float(), ref[slots].float()) < 2e-2
+
+
 def test_gemv_reads_its_rows_from_a_table():
     """The first decoder layer's projections read their input and residual rows straight from the
     embedding table (x_rows / residual_rows) instead of a gathered copy."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from ferrum.backends.device import Device
 from ferrum.kernels.config import KernelConfig
 from ferrum.models.attention.layout import KVCache, KVCacheLayout
@@ -37,16 +39,22 @@ class AttentionBackend(Protocol):
         ...
 
 
-def select_attention(device: Device, layout: KVCacheLayout, kernels: KernelConfig,
-                     cpu_kernels: bool = False) -> AttentionBackend:
+def select_attention(device: Device, layout: KVCacheLayout, kernels: KernelConfig, cpu_kernels: bool = False,
+                     dtype: torch.dtype | None = None) -> AttentionBackend:
     """triton_paged where Triton compiles for the device, cpu_paged on the CPU once its kernels are
-    loaded (`cpu_kernels`: ferrum.kernels.cpu.build), torch_paged elsewhere. An int8 cache
-    (`layout.quantized`) is read by cpu_paged alone: ValueError elsewhere."""
+    loaded (`cpu_kernels`: ferrum.kernels.cpu.build), torch_paged elsewhere (computing in `dtype`, the
+    serving dtype; default the cache's). An int8 cache (`layout.quantized`) is read by cpu_paged alone,
+    an fp8 cache by triton_paged on a GPU with fp8 and by torch_paged: ValueError elsewhere."""
     cpu_paged = cpu_kernels and device.kind == "cpu" and not device.triton
     if layout.quantized and not cpu_paged:
         reason = "its C++ kernels are not loaded" if device.kind == "cpu" else f"it is not the CPU ({device.kind})"
         raise ValueError(f"kv_cache_dtype int8 is read only by the CPU kernels' attention (cpu_paged), and this "
                          f"engine's device {device.torch_device} cannot run it: {reason}. Use kv_cache_dtype auto")
+    if layout.fp8 and (cpu_paged or (device.triton and not device.fp8)):
+        reason = ("the CPU kernels' attention reads bf16/float32 or int8 caches (kv_cache_dtype int8 is the CPU's "
+                  "8-bit cache)" if cpu_paged else f"{device.description} has no fp8 (compute capability 8.9+)")
+        raise ValueError(f"kv_cache_dtype fp8 cannot be read on {device.torch_device}: {reason}. Use kv_cache_dtype "
+                         f"auto")
     if device.triton:
         from ferrum.models.attention.triton_paged import TritonPagedAttention
 
@@ -57,4 +65,4 @@ def select_attention(device: Device, layout: KVCacheLayout, kernels: KernelConfi
         return CpuPagedAttention(device, layout)
     from ferrum.models.attention.torch_paged import TorchPagedAttention
 
-    return TorchPagedAttention(device, layout)
+    return TorchPagedAttention(device, layout, dtype)

@@ -44,8 +44,12 @@ class Attention(nn.Module):
             else linears.row_parallel(f"{prefix}.o_proj", self.q_size, config.hidden_size, False, tp))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
-        # a checkpoint's FP8 KV-cache scales (compressed-tensors' kv_cache_scheme), loaded as parameters;
-        # nothing reads them yet (the KV cache is stored in the serving dtype)
+        # an fp8 KV cache's scales, k's then v's (the cache holds k / kv_scale[0], v / kv_scale[1]): the
+        # checkpoint's where it has them, else measured at start-up (ferrum.models.attention.kv_scales)
+        self.register_buffer("kv_scale", torch.ones(2), persistent=False)
+        self.kv_scale: torch.Tensor
+        self.kv_amax: torch.Tensor | None = None  # while measuring: the largest |k| (a rotation bound) and |v| seen
+        # a checkpoint's FP8 KV-cache scales (compressed-tensors' kv_cache_scheme), loaded as parameters
         self.k_scale: nn.Parameter | None = None
         self.v_scale: nn.Parameter | None = None
         if linears.published is not None and linears.published.format.kv_cache_scales:
@@ -53,5 +57,21 @@ class Attention(nn.Module):
             self.v_scale = nn.Parameter(torch.ones(1), requires_grad=False)
 
     def forward(self, x: torch.Tensor, cache: KVCache, batch: AttentionInputs) -> torch.Tensor:
-        out = batch.attend(self, self.qkv_proj(x), cache)  # rope, cache write and attention
+        qkv = self.qkv_proj(x)
+        if self.kv_amax is not None:
+            self._observe(qkv)
+        out = batch.attend(self, qkv, cache)  # rope, cache write and attention
         return self.o_proj(out)
+
+    def _observe(self, qkv: torch.Tensor) -> None:
+        """Raises kv_amax to this step's largest |v| and a bound on its largest rotated |k|: rope turns
+        each pair (i, i + head_dim/2) by an angle, so no rotated element exceeds the pair's norm."""
+        assert self.kv_amax is not None
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].float().view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm.norm(k).float()
+        half = self.head_dim // 2
+        pair = (k[..., :half].square() + k[..., half:].square()).sqrt()
+        v = qkv[:, self.q_size + self.kv_size :].float()
+        seen = torch.stack([pair.amax(), v.abs().amax()])
+        torch.maximum(self.kv_amax, seen, out=self.kv_amax)

@@ -5,7 +5,9 @@ The cache of one layer is two tensors (k, v) of shape [num_slots, num_kv_heads, 
 num_slots = num_blocks * block_size (or block-major, below). head_width is head_dim in a float dtype; an
 int8 cache (kv_cache_dtype int8) holds each head's head_dim int8 values and their float32 scale, 4 bytes:
 head_dim + 4 (block-major, the CPU kernels arrange each block's values and scales in tiles of their own:
-ferrum/kernels/cpu/common.h). A sequence's token at position p lives in slot
+ferrum/kernels/cpu/common.h). An fp8 cache (kv_cache_dtype fp8) holds e4m3 values, each k the key over its
+layer's k scale, each v over its v scale (`Attention.kv_scale`): head_dim bytes. A sequence's token at
+position p lives in slot
 
     block_table[p // block_size] * block_size + p % block_size
 
@@ -32,7 +34,7 @@ class KVCacheLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype  # what a slot holds: a float dtype, or torch.int8 (values and a scale per head)
+    dtype: torch.dtype  # what a slot holds: a float dtype, float8_e4m3fn, or int8 (values and a scale per head)
     block_size: int
 
     def __post_init__(self) -> None:
@@ -47,6 +49,11 @@ class KVCacheLayout:
     def quantized(self) -> bool:
         """An int8 cache: each head's values with a float32 scale of their own."""
         return self.dtype == torch.int8
+
+    @property
+    def fp8(self) -> bool:
+        """An fp8 (e4m3) cache: values over their layer's k or v scale."""
+        return self.dtype == torch.float8_e4m3fn
 
     @property
     def head_width(self) -> int:

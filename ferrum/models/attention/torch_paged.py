@@ -49,7 +49,7 @@ class AttentionBatch:
             qk = torch.cat([layer.q_norm.norm(q), layer.k_norm.norm(k)], dim=1)
         qk = apply_rotary(qk, *self.rope)  # q and k heads rotated together: one set of ops for both
         q, k = qk.split([layer.num_heads, layer.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, cache[0], cache[1], self)
+        out = paged_attention(q, k, v, cache[0], cache[1], self, layer.kv_scale if cache[0].dtype == FP8 else None)
         return out.reshape(-1, layer.q_size)
 
 
@@ -60,16 +60,23 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: AttentionBatch,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D]. Writes k, v to the cache and returns [T, H, D]."""
-    k_cache.index_copy_(0, batch.slot_mapping, k)
-    v_cache.index_copy_(0, batch.slot_mapping, v)
+    """q: [T, H, D]; k, v: [T, KV, D]. Writes k, v to the cache and returns [T, H, D]. kv_scale: an fp8
+    cache's k and v scales ([2] float32): k / its scale is stored, the stored value times it read."""
+    if kv_scale is not None:
+        # as bytes: torch's index ops take no fp8
+        k_cache.view(torch.uint8).index_copy_(0, batch.slot_mapping, to_fp8(k, kv_scale[0]).view(torch.uint8))
+        v_cache.view(torch.uint8).index_copy_(0, batch.slot_mapping, to_fp8(v, kv_scale[1]).view(torch.uint8))
+    else:
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
     n, slots = batch.num_decode, batch.decode_slots
     if slots is not None:  # n decodes
         qd = q[:n].unsqueeze(2)  # [n, H, 1, D]
-        kd = _gather(k_cache, slots).transpose(1, 2)  # [n, KV, L, D]
-        vd = _gather(v_cache, slots).transpose(1, 2)
+        kd = _gather(k_cache, slots, q.dtype, kv_scale, 0).transpose(1, 2)  # [n, KV, L, D]
+        vd = _gather(v_cache, slots, q.dtype, kv_scale, 1).transpose(1, 2)
         decoded = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=gqa)
         if not batch.prefills:
             return decoded.squeeze(2)
@@ -85,8 +92,9 @@ def paged_attention(
             vs = v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            ks = _gather(k_cache, seg.context_slots).transpose(0, 1).unsqueeze(0)  # [1, KV, past+n, D]
-            vs = _gather(v_cache, seg.context_slots).transpose(0, 1).unsqueeze(0)
+            # [1, KV, past+n, D]
+            ks = _gather(k_cache, seg.context_slots, q.dtype, kv_scale, 0).transpose(0, 1).unsqueeze(0)
+            vs = _gather(v_cache, seg.context_slots, q.dtype, kv_scale, 1).transpose(0, 1).unsqueeze(0)
             # query i sits at position past+i and sees keys 0..past+i
             mask = torch.ones(seg.length, seg.past + seg.length, dtype=torch.bool, device=q.device).tril(seg.past)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
@@ -94,17 +102,32 @@ def paged_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] for slots of any shape; index_select is far faster than advanced indexing on CPU."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, kv_scale: torch.Tensor | None,
+            which: int) -> torch.Tensor:
+    """cache[slots] for slots of any shape, in `dtype` (an fp8 cache's values times scale `which` of
+    kv_scale); index_select is far faster than advanced indexing on CPU."""
+    if kv_scale is None:
+        return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+    rows = cache.view(torch.uint8).index_select(0, slots.reshape(-1)).view(FP8)  # as bytes: no fp8 index ops
+    return (rows.to(torch.float32) * kv_scale[which]).to(dtype).view(*slots.shape, *cache.shape[1:])
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale as e4m3, saturated at +-448 (a plain cast of a larger value gives NaN)."""
+    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 class TorchPagedAttention:
     name = "torch_paged"
 
-    def __init__(self, device: Device, layout: KVCacheLayout) -> None:
+    def __init__(self, device: Device, layout: KVCacheLayout, dtype: torch.dtype | None = None) -> None:
         self.device = device.torch_device
         self.layout = layout
+        self.dtype = dtype or layout.dtype  # what the attention computes in: the serving dtype
 
     def step_inputs(self, step: PackedStep, rotary: RotaryEmbedding) -> AttentionBatch:
         dev, layout = self.device, self.layout
@@ -126,7 +149,7 @@ class TorchPagedAttention:
             segments.append(PrefillSegment(s.start, s.length, s.past, context))
         positions = torch.tensor(step.positions, dtype=torch.long, device=dev)
         return AttentionBatch(
-            rope=rotary(positions, layout.dtype),
+            rope=rotary(positions, self.dtype),
             slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
             num_decode=step.num_decode,
             decode_slots=decode_slots,

@@ -1,0 +1,109 @@
+"""The fp8 (e4m3) KV cache (kv_cache_dtype fp8): where it runs, its scales (the checkpoint's, else measured
+at start-up), and the served model against the same model with a cache in the serving dtype, through
+the plain torch attention and through the GPU path's Triton kernels (interpreted where there is no GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrum.engine.config import EngineConfig
+from ferrum.engine.llm_engine import LLMEngine
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.kernels.config import KernelConfig
+from ferrum.models.attention import select_attention
+from ferrum.models.attention.layer import Attention
+from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.tokenizer.synthetic import write_synthetic_tokenizer
+from ferrum.weights.locations.model_files import ModelFiles, local_weights
+from ferrum.weights.spec.sources import File
+from tests.engines import host_device
+from tests.tiny_model import make_tiny_llama
+from tests.triton_interpreter import gpu_path_device
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "quantized"
+# the chosen tokens' logprobs with an fp8 cache against a float32 one: measured at most 0.0008 on this model
+BOUND_LOGPROB = 0.01
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("fp8-kv") / "tiny")
+
+
+def _engine(folder: Path, device, kv: str, max_model_len: int = 256, **settings) -> LLMEngine:
+    files = ModelFiles(File(folder), folder, local_weights(folder), complete=True)
+    config = EngineConfig(dtype="float32", max_model_len=max_model_len, kv_cache_memory_gb=0.01, max_num_seqs=4,
+                          max_num_batched_tokens=256, block_size=8, kv_cache_dtype=kv, **settings)
+    return LLMEngine(config, device, files)
+
+
+def _run(engine: LLMEngine) -> tuple[list[list[int]], list[float]]:
+    prompts = [engine.tokenizer.encode(t) for t in ("hello there, how", "a b c d e f g h i j k l m n o p q r s t")]
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1))
+    tokens: dict[str, list[int]] = {"0": [], "1": []}
+    logprobs: dict[str, list[float]] = {"0": [], "1": []}
+    while engine.has_work:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += [lp.logprob for lp in out.new_logprobs or ()]
+    return [tokens["0"], tokens["1"]], logprobs["0"] + logprobs["1"]
+
+
+def test_fp8_names_layout_and_where_it_is_read() -> None:
+    for name in ("fp8", "fp8_e4m3"):
+        assert EngineConfig(kv_cache_dtype=name).kv_dtype(torch.bfloat16) == torch.float8_e4m3fn
+    layout = KVCacheLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float8_e4m3fn, block_size=4)
+    assert layout.fp8 and not layout.quantized and layout.bytes_per_token == 2 * 2 * 2 * 8  # half of bf16's
+    with pytest.raises(ValueError, match="fp8 cannot be read on cpu: the CPU kernels' attention"):
+        select_attention(host_device(), layout, KernelConfig(), cpu_kernels=True)
+    no_fp8 = dataclasses.replace(gpu_path_device(), fp8=False)
+    with pytest.raises(ValueError, match=r"has no fp8 \(compute capability 8.9\+\)"):
+        select_attention(no_fp8, layout, KernelConfig())
+    assert select_attention(host_device(), layout, KernelConfig()).name == "torch_paged"
+
+
+@pytest.mark.parametrize("path", ["torch_paged", "triton_paged"])
+def test_fp8_cache_serves_as_the_float32_cache(tiny: Path, path: str) -> None:
+    device = host_device() if path == "torch_paged" else dataclasses.replace(gpu_path_device(), fp8=True)
+    settings = {"kernels": {"cpu": False}} if path == "torch_paged" else {}
+    plain = _engine(tiny, device, "auto", **settings)
+    fp8 = _engine(tiny, device, "fp8", **settings)
+    assert fp8.attention.name == path
+    assert fp8.rank.num_blocks >= 3 * plain.rank.num_blocks  # 1 byte a value against float32's 4
+    scales = torch.stack([m.kv_scale for m in fp8.model.modules() if isinstance(m, Attention)])
+    assert bool((scales != 1.0).all()) and bool((scales > 0).all())  # measured at start-up
+    plain_tokens, plain_lp = _run(plain)
+    fp8_tokens, fp8_lp = _run(fp8)
+    differ = max(abs(a - b) for a, b in zip(plain_lp, fp8_lp, strict=True))
+    print(f"{path}: identical tokens {plain_tokens == fp8_tokens}, largest logprob difference {differ:.4f}")
+    assert plain_tokens == fp8_tokens
+    assert differ < BOUND_LOGPROB
+    assert fp8.stats().kv_cache_dtype == "float8_e4m3fn" and fp8.stats().kv_blocks_used == 0
+
+
+def test_fp8_cache_takes_the_checkpoints_scales(tmp_path: Path) -> None:
+    """compressed-tensors' kv_cache_scheme carries each layer's k_scale and v_scale: used as they are."""
+    from safetensors import safe_open
+
+    fixture = FIXTURES / "ct-fp8-static-kv"
+    folder = tmp_path / fixture.name  # the fixture with a tokenizer of its vocabulary
+    folder.mkdir()
+    for file in fixture.iterdir():
+        (folder / file.name).symlink_to(file)
+    write_synthetic_tokenizer(folder, json.loads((fixture / "config.json").read_text())["vocab_size"])
+    engine = _engine(folder, host_device(), "fp8", max_model_len=128, kernels={"cpu": False})
+    layers = [m for m in engine.model.modules() if isinstance(m, Attention)]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for i, layer in enumerate(layers):
+            stored = [f.get_tensor(f"model.layers.{i}.self_attn.{n}").float().reshape(()) for n in ("k_scale",
+                                                                                                     "v_scale")]
+            assert torch.equal(layer.kv_scale, torch.stack(stored)), i
+    tokens, _ = _run(engine)
+    assert all(len(t) == 12 for t in tokens)
