@@ -36,10 +36,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("fp8-kv") / "tiny")
 
 
-def _engine(folder: Path, device, kv: str, max_model_len: int = 256, **settings) -> LLMEngine:
+def _engine(folder: Path, device, kv: str, max_model_len: int = 256, cpu_kernels: bool = True) -> LLMEngine:
     files = ModelFiles(File(folder), folder, local_weights(folder), complete=True)
     config = EngineConfig(dtype="float32", max_model_len=max_model_len, kv_cache_memory_gb=0.01, max_num_seqs=4,
-                          max_num_batched_tokens=256, block_size=8, kv_cache_dtype=kv, **settings)
+                          max_num_batched_tokens=256, block_size=8, kv_cache_dtype=kv,
+                          kernels=KernelConfig(cpu=cpu_kernels))
     return LLMEngine(config, device, files)
 
 
@@ -72,9 +73,8 @@ def test_fp8_names_layout_and_where_it_is_read() -> None:
 @pytest.mark.parametrize("path", ["torch_paged", "triton_paged"])
 def test_fp8_cache_serves_as_the_float32_cache(tiny: Path, path: str) -> None:
     device = host_device() if path == "torch_paged" else dataclasses.replace(gpu_path_device(), fp8=True)
-    settings = {"kernels": {"cpu": False}} if path == "torch_paged" else {}
-    plain = _engine(tiny, device, "auto", **settings)
-    fp8 = _engine(tiny, device, "fp8", **settings)
+    plain = _engine(tiny, device, "auto", cpu_kernels=path != "torch_paged")
+    fp8 = _engine(tiny, device, "fp8", cpu_kernels=path != "torch_paged")
     assert fp8.attention.name == path
     assert fp8.rank.num_blocks >= 3 * plain.rank.num_blocks  # 1 byte a value against float32's 4
     scales = torch.stack([m.kv_scale for m in fp8.model.modules() if isinstance(m, Attention)])
@@ -98,7 +98,7 @@ def test_fp8_cache_takes_the_checkpoints_scales(tmp_path: Path) -> None:
     for file in fixture.iterdir():
         (folder / file.name).symlink_to(file)
     write_synthetic_tokenizer(folder, json.loads((fixture / "config.json").read_text())["vocab_size"])
-    engine = _engine(folder, host_device(), "fp8", max_model_len=128, kernels={"cpu": False})
+    engine = _engine(folder, host_device(), "fp8", max_model_len=128, cpu_kernels=False)
     layers = [m for m in engine.model.modules() if isinstance(m, Attention)]
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         for i, layer in enumerate(layers):
