@@ -21,6 +21,8 @@ Phases:
   prefix   TTFT of 64 requests sharing a 1536-token prefix, new then cached, and of 64 sharing
            nothing with prefix caching on and off (1B)
   timeline the engine's steps (kind, tokens, wall time) on the offline workload, from its observer
+  roofline `ferrum bench offline` (the offline workload) on the 1B (and the 8B with --with-8b) with the KV
+           cache in bf16 and in fp8: output tok/s, the per-step roofline's fraction, the KV tokens that fit
 
 --compare CHECKOUT runs the CLI-level phases (offline, serve, cold, memory, prefix) a second time
 with the Ferrum of another checkout (its `ferrum` CLI, imported from there), and the decode phase
@@ -212,7 +214,8 @@ def copy_bandwidth(elements: int = 2**30) -> float:
 
 
 def phase_tests(args) -> None:
-    tests = ["tests/kernels", "tests/engine/test_gpu_engine.py", "tests/backends/test_cuda_gpu.py"]
+    tests = ["tests/kernels", "tests/engine/test_gpu_engine.py", "tests/backends/test_cuda_gpu.py",
+             "tests/engine/test_fp8_kv_cache.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                           cwd=ROOT, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
@@ -442,6 +445,26 @@ def phase_offline(args) -> None:
                f"{res['output_tokens_as_requested']})")
 
 
+def phase_roofline(args) -> None:
+    shapes = (["llama-3.1-8b"] if args.with_8b else []) + ["llama-3.2-1b"]
+    for shape in shapes:
+        folder = checkpoint(shape, args.ckpt)
+        for kv in ("auto", "fp8"):
+            try:
+                res = bench(Variant("new", ROOT), "offline", "--model", str(folder), "--max-model-len", "2048",
+                            "--num-prompts", str(args.num_prompts), "--kv-cache-dtype", kv, "--output-json",
+                            str(args.out / f"roofline-{shape}-{kv}.json"))
+            except (OSError, ValueError) as e:
+                record("roofline", f"{shape} kv {kv}", "failed", note=str(e)[-300:])
+                continue
+            r = res["roofline"]
+            record("roofline", f"{shape} kv {kv} ({res['kv_cache_dtype']})", round(res["output_tokens_per_s"]),
+                   "output tok/s", f"{res['elapsed_s']:.1f}s; roofline {r['seconds']:.1f}s = {r['fraction']:.1%} of it "
+                   f"({r['peak_tflops']:.0f} TFLOP/s, {r['bandwidth_gbs']:.0f} GB/s measured; "
+                   f"{r['compute_bound_passes']}/{r['passes']} passes compute-bound; by kind {r['seconds_by_kind']}); "
+                   f"KV cache {res['kv_cache_tokens']} tokens")
+
+
 def phase_serve(args) -> None:
     """HTTP at concurrency 64 vs the offline engine at max_num_seqs 64 on the same workload, the
     offline reference taken before and after the HTTP run and averaged."""
@@ -619,7 +642,7 @@ def main() -> None:
     phases: dict[str, Callable[..., object]] = {
         "env": lambda: None, "tests": phase_tests, "correct": phase_correct, "offline": phase_offline,
         "serve": phase_serve, "cold": phase_cold, "memory": phase_memory, "prefix": phase_prefix,
-        "timeline": phase_timeline,
+        "timeline": phase_timeline, "roofline": phase_roofline,
     }
     for phase in args.phases.split(","):
         started = time.perf_counter()

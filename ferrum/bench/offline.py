@@ -45,6 +45,8 @@ class OfflineResult:
     peak_load_host_bytes: int = 0  # the resident set at its highest while the weights loaded
     peak_load_device_bytes: int = 0  # the device allocator's peak while the weights loaded (CPU: 0)
     roofline: RooflineReport | None = None  # the run's per-step roofline (ferrum.bench.roofline)
+    kv_cache_tokens: int = 0  # tokens the KV cache holds (its blocks x block size)
+    kv_cache_dtype: str = ""
 
     @property
     def requests_per_s(self) -> float:
@@ -115,6 +117,7 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
             elapsed = time.perf_counter() - started
         stop_observing()
         device, dtype, settings = engine.device, engine.dtype, _settings(engine.config)
+        stats = engine.stats()
         reports = engine.rank_reports
     finally:  # tensor-parallel ranks stopped and torch.distributed left before the interpreter exits
         engine.release()
@@ -135,6 +138,8 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
         peak_load_host_bytes=max((r.peak_host_bytes for r in reports), default=0),
         peak_load_device_bytes=max((r.peak_device_bytes for r in reports), default=0),
         roofline=RooflineReport.of(roofline, elapsed),
+        kv_cache_tokens=stats.kv_blocks_total * engine.config.block_size,
+        kv_cache_dtype=stats.kv_cache_dtype,
     )
 
 

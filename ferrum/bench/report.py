@@ -58,6 +58,8 @@ def offline_json(result: OfflineResult) -> dict[str, Any]:
         "peak_load_host_bytes": result.peak_load_host_bytes,
         "peak_load_device_bytes": result.peak_load_device_bytes,
         "roofline": asdict(result.roofline) if result.roofline is not None else None,
+        "kv_cache_tokens": result.kv_cache_tokens,
+        "kv_cache_dtype": result.kv_cache_dtype,
     }
 
 
@@ -158,6 +160,7 @@ def offline_table(result: OfflineResult) -> str:
         _line("Quantization", _quantization_label(result.engine.get("quantization"))),
         _line("Weights (GB, as stored)", result.weight_bytes / 1e9),
         _line("Peak host memory while loading (GB)", result.peak_load_host_bytes / 1e9),
+        _line("KV cache (tokens)", f"{result.kv_cache_tokens} ({result.kv_cache_dtype})"),
         _line("Requests", result.num_requests),
         _line("Shared prefix (tokens)", result.workload.prefix_len),
         _line("Elapsed (s)", result.elapsed_s),

@@ -179,6 +179,7 @@ def test_bench_offline_on_the_demo_model(tmp_path: Path, one_thread: None, token
     assert result["engine"]["max_model_len"] == 128
     assert result["elapsed_s"] > 0
     assert result["output_tokens_per_s"] == pytest.approx(result["total_output_tokens"] / result["elapsed_s"])
+    assert result["kv_cache_dtype"] == "float32" and result["kv_cache_tokens"] % 16 == 0 < result["kv_cache_tokens"]
     roofline = result["roofline"]  # measured peaks, and one pass at least per step kind the run had
     assert roofline["peak_tflops"] > 0 and roofline["bandwidth_gbs"] > 0
     assert 0 < roofline["seconds"] == pytest.approx(sum(roofline["seconds_by_kind"].values()))
