@@ -449,7 +449,7 @@ def phase_roofline(args) -> None:
     shapes = (["llama-3.1-8b"] if args.with_8b else []) + ["llama-3.2-1b"]
     for shape in shapes:
         folder = checkpoint(shape, args.ckpt)
-        for kv in ("auto", "fp8"):
+        for kv in args.roofline_kv.split(","):
             try:
                 res = bench(Variant("new", ROOT), "offline", "--model", str(folder), "--max-model-len", "2048",
                             "--num-prompts", str(args.num_prompts), "--kv-cache-dtype", kv, "--output-json",
@@ -621,6 +621,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--with-8b", action="store_true")
     parser.add_argument("--with-hf", action="store_true")
+    parser.add_argument("--roofline-kv", default="auto,fp8", help="roofline: the KV cache dtypes to run")
     parser.add_argument("--decode-repeat", type=int, default=1, help="decode: engines timed per shape")
     parser.add_argument("--kernel-variants", default="", help="decode: also time these KernelConfigs: no-pdl, "
                         "splits-16, no-fused")

@@ -676,18 +676,18 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
     else:
         y1 = x1
         y2 = x2
-    if head < H:
-        dst = QOUT + rows[:, None] * stride_qt + head * stride_qh
-        tl.store(dst + d[None, :], y1.to(act_ty), mask=rmask[:, None])
-        tl.store(dst + D // 2 + d[None, :], y2.to(act_ty), mask=rmask[:, None])
+    if head < H:  # (q and the cache may differ in dtype: a pointer of each)
+        q_dst = QOUT + rows[:, None] * stride_qt + head * stride_qh
+        tl.store(q_dst + d[None, :], y1.to(act_ty), mask=rmask[:, None])
+        tl.store(q_dst + D // 2 + d[None, :], y2.to(act_ty), mask=rmask[:, None])
     elif head < H + KV:
-        dst = KC + slot[:, None] * stride_kc + (head - H) * stride_kh
-        tl.store(dst + d[None, :], cache_value(y1.to(act_ty), KC, KVS, 0), mask=rmask[:, None])
-        tl.store(dst + D // 2 + d[None, :], cache_value(y2.to(act_ty), KC, KVS, 0), mask=rmask[:, None])
+        k_dst = KC + slot[:, None] * stride_kc + (head - H) * stride_kh
+        tl.store(k_dst + d[None, :], cache_value(y1.to(act_ty), KC, KVS, 0), mask=rmask[:, None])
+        tl.store(k_dst + D // 2 + d[None, :], cache_value(y2.to(act_ty), KC, KVS, 0), mask=rmask[:, None])
     else:
-        dst = VC + slot[:, None] * stride_kc + (head - H - KV) * stride_kh
-        tl.store(dst + d[None, :], cache_value(y1.to(act_ty), VC, KVS, 1), mask=rmask[:, None])
-        tl.store(dst + D // 2 + d[None, :], cache_value(y2.to(act_ty), VC, KVS, 1), mask=rmask[:, None])
+        v_dst = VC + slot[:, None] * stride_kc + (head - H - KV) * stride_kh
+        tl.store(v_dst + d[None, :], cache_value(y1.to(act_ty), VC, KVS, 1), mask=rmask[:, None])
+        tl.store(v_dst + D // 2 + d[None, :], cache_value(y2.to(act_ty), VC, KVS, 1), mask=rmask[:, None])
 
 
 # STEP_START: the kernels of a decode step read before their PDL wait what the step's inputs hold

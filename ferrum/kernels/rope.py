@@ -44,14 +44,14 @@ def _rope_store_kernel(QKV: tl.tensor, POS: tl.tensor, COS: tl.tensor, SIN: tl.t
         s = tl.load(SIN + pos * stride_cs + half).to(QOUT.dtype.element_ty).to(tl.float32)
         y1 = (x1 * c - x2 * s).to(QOUT.dtype.element_ty)
         y2 = (x2 * c + x1 * s).to(QOUT.dtype.element_ty)
-        if head < H:
-            dst = QOUT + t * stride_qt + head * stride_qh
-            tl.store(dst + half, y1)
-            tl.store(dst + D // 2 + half, y2)
+        if head < H:  # (q and the cache may differ in dtype: a pointer of each)
+            q_dst = QOUT + t * stride_qt + head * stride_qh
+            tl.store(q_dst + half, y1)
+            tl.store(q_dst + D // 2 + half, y2)
         else:
-            dst = KC + slot * stride_kc + (head - H) * stride_kh
-            tl.store(dst + half, cache_value(y1, KC, KVS, 0))
-            tl.store(dst + D // 2 + half, cache_value(y2, KC, KVS, 0))
+            k_dst = KC + slot * stride_kc + (head - H) * stride_kh
+            tl.store(k_dst + half, cache_value(y1, KC, KVS, 0))
+            tl.store(k_dst + D // 2 + half, cache_value(y2, KC, KVS, 0))
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

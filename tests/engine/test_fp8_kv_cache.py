@@ -22,18 +22,23 @@ from ferrum.tokenizer.synthetic import write_synthetic_tokenizer
 from ferrum.weights.locations.model_files import ModelFiles, local_weights
 from ferrum.weights.spec.sources import File
 from tests.engines import host_device
-from tests.tiny_model import make_tiny_llama
+from tests.tiny_model import save_hf_model, tiny_config
 from tests.triton_interpreter import gpu_path_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "quantized"
-# the chosen tokens' logprobs with an fp8 cache against a float32 one: measured at most 0.0008 on this model
-BOUND_LOGPROB = 0.01
+# the chosen tokens' logprobs with an fp8 cache against a float32 one: measured 0.0011 (torch) and 0.0019 (Triton) on this model
+BOUND_LOGPROB = 0.03
+NEAR_TIE = 0.05  # a top-2 margin the cache's rounding may turn
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("fp8-kv") / "tiny")
+    """A SmolLM2-shaped tiny model (head_dim 16: the GPU's dot products take no narrower)."""
+    folder = tmp_path_factory.mktemp("fp8-kv") / "tiny"
+    save_hf_model(folder, tiny_config("smollm2-like"))
+    write_synthetic_tokenizer(folder, 512)
+    return folder
 
 
 def _engine(folder: Path, device, kv: str, max_model_len: int = 256, cpu_kernels: bool = True) -> LLMEngine:
@@ -44,17 +49,33 @@ def _engine(folder: Path, device, kv: str, max_model_len: int = 256, cpu_kernels
     return LLMEngine(config, device, files)
 
 
-def _run(engine: LLMEngine) -> tuple[list[list[int]], list[float]]:
+Step = tuple[int, float, float]  # a generated token, its logprob, the top-2 margin
+
+
+def _run(engine: LLMEngine) -> list[list[Step]]:
     prompts = [engine.tokenizer.encode(t) for t in ("hello there, how", "a b c d e f g h i j k l m n o p q r s t")]
     for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1))
-    tokens: dict[str, list[int]] = {"0": [], "1": []}
-    logprobs: dict[str, list[float]] = {"0": [], "1": []}
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
+    steps: dict[str, list[Step]] = {"0": [], "1": []}
     while engine.has_work:
         for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-            logprobs[out.request_id] += [lp.logprob for lp in out.new_logprobs or ()]
-    return [tokens["0"], tokens["1"]], logprobs["0"] + logprobs["1"]
+            for token, lp in zip(out.new_token_ids, out.new_logprobs or (), strict=True):
+                steps[out.request_id].append((token, lp.logprob, lp.top[0].logprob - lp.top[1].logprob))
+    return [steps["0"], steps["1"]]
+
+
+def _compare(plain: list[list[Step]], fp8: list[list[Step]]) -> tuple[float, int]:
+    """The largest logprob difference while the two runs' tokens agree, and how many sequences parted;
+    each parting must be at a near-tie of the plain run (top-2 margin under NEAR_TIE)."""
+    largest, parted = 0.0, 0
+    for ours, ref in zip(fp8, plain, strict=True):
+        for (token, lp, _), (ref_token, ref_lp, margin) in zip(ours, ref, strict=True):
+            if token != ref_token:
+                assert margin < NEAR_TIE, f"the fp8 cache changed a token with a top-2 margin of {margin:.4f}"
+                parted += 1
+                break
+            largest = max(largest, abs(lp - ref_lp))
+    return largest, parted
 
 
 def test_fp8_names_layout_and_where_it_is_read() -> None:
@@ -79,11 +100,8 @@ def test_fp8_cache_serves_as_the_float32_cache(tiny: Path, path: str) -> None:
     assert fp8.rank.num_blocks >= 3 * plain.rank.num_blocks  # 1 byte a value against float32's 4
     scales = torch.stack([m.kv_scale for m in fp8.model.modules() if isinstance(m, Attention)])
     assert bool((scales != 1.0).all()) and bool((scales > 0).all())  # measured at start-up
-    plain_tokens, plain_lp = _run(plain)
-    fp8_tokens, fp8_lp = _run(fp8)
-    differ = max(abs(a - b) for a, b in zip(plain_lp, fp8_lp, strict=True))
-    print(f"{path}: identical tokens {plain_tokens == fp8_tokens}, largest logprob difference {differ:.4f}")
-    assert plain_tokens == fp8_tokens
+    differ, parted = _compare(_run(plain), _run(fp8))
+    print(f"{path}: sequences parted at a near-tie {parted} of 2, largest logprob difference before {differ:.4f}")
     assert differ < BOUND_LOGPROB
     assert fp8.stats().kv_cache_dtype == "float8_e4m3fn" and fp8.stats().kv_blocks_used == 0
 
@@ -105,5 +123,4 @@ def test_fp8_cache_takes_the_checkpoints_scales(tmp_path: Path) -> None:
             stored = [f.get_tensor(f"model.layers.{i}.self_attn.{n}").float().reshape(()) for n in ("k_scale",
                                                                                                      "v_scale")]
             assert torch.equal(layer.kv_scale, torch.stack(stored)), i
-    tokens, _ = _run(engine)
-    assert all(len(t) == 12 for t in tokens)
+    assert all(len(steps) == 12 for steps in _run(engine))

@@ -250,7 +250,7 @@ def test_paged_prefill_reads_an_fp8_cache():
     kv = [(torch.randn(p + n, kv_heads, dim, generator=gen).to(DTYPE),
            torch.randn(p + n, kv_heads, dim, generator=gen).to(DTYPE)) for p, n in shapes]
     k_cache, v_cache, tables = scattered_cache(kv, 12, page, kv_heads, dim, gen)
-    kc, vc = fp8_cache(k_cache, 0.01), fp8_cache(v_cache, 0.01)
+    kc, vc = fp8_cache(k_cache, 0.01).cpu(), fp8_cache(v_cache, 0.01).cpu()
     qs = [torch.randn(n, heads, dim, generator=gen).to(DTYPE) for _, n in shapes]
 
     def ints(values):
