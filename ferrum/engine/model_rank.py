@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,7 +130,8 @@ class ModelRank:
         ids = Tokenizer.from_folder(files.folder).encode(CALIBRATION_TEXT)
         ids = ids[: min(self.max_model_len, self.config.tokens_per_step)]
         blocks = self.layout.blocks_for(len(ids))
-        scratch = self.make_runner(blocks, graph_sizes=[])
+        scratch = runner_for(self.model, self.device, self.layout, blocks, self.attention,
+                             replace(self.config, enforce_eager=True), self.max_model_len)  # one eager prefill
 
         def run(token_ids: list[int]) -> None:
             probe = Sequence("kv-calibration", token_ids, SamplingParams(max_tokens=1), 0.0)
