@@ -42,6 +42,13 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
+def reset_scales(model: nn.Module) -> None:
+    """Every layer's kv_scale as float32 ones (the model is built empty in the serving dtype: its buffers
+    hold whatever the memory held)."""
+    for layer in attention_layers(model):
+        layer.kv_scale = torch.ones(2, dtype=torch.float32, device=layer.kv_scale.device)
+
+
 def scales_from_checkpoint(model: nn.Module) -> bool:
     """Copies each layer's checkpoint k_scale and v_scale into its kv_scale; True when every layer had them."""
     layers = attention_layers(model)

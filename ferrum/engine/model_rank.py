@@ -25,7 +25,7 @@ import torch
 from ferrum.backends.device import Device
 from ferrum.engine.auto_quantization import resolve_quantization
 from ferrum.engine.config import EngineConfig
-from ferrum.engine.kv_calibration import CALIBRATION_TEXT, measure_scales, scales_from_checkpoint
+from ferrum.engine.kv_calibration import CALIBRATION_TEXT, measure_scales, reset_scales, scales_from_checkpoint
 from ferrum.engine.memory_plan import MemoryPlan, in_use_bytes, plan_gpu, plan_host
 from ferrum.engine.runner import ModelRunner
 from ferrum.engine.sampler import sample
@@ -124,6 +124,7 @@ class ModelRank:
     def _fp8_kv_scales(self, files: ModelFiles) -> None:
         """Each attention layer's fp8 KV-cache scales: the checkpoint's, else measured on a fixed prompt
         run through a scratch runner (every rank runs it: their collectives meet)."""
+        reset_scales(self.model)
         if scales_from_checkpoint(self.model):
             log.info("fp8 KV cache: the checkpoint's k and v scales")
             return

@@ -99,6 +99,7 @@ def test_fp8_cache_serves_as_the_float32_cache(tiny: Path, path: str) -> None:
     assert fp8.attention.name == path
     assert fp8.rank.num_blocks >= 3 * plain.rank.num_blocks  # 1 byte a value against float32's 4
     scales = torch.stack([m.kv_scale for m in fp8.model.modules() if isinstance(m, Attention)])
+    assert scales.dtype == torch.float32  # not the serving dtype the model was built in
     assert bool((scales != 1.0).all()) and bool((scales > 0).all())  # measured at start-up
     differ, parted = _compare(_run(plain), _run(fp8))
     print(f"{path}: sequences parted at a near-tie {parted} of 2, largest logprob difference before {differ:.4f}")
