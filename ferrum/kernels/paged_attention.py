@@ -2,8 +2,10 @@
 
 The cache of one layer is two tensors [num_slots, num_kv_heads, head_dim]; a token at position p
 of a sequence lives in slot block_table[p // page] * page + p % page (ferrum.models.attention.layout).
-An fp8 cache's values are read as they lie and widened to q's dtype in registers: the k scale joins the
-softmax's scale, the v scale multiplies the output once (ferrum.kernels.kv_fp8).
+An fp8 cache's values are read as they lie and widened in registers to float16, which holds every e4m3
+value and which the hardware converts to two values an instruction (bfloat16 takes three instructions a
+value); q and the softmax's weights go to float16 for the two dot products (bf16's q exactly, in range),
+the k scale joins the softmax's scale and the v scale multiplies the output once (ferrum.kernels.kv_fp8).
 """
 
 from __future__ import annotations
@@ -50,13 +52,21 @@ def _kv_offsets(table: tl.tensor, n: tl.tensor, valid: tl.tensor, kvh: tl.tensor
 
 
 @triton.jit
+def dot_dtype(q: tl.tensor, CACHE: tl.tensor) -> tl.tensor:
+    """q as the dot products take it: float16 over an fp8 cache (see the module's docstring), else as it is."""
+    if CACHE.dtype.element_ty == tl.float8e4nv:
+        return q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, keep: tl.tensor, m: tl.tensor,
                   sums: tl.tensor, acc: tl.tensor, qk_scale: tl.tensor,
                   PRECISION: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One block of keys k [BLOCK_N, D] into the running max m, sums and output acc of q's rows
     (v: the block's values, or pointers to load them from, masked by valid; keep: which scores
     count). A block where a row keeps nothing leaves that row as it was. k and v (an fp8 cache's too)
-    are widened to q's dtype."""
+    are widened to q's dtype (float16 for an fp8 cache: dot_dtype)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -119,6 +129,7 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
     q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    q = dot_dtype(q, KC)
     qk_scale = scale * 1.4426950408889634 * cache_scale(KC, KVS, 0)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     sums = tl.zeros([BLOCK_G], tl.float32)
@@ -231,6 +242,7 @@ def _prefill_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, 
     rmask = rows < q_len
     d = tl.arange(0, D)
     q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
+    q = dot_dtype(q, KC)
     end = past + tl.minimum(m0 + BLOCK_M, q_len)
     m, sums, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
                                  scale * 1.4426950408889634 * cache_scale(KC, KVS, 0), past + rows, BLOCK_M, D, PAGE,
