@@ -52,21 +52,13 @@ def _kv_offsets(table: tl.tensor, n: tl.tensor, valid: tl.tensor, kvh: tl.tensor
 
 
 @triton.jit
-def dot_dtype(q: tl.tensor, CACHE: tl.tensor) -> tl.tensor:
-    """q as the dot products take it: float16 over an fp8 cache (see the module's docstring), else as it is."""
-    if CACHE.dtype.element_ty == tl.float8e4nv:
-        return q.to(tl.float16)
-    return q
-
-
-@triton.jit
 def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, keep: tl.tensor, m: tl.tensor,
                   sums: tl.tensor, acc: tl.tensor, qk_scale: tl.tensor,
                   PRECISION: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One block of keys k [BLOCK_N, D] into the running max m, sums and output acc of q's rows
     (v: the block's values, or pointers to load them from, masked by valid; keep: which scores
     count). A block where a row keeps nothing leaves that row as it was. k and v (an fp8 cache's too)
-    are widened to q's dtype (float16 for an fp8 cache: dot_dtype)."""
+    are widened to q's dtype (float16 over an fp8 cache)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -129,7 +121,8 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
     q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    q = dot_dtype(q, KC)
+    if KC.dtype.element_ty == tl.float8e4nv:  # the dot products in float16 (the module's docstring)
+        q = q.to(tl.float16)
     qk_scale = scale * 1.4426950408889634 * cache_scale(KC, KVS, 0)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     sums = tl.zeros([BLOCK_G], tl.float32)
@@ -242,7 +235,8 @@ def _prefill_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, 
     rmask = rows < q_len
     d = tl.arange(0, D)
     q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=rmask[:, None], other=0.0)
-    q = dot_dtype(q, KC)
+    if KC.dtype.element_ty == tl.float8e4nv:  # the dot products in float16 (the module's docstring)
+        q = q.to(tl.float16)
     end = past + tl.minimum(m0 + BLOCK_M, q_len)
     m, sums, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
                                  scale * 1.4426950408889634 * cache_scale(KC, KVS, 0), past + rows, BLOCK_M, D, PAGE,
