@@ -23,6 +23,8 @@ Phases:
   timeline the engine's steps (kind, tokens, wall time) on the offline workload, from its observer
   roofline `ferrum bench offline` (the offline workload) on the 1B (and the 8B with --with-8b) with the KV
            cache in bf16 and in fp8: output tok/s, the per-step roofline's fraction, the KV tokens that fit
+  budget   the same on the 8B (the 1B without --with-8b) for each --budgets pair of a step's token budget
+           and burst length (max_num_batched_tokens:num_scheduler_steps)
 
 --compare CHECKOUT runs the CLI-level phases (offline, serve, cold, memory, prefix) a second time
 with the Ferrum of another checkout (its `ferrum` CLI, imported from there), and the decode phase
@@ -465,6 +467,24 @@ def phase_roofline(args) -> None:
                    f"KV cache {res['kv_cache_tokens']} tokens")
 
 
+def phase_budget(args) -> None:
+    shape = "llama-3.1-8b" if args.with_8b else "llama-3.2-1b"
+    folder = checkpoint(shape, args.ckpt)
+    for pair in args.budgets.split(","):
+        tokens, steps = pair.split(":")
+        out = args.out / f"budget-{shape}-{tokens}-{steps}.json"
+        try:
+            res = bench(Variant("new", ROOT), "offline", "--model", str(folder), "--max-model-len", "2048",
+                        "--num-prompts", str(args.num_prompts), "--max-num-batched-tokens", tokens,
+                        "--num-scheduler-steps", steps, "--output-json", str(out))
+        except (OSError, ValueError) as e:
+            record("budget", f"{shape} {pair}", "failed", note=str(e)[-300:])
+            continue
+        r = res["roofline"]
+        record("budget", f"{shape} tokens {tokens}, burst {steps}", round(res["output_tokens_per_s"]),
+               "output tok/s", f"{res['elapsed_s']:.1f}s; roofline {r['seconds']:.1f}s = {r['fraction']:.1%}")
+
+
 def phase_serve(args) -> None:
     """HTTP at concurrency 64 vs the offline engine at max_num_seqs 64 on the same workload, the
     offline reference taken before and after the HTTP run and averaged."""
@@ -622,6 +642,8 @@ def main() -> None:
     parser.add_argument("--with-8b", action="store_true")
     parser.add_argument("--with-hf", action="store_true")
     parser.add_argument("--roofline-kv", default="auto,fp8", help="roofline: the KV cache dtypes to run")
+    parser.add_argument("--budgets", default="8192:16,16384:16,4096:16,8192:32,16384:32",
+                        help="budget: max_num_batched_tokens:num_scheduler_steps pairs")
     parser.add_argument("--decode-repeat", type=int, default=1, help="decode: engines timed per shape")
     parser.add_argument("--kernel-variants", default="", help="decode: also time these KernelConfigs: no-pdl, "
                         "splits-16, no-fused")
@@ -644,6 +666,7 @@ def main() -> None:
         "env": lambda: None, "tests": phase_tests, "correct": phase_correct, "offline": phase_offline,
         "serve": phase_serve, "cold": phase_cold, "memory": phase_memory, "prefix": phase_prefix,
         "timeline": phase_timeline, "roofline": phase_roofline,
+        "budget": phase_budget,
     }
     for phase in args.phases.split(","):
         started = time.perf_counter()

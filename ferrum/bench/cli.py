@@ -17,7 +17,7 @@ from ferrum.bench.workload import LengthRange, WorkloadSpec, load_prompts
 log = logging.getLogger("ferrum.bench")
 
 ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb",
-                "kv_cache_dtype", "gpu_memory_utilization", "tensor_parallel_size")
+                "kv_cache_dtype", "gpu_memory_utilization", "tensor_parallel_size", "num_scheduler_steps")
 
 
 def _length_range(text: str) -> LengthRange:
@@ -106,6 +106,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--tensor-parallel-size", type=int, metavar="N",
                      help="split the model across N devices, one process each (default 1)")
     off.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    off.add_argument("--num-scheduler-steps", type=int, metavar="N",
+                     help="GPU: greedy decode iterations per host round trip (default 16)")
     off.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     _workload_flags(off)
 
