@@ -38,6 +38,13 @@ CALIBRATION_TEXT = (
 )
 
 
+def calibration_ids(encoded: list[int], vocab_size: int) -> list[int]:
+    """The prompt's token ids the model has embeddings for (a tokenizer may know more than the model's
+    vocabulary); too few left: ids spread over the vocabulary."""
+    ids = [t for t in encoded if t < vocab_size]
+    return ids if len(ids) >= 32 else [(i * 7919) % vocab_size for i in range(256)]
+
+
 def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 

@@ -25,7 +25,13 @@ import torch
 from ferrum.backends.device import Device
 from ferrum.engine.auto_quantization import resolve_quantization
 from ferrum.engine.config import EngineConfig
-from ferrum.engine.kv_calibration import CALIBRATION_TEXT, measure_scales, reset_scales, scales_from_checkpoint
+from ferrum.engine.kv_calibration import (
+    CALIBRATION_TEXT,
+    calibration_ids,
+    measure_scales,
+    reset_scales,
+    scales_from_checkpoint,
+)
 from ferrum.engine.memory_plan import MemoryPlan, in_use_bytes, plan_gpu, plan_host
 from ferrum.engine.runner import ModelRunner
 from ferrum.engine.sampler import sample
@@ -128,8 +134,8 @@ class ModelRank:
         if scales_from_checkpoint(self.model):
             log.info("fp8 KV cache: the checkpoint's k and v scales")
             return
-        ids = Tokenizer.from_folder(files.folder).encode(CALIBRATION_TEXT)
-        ids = ids[: min(self.max_model_len, self.config.tokens_per_step)]
+        ids = calibration_ids(Tokenizer.from_folder(files.folder).encode(CALIBRATION_TEXT),
+                              self.model_config.vocab_size)[: min(self.max_model_len, self.config.tokens_per_step)]
         blocks = self.layout.blocks_for(len(ids))
         scratch = runner_for(self.model, self.device, self.layout, blocks, self.attention,
                              replace(self.config, enforce_eager=True), self.max_model_len)  # one eager prefill

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from ferrum.models.attention.layout import KVCacheLayout
 from ferrum.tokenizer.synthetic import write_synthetic_tokenizer
 from ferrum.weights.locations.model_files import ModelFiles, local_weights
 from ferrum.weights.spec.sources import File
-from tests.engines import host_device
+from tests.engines import host_device, local_engine
 from tests.tiny_model import save_hf_model, tiny_config
 from tests.triton_interpreter import gpu_path_device
 
@@ -125,3 +126,25 @@ def test_fp8_cache_takes_the_checkpoints_scales(tmp_path: Path) -> None:
                                                                                                      "v_scale")]
             assert torch.equal(layer.kv_scale, torch.stack(stored)), i
     assert all(len(steps) == 12 for steps in _run(engine))
+
+
+def test_fp8_cache_at_tensor_parallel_size_2(tmp_path: Path) -> None:
+    """Every rank measures the scales of its own kv heads on the same prompt (their collectives meet);
+    on gloo the two ranks give the single process's tokens."""
+    folder = tmp_path / "tiny"
+    save_hf_model(folder, tiny_config("llama3.2-gqa-tied-rope-scaling"), demo_tokenizer=True)
+    prompts = [[5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 301, 2, 77], [400, 1, 2, 3]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    settings: dict[str, Any] = dict(dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8",
+                                    kernels={"cpu": False})
+    single = local_engine(folder, **settings)
+    try:
+        want = single.generate(prompts, params)
+    finally:
+        single.release()
+    split = local_engine(folder, tensor_parallel_size=2, **settings)
+    try:
+        assert split.generate(prompts, params) == want
+        assert all(bool((m.kv_scale != 1.0).all()) for m in split.model.modules() if isinstance(m, Attention))
+    finally:
+        split.release()
