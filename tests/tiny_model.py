@@ -1,7 +1,8 @@
 """The one builder of tiny random-weight model folders for the tests (transformers is test-only; a model
 without the demo tokenizer takes ferrum.tokenizer.synthetic's).
 
-    FAMILIES / tiny_config(family)    a small config of each supported family (7 variants)
+    FAMILIES / tiny_config(family)    a small config of each supported dense family (7 variants)
+    MOE_FAMILIES                      the mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral), same shapes
     save_hf_model(folder, config)     an HF model of that config with spread-out random weights,
                                       saved as a model folder; the model is returned too (the reference)
     make_tiny_llama(folder)           a bf16 Llama with the demo model's tokenizer (vocab 49152), which
@@ -82,9 +83,31 @@ FAMILIES: tuple[str, ...] = (
 )
 
 
+def _moe_families() -> dict[str, Callable[..., Any]]:
+    t = _transformers()
+    return {
+        # 8 experts, top 2 renormalised, q/k norms; layer 1 a dense MLP (mlp_only_layers)
+        "qwen3-moe": lambda **o: t.Qwen3MoeConfig(
+            **{**COMMON, "intermediate_size": 96, **o}, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, head_dim=16, mlp_only_layers=[1], norm_topk_prob=True),
+        # routed experts (weights not renormalised) plus a gated shared expert, q/k/v bias
+        "qwen2-moe": lambda **o: t.Qwen2MoeConfig(
+            **{**COMMON, **o}, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48),
+        "mixtral": lambda **o: t.MixtralConfig(
+            **{**COMMON, "intermediate_size": 48, **o}, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2),
+    }
+
+
+MOE_FAMILIES: tuple[str, ...] = ("qwen3-moe", "qwen2-moe", "mixtral")
+
+
 def tiny_config(family: str, **overrides: Any) -> Any:
-    """A transformers config of `family` (one of FAMILIES) with the tiny shapes, `overrides` applied."""
-    return _families()[family](**overrides)
+    """A transformers config of `family` (one of FAMILIES or MOE_FAMILIES) with the tiny shapes, `overrides`
+    applied."""
+    families = _moe_families() if family in MOE_FAMILIES else _families()
+    return families[family](**overrides)
 
 
 def save_hf_model(

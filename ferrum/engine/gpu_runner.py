@@ -70,7 +70,9 @@ class GPUModelRunner:
         self.max_burst = 0
         if device.cuda_graphs and not config.enforce_eager:
             kernels = config.kernels
-            fused = FusedDecode(model, kernels, attention.pdl) if kernels.fused_decode_rows else None
+            # the fused chain reads dense MLPs: a mixture of experts decodes through the model's forward
+            chained = kernels.fused_decode_rows and model.config.moe is None
+            fused = FusedDecode(model, kernels, attention.pdl) if chained else None
             max_num_seqs = config.seqs_per_step
             self.graphs = DecodeGraphs(
                 model, self.kv_caches, layout, attention, fused, fused.max_rows if fused else 0, max_num_seqs,

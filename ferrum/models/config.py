@@ -28,6 +28,24 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: a router picks `top_k` of `num_experts` gated MLPs per token, their
+    outputs summed by the router's softmax weights (renormalised over the chosen when `normalize`);
+    with `shared_intermediate_size`, a shared MLP every token runs, scaled by a sigmoid gate
+    (Qwen2-MoE). The layers in `sparse_layers` are MoE, the rest dense MLPs of ModelConfig's size.
+    Grouped top-k and several shared experts (DeepSeek-V3, GLM-4.5) would be more fields here."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    normalize: bool
+    sparse_layers: tuple[int, ...]
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    block: str = "mlp"  # the checkpoint's module name of the block ("block_sparse_moe": Mixtral)
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -50,6 +68,7 @@ class ModelConfig:
     bos_token_id: int | None
     # the published format its weights are stored in (config.json's quantization_config); None: unquantized
     published: PublishedFormat | None = field(default=None, compare=False)
+    moe: MoeConfig | None = None  # a mixture of experts' MLPs; None: dense
 
     @property
     def q_size(self) -> int:
@@ -109,6 +128,26 @@ def _legacy_quantize_config(folder: Path) -> dict[str, Any] | None:
     return {"quant_method": "gptq", **raw}
 
 
+def _moe_from(raw: dict[str, Any], architecture: str, layers: int) -> MoeConfig | None:
+    """The MoE block of a Qwen3-MoE, Qwen2-MoE or Mixtral config.json; None for dense models."""
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig(num_experts=int(raw["num_local_experts"]), top_k=int(raw["num_experts_per_tok"]),
+                         intermediate_size=int(raw["intermediate_size"]), normalize=True,
+                         sparse_layers=tuple(range(layers)), block="block_sparse_moe", expert_names=("w1", "w3", "w2"))
+    if architecture not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        return None
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(_int_list(raw.get("mlp_only_layers")))
+    experts = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])  # (transformers 5 writes
+    # num_local_experts; the published Qwen configs say num_experts)
+    sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if architecture == "Qwen2MoeForCausalLM" else 0
+    return MoeConfig(num_experts=experts, top_k=int(raw["num_experts_per_tok"]),
+                     intermediate_size=int(raw["moe_intermediate_size"]),
+                     normalize=bool(raw.get("norm_topk_prob", architecture == "Qwen3MoeForCausalLM")),
+                     sparse_layers=sparse, shared_intermediate_size=shared)
+
+
 def load_model_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     try:
@@ -142,14 +181,16 @@ def load_model_config(folder: str | Path) -> ModelConfig:
             rope=_rope_from(raw),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            attention_bias=bool(raw.get("attention_bias", raw.get("qkv_bias", architecture in (
+                "Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             dtype=_checkpoint_dtype(dtype_name),
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=_int_list(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             published=published,
+            moe=_moe_from(raw, architecture, int(raw["num_hidden_layers"])),
         )
     except KeyError as exc:
         raise ModelConfigError(f"{path}: missing required field {exc.args[0]!r}") from None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ferrum.models.layers.mlp import GatedMLP
 from ferrum.models.layers.quantized_linear import CpuKernelsMethod, QuantizedLinear
 from ferrum.models.llama import DecoderLayer
 
@@ -65,6 +66,8 @@ class CpuDecodeChain:
             return None
         for layer in model.layers:
             if not isinstance(layer, DecoderLayer) or layer.self_attn.q_norm is not None:
+                return None
+            if not isinstance(layer.mlp, GatedMLP):  # a mixture of experts: the plain path
                 return None
             if layer.input_layernorm.ops.name != "cpu":
                 return None

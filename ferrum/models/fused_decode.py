@@ -22,6 +22,7 @@ from torch import nn
 from ferrum.kernels.config import GemvTable, KernelConfig
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.layers.linear import gemv_weight
+from ferrum.models.layers.mlp import GatedMLP
 from ferrum.models.layers.quantized_linear import QuantizedLinear
 from ferrum.models.llama import DecoderLayer
 
@@ -71,6 +72,7 @@ class FusedDecode:
         for layer, cache in zip(model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)  # (run while a graph is captured, not at its replays)
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, GatedMLP)  # a mixture of experts never takes the chain (gpu_runner)
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             w, table = self.weight(attn.qkv_proj)
             if attn.q_norm is None:  # rope and the cache write in the projection's epilogue

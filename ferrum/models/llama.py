@@ -21,6 +21,7 @@ from ferrum.models.config import ModelConfig
 from ferrum.models.layers import GatedMLP, LayerOps, RMSNorm, RotaryEmbedding, torch_ops
 from ferrum.models.layers.int8_head import Int8Head
 from ferrum.models.layers.linear import LinearFactory, check_skip
+from ferrum.models.layers.moe import MoE
 from ferrum.models.layers.parallel import (
     ParallelLMHead,
     RowParallelLinear,
@@ -44,16 +45,21 @@ class WeightBinding:
 
 
 class DecoderLayer(nn.Module):
-    """`prefix`: the layer's path in the model ("layers.3")."""
+    """`prefix`: the layer's path in the model ("layers.3"); its MLP a mixture of experts where
+    ModelConfig.moe says so for this layer."""
 
     def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel, linears: LinearFactory,
-                 prefix: str) -> None:
+                 prefix: str, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = Attention(config, ops, tp, linears, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops, linears,
-                            f"{prefix}.mlp", tp)
+        self.mlp: GatedMLP | MoE
+        if config.moe is not None and index in config.moe.sparse_layers:
+            self.mlp = MoE(config.hidden_size, config.moe, ops, linears, f"{prefix}.mlp")
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops, linears,
+                                f"{prefix}.mlp", tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cache: KVCache, batch: AttentionInputs
@@ -115,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = LinearFactory().lm_head(rows, config.hidden_size, config.vocab_size, tp)
         else:
             self.lm_head = linears.lm_head(rows, config.hidden_size, config.vocab_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(rank_config, ops, tp, linears, f"layers.{i}")
+        self.layers = nn.ModuleList(DecoderLayer(rank_config, ops, tp, linears, f"layers.{i}", i)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         if config.tie_word_embeddings:
@@ -154,12 +160,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def shard_rows(self, fused: str) -> list[int]:
-        """Row offsets of the parts of a fused projection (this rank's): q, k, v or gate, up."""
+    def shard_rows(self, fused: str, rows: int) -> list[int]:
+        """Row offsets of the parts of a fused projection (this rank's) of `rows` rows: q, k, v or gate, up."""
         c = self.shard.rank_config()
         if fused == "qkv_proj":
             return [0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size]
-        return [0, c.intermediate_size, 2 * c.intermediate_size]
+        return [0, rows // 2, rows]
 
     def weight_bindings(self) -> list[WeightBinding]:
         """Every checkpoint tensor the model needs (HF names), the parameter rows it fills and, for
@@ -167,11 +173,21 @@ class LlamaForCausalLM(nn.Module):
         tied lm_head is the embedding, so neither is listed."""
         bindings: list[WeightBinding] = []
         by_fused = {(fused, shard): name for name, (fused, shard) in FUSED_PROJECTIONS.items()}
+        experts: set[str] = set()  # a mixture of experts' stacked parameters, filled expert by expert
+        for name, module in self.named_modules():
+            if isinstance(module, MoE):
+                block = f"model.{name.rpartition('.')[0]}.{module.moe.block}"
+                bindings.append(WeightBinding(f"{block}.gate.weight", f"{name}.gate.weight"))
+                for parameter, tensor_name, span in module.checkpoint_rows():
+                    bindings.append(WeightBinding(f"{block}.{tensor_name}", f"{name}.{parameter}", span))
+                experts.update((f"{name}.gate.weight", f"{name}.experts_gate_up", f"{name}.experts_down"))
         for parameter, tensor in self.weight_destinations().items():
+            if parameter in experts:
+                continue
             parts = parameter.split(".")
             checkpoint = parameter if parameter.startswith("lm_head.") else f"model.{parameter}"
             if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj"):
-                rows = self.shard_rows(parts[-2])
+                rows = self.shard_rows(parts[-2], tensor.shape[0])
                 for part in range(len(rows) - 1):
                     projection = by_fused[(parts[-2], part)]
                     name = ".".join(["model", *parts[:-2], projection, parts[-1]])

@@ -8,12 +8,15 @@ from typing import Any
 from ferrum.models.errors import ModelConfigError
 
 # Every entry is a Llama-family decoder; the differences are flags in ModelConfig
-# (q/k/v bias for Qwen2, per-head q/k norm for Qwen3).
+# (q/k/v bias for Qwen2, per-head q/k norm for Qwen3, a mixture of experts' MLPs: ModelConfig.moe).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 _MODEL_TYPES = {
@@ -21,6 +24,9 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 

@@ -64,7 +64,7 @@ def _layer0(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
                          ("mlp.down_proj", ("down_proj",))):
         module = layer.get_submodule(fused)
         weight = module.dequantized() if isinstance(module, QuantizedLinear) else cast(torch.Tensor, module.weight)
-        rows = model.shard_rows(fused.split(".")[-1]) if len(parts) > 1 else [0, weight.shape[0]]
+        rows = model.shard_rows(fused.split(".")[-1], weight.shape[0]) if len(parts) > 1 else [0, weight.shape[0]]
         prefix = f"model.layers.0.{fused.rsplit('.', 1)[0]}"
         for i, part in enumerate(parts):
             out[f"{prefix}.{part}.weight"] = weight[rows[i]:rows[i + 1]].float()

@@ -95,6 +95,10 @@ class ShardPlan:
             raise ShardingError(f"tensor_parallel_size must be at least 1, got {size}")
         if size == 1:
             return
+        if config.moe is not None:
+            raise ShardingError(f"tensor_parallel_size={size}: {config.architecture} is a mixture of experts, and "
+                                f"splitting its experts across ranks is not built yet; serve it with "
+                                f"tensor_parallel_size=1")
         for what, count in (("attention heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
             if count % size:
                 raise ShardingError(f"tensor_parallel_size={size} does not divide the model's {count} {what}")

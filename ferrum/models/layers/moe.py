@@ -1,0 +1,85 @@
+"""`MoE`: a mixture of experts' MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral), as ModelConfig.moe describes it.
+
+The router runs in float32: softmax over every expert's logit, the top k kept (renormalised to sum to 1
+where the model does), cast to the activations' dtype as HF does. Each expert is a gated MLP; its weights
+are stacked, expert after expert, in two parameters that the checkpoint's per-expert tensors fill by rows:
+
+    experts_gate_up   [E * 2I, H]   expert e's gate rows e*2I .. e*2I+I, its up rows after them
+    experts_down      [E * H, I]    expert e's rows e*H .. (e+1)*H
+
+The forward groups the step's tokens by expert and runs each chosen expert once over its tokens (the
+plain path: correct on every device, its speed not a target yet). A CUDA graph cannot hold that
+data-dependent grouping, so while one is captured every expert runs over every token, weighted by zero
+where not chosen: the same sums, E/k times the arithmetic. A shared expert (Qwen2-MoE) runs on every
+token, scaled by sigmoid of its gate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrum.models.config import MoeConfig
+from ferrum.models.layers.linear import LinearFactory
+from ferrum.models.layers.mlp import GatedMLP
+from ferrum.models.layers.ops import LayerOps
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, moe: MoeConfig, ops: LayerOps, linears: LinearFactory, prefix: str) -> None:
+        super().__init__()
+        self.moe = moe
+        self.hidden = hidden
+        e, i = moe.num_experts, moe.intermediate_size
+        self.gate = nn.Linear(hidden, e, bias=False)  # the router (its checkpoint name)
+        self.experts_gate_up = nn.Parameter(torch.empty(e * 2 * i, hidden), requires_grad=False)
+        self.experts_down = nn.Parameter(torch.empty(e * hidden, i), requires_grad=False)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden, moe.shared_intermediate_size, False, ops, linears,
+                                          f"{prefix}.shared_expert")
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts [T, k] and their weights [T, k] (x's dtype) of each token of x [T, H]."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.moe.top_k, dim=-1)
+        if self.moe.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(x.dtype)
+
+    def _expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        i, h = self.moe.intermediate_size, self.hidden
+        gate_up = self.experts_gate_up.view(self.moe.num_experts, 2 * i, h)[e]
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.experts_down.view(self.moe.num_experts, h, i)[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen, weights = self.route(x)
+        out = torch.zeros_like(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph holds no data-dependent shapes
+            for e in range(self.moe.num_experts):
+                w = (weights * (chosen == e)).sum(dim=-1, keepdim=True)
+                out += self._expert(e, x) * w
+        else:
+            for e in torch.unique(chosen).tolist():
+                tokens, slot = torch.where(chosen == e)
+                y = self._expert(e, x[tokens]) * weights[tokens, slot, None]
+                out.index_add_(0, tokens, y.to(out.dtype))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def checkpoint_rows(self) -> list[tuple[str, str, tuple[int, int]]]:
+        """(this module's parameter, the checkpoint tensor's name below the block, rows) for every
+        expert's projections, e.g. ("experts_gate_up", "experts.3.gate_proj.weight", (192, 224))."""
+        gate, up, down = self.moe.expert_names
+        i, h = self.moe.intermediate_size, self.hidden
+        rows = []
+        for e in range(self.moe.num_experts):
+            rows.append(("experts_gate_up", f"experts.{e}.{gate}.weight", (e * 2 * i, e * 2 * i + i)))
+            rows.append(("experts_gate_up", f"experts.{e}.{up}.weight", (e * 2 * i + i, (e + 1) * 2 * i)))
+            rows.append(("experts_down", f"experts.{e}.{down}.weight", (e * h, (e + 1) * h)))
+        return rows

@@ -1,0 +1,124 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) against HF transformers, float32, on tiny
+random-weight models: logits through the paged path (CPU, and the GPU path's Triton kernels, interpreted
+without a GPU) for a whole prompt, a chunk after cached tokens and decodes in one mixed batch; the
+router's choices token by token; greedy outputs through the engine with the prefix cache on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.scheduler import ScheduledSequence
+from ferrum.engine.sequence import Sequence
+from ferrum.models.layers.mlp import GatedMLP
+from ferrum.models.layers.moe import MoE
+from ferrum.models.layers.parallel import ShardingError
+from tests.engines import host_device, load_test_model, local_engine, make_runner
+from tests.tiny_model import MOE_FAMILIES, save_hf_model, tiny_config
+from tests.triton_interpreter import gpu_path_device
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+ATOL = 1e-5  # float32 logits against HF's: measured 3e-8 to 4e-8
+NEAR_TIE = 1e-4  # two experts' router probabilities this close may order either way
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    folder = Path(tmp_path_factory.mktemp(request.param))
+    return save_hf_model(folder, tiny_config(request.param), demo_tokenizer=True), folder
+
+
+def _hf_last(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton-eager"])
+def test_logits_match_hf_in_a_mixed_batch(pair, path: str) -> None:
+    hf, folder = pair
+    device = host_device() if path == "cpu" else gpu_path_device()
+    ours = load_test_model(folder, device, torch.float32)
+    runner = make_runner(ours, device, 64, 8, enforce_eager=True)
+    blocks = BlockManager(num_blocks=64, block_size=8)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (29, 6, 50)]
+    seqs = [Sequence(f"r{i}", p, SamplingParams(max_tokens=4), 0.0) for i, p in enumerate(prompts)]
+
+    def run(plan: list[tuple[Sequence, int]]) -> dict[str, torch.Tensor]:
+        for seq, n in plan:
+            blocks.grow(seq, seq.num_computed_tokens + n)
+        logits, done = runner.execute([ScheduledSequence(s, n) for s, n in plan])
+        return {s.request_id: row.cpu() for s, row in zip(done, logits, strict=True)}
+
+    worst = 0.0
+    got = run([(seqs[0], 29), (seqs[1], 6), (seqs[2], 20)])  # two whole prompts, a first chunk
+    for s in seqs[:2]:
+        worst = max(worst, (got[s.request_id] - _hf_last(hf, s.prompt_token_ids)).abs().max().item())
+        s.output_token_ids.append(int(got[s.request_id].argmax()))
+    got = run([(seqs[0], 1), (seqs[1], 1), (seqs[2], 30)])  # two decodes beside a chunk after 20 cached tokens
+    for s in seqs:
+        worst = max(worst, (got[s.request_id] - _hf_last(hf, s.tokens(0, s.num_tokens))).abs().max().item())
+    print(f"{folder.name} {path}: largest logit difference {worst:.2e}")
+    assert worst < ATOL
+
+
+def test_router_chooses_hfs_experts_with_hfs_weights(pair) -> None:
+    hf, folder = pair
+    ours = load_test_model(folder, host_device(), torch.float32)
+    layer = next(i for i, m in enumerate(ours.layers) if isinstance(m.mlp, MoE))
+    moe = ours.layers[layer].mlp
+    assert isinstance(moe, MoE)
+    hf_block = hf.model.layers[layer].mlp if hasattr(hf.model.layers[layer], "mlp") else None
+    hf_router = (hf_block or hf.model.layers[layer].block_sparse_moe).gate
+    x = torch.randn(64, moe.hidden, generator=torch.Generator().manual_seed(5))
+    chosen, weights = moe.route(x)
+    with torch.no_grad():
+        _, ref_weights, ref_chosen = hf_router(x)
+    probs = torch.softmax(x @ moe.gate.weight.T, dim=-1).sort(dim=-1, descending=True).values
+    k = moe.moe.top_k
+    ties = (probs[:, k - 1] - probs[:, k]).abs() < NEAR_TIE  # the k-th and the next are a near-tie
+    print(f"{folder.name}: {int(ties.sum())} of 64 tokens at a near-tie")
+    for t in range(64):
+        if ties[t]:
+            continue
+        assert set(chosen[t].tolist()) == set(ref_chosen[t].tolist()), t
+        order = ref_chosen[t].argsort()
+        torch.testing.assert_close(weights[t][chosen[t].argsort()], ref_weights[t][order].float(), atol=1e-6,
+                                   rtol=1e-5)
+
+
+def test_dense_layers_where_the_config_says(tmp_path: Path) -> None:
+    folder = tmp_path / "qwen3-moe"
+    save_hf_model(folder, tiny_config("qwen3-moe"))  # mlp_only_layers=[1]
+    ours = load_test_model(folder, host_device(), torch.float32)
+    assert [type(layer.mlp) for layer in ours.layers] == [MoE, GatedMLP, MoE]
+
+
+def test_greedy_outputs_match_hf_through_the_engine(pair) -> None:
+    """Two prompts sharing a 24-token prefix, one after the other: the second reads the first's cached
+    blocks (the prefix cache on)."""
+    hf, folder = pair
+    engine = local_engine(folder, dtype="float32", max_model_len=128, kv_cache_memory_gb=0.01, block_size=8)
+    g = torch.Generator().manual_seed(9)
+    prefix = torch.randint(0, 512, (24,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 11)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    got = [engine.generate([p], params)[0] for p in prompts]
+    assert engine.stats().prefix_cache_hits > 0
+    for prompt, tokens in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        assert tokens == ref[0, len(prompt):].tolist()
+
+
+def test_tensor_parallelism_is_refused_by_name(tmp_path: Path) -> None:
+    folder = tmp_path / "mixtral"
+    save_hf_model(folder, tiny_config("mixtral"), demo_tokenizer=True)
+    with pytest.raises(ShardingError, match="MixtralForCausalLM is a mixture of experts.*tensor_parallel_size=1"):
+        local_engine(folder, dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.01)
