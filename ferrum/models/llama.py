@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp: GatedMLP | MoE
         if config.moe is not None and index in config.moe.sparse_layers:
-            self.mlp = MoE(config.hidden_size, config.moe, ops, linears, f"{prefix}.mlp")
+            self.mlp = MoE(config.hidden_size, config.moe, ops, linears, f"{prefix}.mlp", tp)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, ops, linears,
                                 f"{prefix}.mlp", tp)
@@ -174,13 +174,19 @@ class LlamaForCausalLM(nn.Module):
         bindings: list[WeightBinding] = []
         by_fused = {(fused, shard): name for name, (fused, shard) in FUSED_PROJECTIONS.items()}
         experts: set[str] = set()  # a mixture of experts' stacked parameters, filled expert by expert
+        shared: dict[str, int] = {}  # a shared expert's module path -> its whole intermediate size
+        moe = self.config.moe
         for name, module in self.named_modules():
-            if isinstance(module, MoE):
+            if isinstance(module, MoE) and moe is not None:
                 block = f"model.{name.rpartition('.')[0]}.{module.moe.block}"
                 bindings.append(WeightBinding(f"{block}.gate.weight", f"{name}.gate.weight"))
                 for parameter, tensor_name, span in module.checkpoint_rows():
-                    bindings.append(WeightBinding(f"{block}.{tensor_name}", f"{name}.{parameter}", span))
+                    projection = "down_proj" if parameter == "experts_down" else "gate_proj"
+                    bindings.append(WeightBinding(f"{block}.{tensor_name}", f"{name}.{parameter}", span,
+                                                  self.shard.checkpoint_shard(projection, "weight",
+                                                                              moe.intermediate_size)))
                 experts.update((f"{name}.gate.weight", f"{name}.experts_gate_up", f"{name}.experts_down"))
+                shared[f"{name}.shared_expert"] = moe.shared_intermediate_size
         for parameter, tensor in self.weight_destinations().items():
             if parameter in experts:
                 continue
@@ -188,13 +194,14 @@ class LlamaForCausalLM(nn.Module):
             checkpoint = parameter if parameter.startswith("lm_head.") else f"model.{parameter}"
             if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj"):
                 rows = self.shard_rows(parts[-2], tensor.shape[0])
+                whole = shared.get(".".join(parts[:-2]))  # a shared expert's intermediate size
                 for part in range(len(rows) - 1):
                     projection = by_fused[(parts[-2], part)]
                     name = ".".join(["model", *parts[:-2], projection, parts[-1]])
                     bindings.append(WeightBinding(name, parameter, (rows[part], rows[part + 1]),
-                                                  self.shard.checkpoint_shard(projection, parts[-1])))
+                                                  self.shard.checkpoint_shard(projection, parts[-1], whole)))
             else:
-                shard = self.shard.checkpoint_shard(parts[-2], parts[-1])
+                shard = self.shard.checkpoint_shard(parts[-2], parts[-1], shared.get(".".join(parts[:-2])))
                 fill = None if shard is None or shard.end - shard.start == tensor.shape[shard.dim] else (
                     0, shard.end - shard.start)  # the last rank's vocabulary rows past the end stay unused
                 bindings.append(WeightBinding(checkpoint, parameter, fill, shard))

@@ -6,6 +6,7 @@ router's choices token by token; greedy outputs through the engine with the pref
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,8 +118,36 @@ def test_greedy_outputs_match_hf_through_the_engine(pair) -> None:
         assert tokens == ref[0, len(prompt):].tolist()
 
 
-def test_tensor_parallelism_is_refused_by_name(tmp_path: Path) -> None:
+def test_two_ranks_match_one_process(pair) -> None:
+    """Tensor parallelism on gloo: each rank holds every expert's half of the intermediate dimension (and of
+    the shared expert's); the same greedy tokens and logits as one process."""
+    _, folder = pair
+    settings: dict[str, Any] = dict(dtype="float32", max_model_len=128, kv_cache_memory_gb=0.01)
+    prompts = [[5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 301, 2, 77], [400, 1, 2, 3]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run(engine) -> tuple[list[list[int]], list[float]]:
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, params)
+            tokens: dict[str, list[int]] = {"0": [], "1": []}
+            logprobs: list[float] = []
+            while engine.has_work:
+                for out in engine.step():
+                    tokens[out.request_id] += out.new_token_ids
+                    logprobs += [lp.logprob for lp in out.new_logprobs or ()]
+            return [tokens["0"], tokens["1"]], logprobs
+        finally:
+            engine.release()
+
+    want_tokens, want_lp = run(local_engine(folder, **settings))
+    got_tokens, got_lp = run(local_engine(folder, tensor_parallel_size=2, **settings))
+    assert got_tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(got_lp, want_lp, strict=True)) < 1e-4
+
+
+def test_an_expert_size_the_ranks_do_not_divide_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "mixtral"
-    save_hf_model(folder, tiny_config("mixtral"), demo_tokenizer=True)
-    with pytest.raises(ShardingError, match="MixtralForCausalLM is a mixture of experts.*tensor_parallel_size=1"):
+    save_hf_model(folder, tiny_config("mixtral", intermediate_size=45), demo_tokenizer=True)
+    with pytest.raises(ShardingError, match="tensor_parallel_size=2 does not divide the model's 45"):
         local_engine(folder, dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.01)

@@ -12,6 +12,10 @@ plain path: correct on every device, its speed not a target yet). A CUDA graph c
 data-dependent grouping, so while one is captured every expert runs over every token, weighted by zero
 where not chosen: the same sums, E/k times the arithmetic. A shared expert (Qwen2-MoE) runs on every
 token, scaled by sigmoid of its gate.
+
+Under tensor parallelism (`tp`) each rank holds every expert's share of the intermediate dimension (and
+of the shared expert's): the router runs whole on every rank (the same choices), each rank's experts give
+partial sums, and one all-reduce adds them, the shared expert's included.
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ from ferrum.models.config import MoeConfig
 from ferrum.models.layers.linear import LinearFactory
 from ferrum.models.layers.mlp import GatedMLP
 from ferrum.models.layers.ops import LayerOps
+from ferrum.models.layers.parallel import TensorParallel
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, moe: MoeConfig, ops: LayerOps, linears: LinearFactory, prefix: str) -> None:
+    def __init__(self, hidden: int, moe: MoeConfig, ops: LayerOps, linears: LinearFactory, prefix: str,
+                 tp: TensorParallel | None = None) -> None:
+        """`moe`: this rank's (its share of each expert's intermediate dimension under `tp`)."""
         super().__init__()
         self.moe = moe
         self.hidden = hidden
+        self.tp = tp or TensorParallel.single()
         e, i = moe.num_experts, moe.intermediate_size
         self.gate = nn.Linear(hidden, e, bias=False)  # the router (its checkpoint name)
         self.experts_gate_up = nn.Parameter(torch.empty(e * 2 * i, hidden), requires_grad=False)
@@ -70,7 +78,7 @@ class MoE(nn.Module):
                 out.index_add_(0, tokens, y.to(out.dtype))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
     def checkpoint_rows(self) -> list[tuple[str, str, tuple[int, int]]]:
         """(this module's parameter, the checkpoint tensor's name below the block, rows) for every

@@ -95,11 +95,12 @@ class ShardPlan:
             raise ShardingError(f"tensor_parallel_size must be at least 1, got {size}")
         if size == 1:
             return
-        if config.moe is not None:
-            raise ShardingError(f"tensor_parallel_size={size}: {config.architecture} is a mixture of experts, and "
-                                f"splitting its experts across ranks is not built yet; serve it with "
-                                f"tensor_parallel_size=1")
-        for what, count in (("attention heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
+        counts = [("attention heads", config.num_heads), ("intermediate_size", config.intermediate_size)]
+        if config.moe is not None:  # each expert's intermediate dimension is split, like a dense MLP's
+            counts.append(("experts' moe_intermediate_size", config.moe.intermediate_size))
+            if config.moe.shared_intermediate_size:
+                counts.append(("shared_expert_intermediate_size", config.moe.shared_intermediate_size))
+        for what, count in counts:
             if count % size:
                 raise ShardingError(f"tensor_parallel_size={size} does not divide the model's {count} {what}")
         kv = config.num_kv_heads
@@ -144,15 +145,24 @@ class ShardPlan:
         """The config this rank builds its attention, MLP and KV cache from."""
         if not self.sharded:
             return self.config
+        moe = self.config.moe
+        if moe is not None:
+            moe = replace(moe, intermediate_size=moe.intermediate_size // self.size,
+                          shared_intermediate_size=moe.shared_intermediate_size // self.size)
         return replace(self.config, num_heads=self.heads, num_kv_heads=self.kv_heads,
-                       intermediate_size=self.intermediate)
+                       intermediate_size=self.intermediate, moe=moe)
 
-    def checkpoint_shard(self, projection: str, kind: str) -> Shard | None:
+    def checkpoint_shard(self, projection: str, kind: str, intermediate: int | None = None) -> Shard | None:
         """The slice of checkpoint tensor `projection` (q_proj, k_proj, v_proj, o_proj, gate_proj,
-        up_proj, down_proj, embed_tokens, lm_head; `kind` weight or bias) this rank reads; None: all."""
+        up_proj, down_proj, embed_tokens, lm_head; `kind` weight or bias) this rank reads; None: all.
+        `intermediate`: a gated MLP's whole intermediate size where it is not the dense one's (an
+        expert's, a shared expert's)."""
         if not self.sharded:
             return None
         hd, r = self.config.head_dim, self.rank
+        if intermediate is not None and projection in ("gate_proj", "up_proj", "down_proj"):
+            part = intermediate // self.size
+            return Shard(0 if projection != "down_proj" else 1, r * part, (r + 1) * part)
         if projection == "q_proj":
             return Shard(0, r * self.heads * hd, (r + 1) * self.heads * hd)
         if projection in ("k_proj", "v_proj"):
