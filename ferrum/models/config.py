@@ -168,7 +168,7 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         heads = int(raw["num_attention_heads"])
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-        return ModelConfig(
+        config = ModelConfig(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -196,3 +196,8 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         raise ModelConfigError(f"{path}: missing required field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ModelConfigError(f"{path}: bad value: {exc}") from None
+    if config.moe is not None and published is not None:
+        raise ModelConfigError(f"{path}: a {published.name} quantized mixture of experts ({architecture}): published "
+                               f"quantized experts are not served yet; serve the unquantized checkpoint (on-load "
+                               f"quantization covers its attention and dense layers)")
+    return config

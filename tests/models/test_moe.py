@@ -5,6 +5,7 @@ router's choices token by token; greedy outputs through the engine with the pref
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
+from ferrum.models.config import load_model_config
+from ferrum.models.errors import ModelConfigError
 from ferrum.models.layers.mlp import GatedMLP
 from ferrum.models.layers.moe import MoE
 from ferrum.models.layers.parallel import ShardingError
@@ -151,3 +154,14 @@ def test_an_expert_size_the_ranks_do_not_divide_is_refused(tmp_path: Path) -> No
     save_hf_model(folder, tiny_config("mixtral", intermediate_size=45), demo_tokenizer=True)
     with pytest.raises(ShardingError, match="tensor_parallel_size=2 does not divide the model's 45"):
         local_engine(folder, dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.01)
+
+
+def test_a_published_quantized_mixture_of_experts_is_refused_by_name(tmp_path: Path) -> None:
+    folder = tmp_path / "qwen3-moe-fp8"
+    save_hf_model(folder, tiny_config("qwen3-moe"), demo_tokenizer=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match=r"qwen3-moe-fp8/config.json: a fp8 quantized mixture of experts "
+                                               r"\(Qwen3MoeForCausalLM\): published quantized experts are not served"):
+        load_model_config(folder)
