@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from ferrum.models.attention.layer import Attention
+from ferrum.models.attention.layout import FP8_MAX
 
 log = logging.getLogger(__name__)
 
-FP8_MAX = 448.0  # e4m3fn's largest finite value
 HEADROOM = 2.0
 CALIBRATION_TEXT = (
     "The history of the river town begins with a ferry crossing, a market and a mill. Over two centuries the "

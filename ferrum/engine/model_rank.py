@@ -101,6 +101,7 @@ class ModelRank:
         if self.quantization.int8_head and self.tp.size == 1 and int8_head_fits(self.model.lm_head):
             self.model.lm_head = Int8Head(self.model.lm_head)
         report(StartupProgress("warming"))
+        reset_scales(self.model)  # (built empty: its buffers hold whatever the memory held)
         if self.layout.fp8:
             self._fp8_kv_scales(files)
         if plan is None:
@@ -135,7 +136,6 @@ class ModelRank:
     def _fp8_kv_scales(self, files: ModelFiles) -> None:
         """Each attention layer's fp8 KV-cache scales: the checkpoint's, else measured on a fixed prompt
         run through a scratch runner (every rank runs it: their collectives meet)."""
-        reset_scales(self.model)
         if scales_from_checkpoint(self.model):
             log.info("fp8 KV cache: the checkpoint's k and v scales")
             return

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)  # e4m3fn's largest finite value
+FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 @triton.jit

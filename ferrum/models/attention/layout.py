@@ -27,6 +27,7 @@ from ferrum.models.config import ModelConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k, v)
 
 INT8_SCALE_BYTES = 4  # an int8 cache head's float32 scale, after its values
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # an fp8 cache's largest value, 448
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.backends.device import Device
-from ferrum.models.attention.layout import KVCache, KVCacheLayout
+from ferrum.models.attention.layout import FP8_MAX, KVCache, KVCacheLayout
 from ferrum.models.attention.packed_step import PackedStep
 from ferrum.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -113,7 +113,6 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, kv_sca
 
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
