@@ -60,7 +60,7 @@ def _families() -> dict[str, Callable[..., Any]]:
         "llama-linear-rope": lambda **o: t.LlamaConfig(
             **{**COMMON, **o}, num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 2.0}
         ),
-        "mistral": lambda **o: t.MistralConfig(**{**COMMON, **o}, num_key_value_heads=1, sliding_window=None),
+        "mistral": lambda **o: t.MistralConfig(**{**COMMON, "sliding_window": None, **o}, num_key_value_heads=1),
         "qwen2-qkv-bias": lambda **o: t.Qwen2Config(**{**COMMON, **o}, num_key_value_heads=2, tie_word_embeddings=True),
         "qwen3-qk-norm": lambda **o: t.Qwen3Config(**{**COMMON, **o}, num_key_value_heads=2, head_dim=32),
         "smollm2-like": lambda **o: t.LlamaConfig(

@@ -8,6 +8,14 @@ when no sequence holds it, and keeps its cached KV there: the free list is
 least-recently-freed first, so a cached free block is overwritten (and leaves
 the index) only when it is the oldest one left. Blocks holding nothing
 reusable go to the front of the free list, to be taken first.
+
+With a sliding window on every layer (`window`), a sequence's blocks that lie
+wholly before the window of its next query are given back as it advances
+(`release_before_window`): its block table keeps their places, marked FREED,
+so positions still map to table entries, and attention never reads them. A
+released block goes back like a finished sequence's: registered in the prefix
+cache (it holds a complete prefix block), it stays a cache hit for a later
+sequence with the same leading tokens until its memory is taken for another.
 """
 
 from __future__ import annotations
@@ -25,6 +33,16 @@ from ferrum.engine.prefix_cache import (
 )
 from ferrum.engine.sequence import Sequence
 
+FREED = -1  # a block-table entry whose block was given back (before a sliding window): never read
+
+
+def peak_tokens(max_model_len: int, chunk: int, block_size: int, window: int | None) -> int:
+    """The most token slots one sequence holds at once: max_model_len, or with a sliding window on every
+    layer the window's keys plus a chunk of `chunk` new tokens, each end rounded out to a whole block."""
+    if window is None:
+        return max_model_len
+    return min(max_model_len, window - 1 + chunk + 2 * block_size)
+
 
 class BlockManager:
     def __init__(
@@ -34,11 +52,17 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         block_hasher: BlockHasher = hash_block,
+        window: int | None = None,
     ) -> None:
+        """`window`: the sliding window every layer's attention has (a query sees itself and the window - 1
+        tokens before it), whose earlier blocks are given back; None: the whole context is kept."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        if window is not None and window < 1:
+            raise ValueError(f"the sliding window must be at least 1 token, got {window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front: taken first
         self._ref_counts: list[int] = [0] * num_blocks  # sequences holding each block
         self._cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
@@ -67,6 +91,12 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    @staticmethod
+    def held(seq: Sequence) -> int:
+        """Blocks `seq` holds (its table's entries not given back)."""
+        return len(seq.block_table) - seq.num_released_blocks
+
 
     # -- growing a sequence ------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -128,6 +158,24 @@ class BlockManager:
         seq.num_cached_blocks = len(cached)
         self.grow(seq, num_tokens)
 
+    # -- a sliding window -----------------------------------------------------
+    def release_before_window(self, seq: Sequence) -> int:
+        """Gives back `seq`'s blocks that lie wholly before the window of its next query (at position
+        num_computed_tokens), after offering its computed blocks to the prefix cache; how many."""
+        if self.window is None:
+            return 0
+        first_key = seq.num_computed_tokens - self.window + 1
+        upto = min(max(0, first_key) // self.block_size, len(seq.block_table))
+        if upto <= seq.num_released_blocks:
+            return 0
+        self.cache_computed_blocks(seq)
+        for i in range(seq.num_released_blocks, upto):
+            self._give_back(seq.block_table[i])
+            seq.block_table[i] = FREED
+        released = upto - seq.num_released_blocks
+        seq.num_released_blocks = upto
+        return released
+
     # -- registering computed blocks and giving blocks back -------------------
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Registers the blocks of `seq` whose tokens have all been computed since the last call."""
@@ -137,7 +185,7 @@ class BlockManager:
         if full <= seq.num_cached_blocks:
             return
         hashes = self._block_hashes(seq, full)
-        for i in range(seq.num_cached_blocks, full):
+        for i in range(max(seq.num_cached_blocks, seq.num_released_blocks), full):
             parent = hashes[i - 1] if i else ROOT_HASH
             # a no-op when another block already holds this prefix: this one is then freed plainly
             self._cache.add(seq.block_table[i], hashes[i], parent, self._block_tokens(seq, i))
@@ -150,14 +198,20 @@ class BlockManager:
         # last blocks first: a shared prefix's first blocks are the most reused, so evicted last
         table = reversed(seq.block_table) if self._cache is not None else seq.block_table
         for block in table:
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free[block] = None
-                if self._cache is not None and not self._cache.holds(block):
-                    self._free.move_to_end(block, last=False)  # nothing worth keeping: reuse it first
+            if block != FREED:
+                self._give_back(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
+        seq.num_released_blocks = 0
+
+    def _give_back(self, block: int) -> None:
+        """One sequence lets go of `block`: it returns to the free list when no other holds it."""
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._free[block] = None
+            if self._cache is not None and not self._cache.holds(block):
+                self._free.move_to_end(block, last=False)  # nothing worth keeping: reuse it first
 
     # -- helpers --------------------------------------------------------------
     def _allocate(self) -> int:

@@ -104,7 +104,8 @@ class LLMEngine:
             folder = run_sync(publish_model_folder(files, weights))
             log.info("model %s is in the cache at %s", files.display, folder)
         self.block_manager = BlockManager(self.rank.num_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          window=model_config.uniform_window)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer, model_config.vocab_size)
         bursts = BurstLimits(min(config.num_scheduler_steps, self.runner.max_burst), self.max_model_len,
@@ -359,8 +360,6 @@ async def _fetched(files: ModelFiles, weights: WeightLoaderConfig) -> ModelFiles
 
 def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        limit = min(limit, model_config.sliding_window)  # no sliding-window attention: stay exact
     if config.max_model_len is not None and config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} is longer than the model supports ({limit} tokens)")
     return config.max_model_len or limit

@@ -25,6 +25,7 @@ import torch
 from ferrum.backends.device import Device
 from ferrum.dtypes import dtype_name
 from ferrum.engine.auto_quantization import resolve_quantization
+from ferrum.engine.block_manager import peak_tokens
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.kv_calibration import (
     CALIBRATION_TEXT,
@@ -180,11 +181,18 @@ class ModelRank:
         return self.layout.bytes_per_block * (blocks + 1)
 
     def check_fits(self, num_blocks: int) -> None:
-        if num_blocks * self.config.block_size < self.max_model_len:
+        """One sequence's peak fits the cache: max_model_len tokens, or with a sliding window on every layer
+        its window and one step's chunk (the blocks behind the window are given back as it advances)."""
+        window = self.model_config.uniform_window
+        need = peak_tokens(self.max_model_len, self.config.tokens_per_step, self.config.block_size, window)
+        if num_blocks * self.config.block_size < need:
             memory = "gpu_memory_utilization" if self.device.dedicated_memory else "kv_cache_memory_gb"
+            what = (f"sequence of max_model_len={self.max_model_len} tokens" if need == self.max_model_len else
+                    f"sequence's sliding window ({window} tokens) and a step's {self.config.tokens_per_step} new "
+                    f"tokens ({need} slots)")
             raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {self.config.block_size} tokens) cannot hold one "
-                f"sequence of max_model_len={self.max_model_len} tokens; raise {memory} or lower max_model_len"
+                f"the KV cache ({num_blocks} blocks of {self.config.block_size} tokens) cannot hold one {what}; "
+                f"raise {memory} or lower max_model_len"
             )
 
     def release(self) -> None:

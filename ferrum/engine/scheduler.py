@@ -5,7 +5,8 @@ A step has a token budget. Running sequences go first (one token each when decod
 their prompt is still being prefilled); waiting sequences are admitted with what budget and free
 KV blocks remain, their prompts chunked to fit. When a running sequence cannot get a block, the
 most recently admitted running sequence is preempted: its blocks are freed and it goes back to
-the front of the queue, to be recomputed later.
+the front of the queue, to be recomputed later. With a sliding window on every layer, each running
+sequence first gives back the blocks behind its window.
 
 With prefix caching, a sequence being admitted starts after the leading full blocks whose KV is
 already cached (shared with whoever holds them); the blocks a step computes are registered by
@@ -121,6 +122,7 @@ class Scheduler:
 
         for seq in self.running:
             self.blocks.cache_computed_blocks(seq)  # anything not registered while its step ran
+            self.blocks.release_before_window(seq)  # a sliding window's blocks behind it
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -146,7 +148,7 @@ class Scheduler:
             start = seq.num_computed_tokens + len(cached) * self.blocks.block_size
             n = min(seq.num_tokens - start, budget)
             if not self.blocks.can_admit(seq, cached, start + n):
-                break  # the engine guarantees one max-length sequence fits in an empty cache
+                break  # the engine guarantees one sequence's peak (BlockManager.peak_tokens) fits an empty cache
             self.waiting.popleft()
             self.blocks.admit(seq, cached, start + n)
             if seq.first_scheduled is None:

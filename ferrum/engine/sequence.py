@@ -38,6 +38,8 @@ class Sequence:
     # changed), and how many leading blocks of block_table the prefix cache already knows
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # a sliding window: the leading entries of block_table given back (BlockManager.FREED)
+    num_released_blocks: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # set when the request has a seed
     priority: int = 0  # lower is served first (as vLLM); equal priorities in arrival order

@@ -21,12 +21,13 @@ from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 @triton.jit
 def _attend_pages(q: tl.tensor, KC: tl.tensor, VC: tl.tensor, table: tl.tensor, begin: tl.tensor,
                   end: tl.tensor, kvh: tl.tensor, stride_kc: tl.tensor, stride_kh: tl.tensor,
-                  qk_scale: tl.tensor, qpos: tl.tensor,
+                  qk_scale: tl.tensor, qpos: tl.tensor, window: tl.tensor,
                   ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Online-softmax attention of q [ROWS, D] over one sequence's cached keys begin .. end-1 (`table`
-    points at its block-table row; with CAUSAL, row i sees keys up to position qpos[i]). Returns the
-    running max and sum (base 2) and the unnormalised output."""
+    points at its block-table row; with CAUSAL, row i sees keys up to position qpos[i], and with a
+    window > 0 only the last `window` of them). Returns the running max and sum (base 2) and the
+    unnormalised output."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     sums = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
@@ -37,7 +38,7 @@ def _attend_pages(q: tl.tensor, KC: tl.tensor, VC: tl.tensor, table: tl.tensor, 
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
         keep = valid[None, :]
         if CAUSAL:
-            keep = keep & (n[None, :] <= qpos[:, None])
+            keep = keep & (n[None, :] <= qpos[:, None]) & ((window == 0) | (n[None, :] > qpos[:, None] - window))
         m, sums, acc = _softmax_step(q, k, VC + off, valid, keep, m, sums, acc, qk_scale, PRECISION)
     return m, sums, acc
 
@@ -75,17 +76,18 @@ def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, ke
 # The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, OUT: tl.tensor, PART_ACC: tl.tensor,
-                   PART_ML: tl.tensor, TABLES: tl.tensor, LENS: tl.tensor, scale: tl.tensor,
+                   PART_ML: tl.tensor, TABLES: tl.tensor, LENS: tl.tensor, scale: tl.tensor, window: tl.tensor,
                    stride_qt: tl.tensor, stride_qh: tl.tensor, stride_kc: tl.tensor, stride_kh: tl.tensor,
                    stride_bt: tl.tensor, stride_ot: tl.tensor, stride_oh: tl.tensor,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr = 0) -> None:
     """One program per (sequence, kv head, split): its G query heads against one slice of the
-    sequence's cache. With one split the result is final; with several, each writes its partial
-    (running max, sum, unnormalised output) for _decode_reduce_kernel to combine. (Combining them
-    in the last program to finish, counted with an atomic, measured slower on an H100: 6.7 vs 4.5 us
-    for a 512-token context at batch 1, scripts/gemv_bench.py.)
+    sequence's cache (of its last `window` keys where window > 0). With one split the result is final;
+    with several, each writes its partial (running max, sum, unnormalised output) for
+    _decode_reduce_kernel to combine. (Combining them in the last program to finish, counted with an
+    atomic, measured slower on an H100: 6.7 vs 4.5 us for a 512-token context at batch 1,
+    scripts/gemv_bench.py.)
 
     With PDL, the lengths, block tables and the k/v of every token but the newest are read before
     the wait: in a decode step only the kernels before this one write the newest token's k/v and
@@ -95,8 +97,9 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(LENS + b)
-    part = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * part
+    first = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # the first key the query sees
+    part = tl.cdiv(tl.cdiv(length - first, SPLITS), BLOCK_N) * BLOCK_N
+    begin = first + split * part
     end = tl.minimum(begin + part, length)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
@@ -186,9 +189,10 @@ def decode_splits(batch: int, kv_heads: int, num_sms: int, max_splits: int = 32)
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, page: int, scale: float, splits: int = 1,
                  out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                 pdl: bool = False, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 pdl: bool = False, kv_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache;
-    block_n: cache tokens per step of each program's loop; kv_scale: an fp8 cache's k and v scales."""
+    block_n: cache tokens per step of each program's loop; kv_scale: an fp8 cache's k and v scales;
+    window: the layer's sliding window (the query sees its last `window` keys), None for all."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -199,7 +203,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, scales_arg(kv_scale, k_cache), out, part_acc, part_ml, block_tables, context_lens, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
         PRECISION=_dot_precision(q), PDL=pdl_mode(pdl), num_warps=num_warps, num_stages=2, **pdl_launch(pdl),
@@ -216,13 +220,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, OUT: tl.tensor, TABLES: tl.tensor,
                     TILE_SEQ: tl.tensor, TILE_M: tl.tensor, Q_START: tl.tensor, Q_LEN: tl.tensor,
-                    PAST: tl.tensor, scale: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor,
+                    PAST: tl.tensor, scale: tl.tensor, window: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor,
                     stride_kc: tl.tensor, stride_kh: tl.tensor, stride_bt: tl.tensor, stride_ot: tl.tensor,
                     stride_oh: tl.tensor,
                     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr) -> None:
     """One program per (tile of BLOCK_M new tokens of one sequence, query head). Query i of a
-    sequence sits at position past + i and sees the cached keys 0 .. past + i (its own included)."""
+    sequence sits at position past + i and sees the cached keys 0 .. past + i (its own included), or
+    with a window > 0 the last `window` of them."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // G
@@ -238,9 +243,10 @@ def _prefill_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, 
     if KC.dtype.element_ty == tl.float8e4nv:  # the dot products in float16 (the module's docstring)
         q = q.to(tl.float16)
     end = past + tl.minimum(m0 + BLOCK_M, q_len)
-    m, sums, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, 0, end, kvh, stride_kc, stride_kh,
-                                 scale * 1.4426950408889634 * cache_scale(KC, KVS, 0), past + rows, BLOCK_M, D, PAGE,
-                                 BLOCK_N, True, PRECISION)
+    begin = tl.where(window > 0, tl.maximum(past + m0 - window + 1, 0), 0)  # the first key the tile's first row sees
+    m, sums, acc = _attend_pages(q, KC, VC, TABLES + s_idx * stride_bt, begin, end, kvh, stride_kc, stride_kh,
+                                 scale * 1.4426950408889634 * cache_scale(KC, KVS, 0), past + rows, window, BLOCK_M, D,
+                                 PAGE, BLOCK_N, True, PRECISION)
     out = acc * cache_scale(VC, KVS, 1) / sums[:, None]
     tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=rmask[:, None])
@@ -252,16 +258,16 @@ PREFILL_BLOCK_M = 64
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   tile_seq: torch.Tensor, tile_m: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                   past: torch.Tensor, page: int, scale: float, out: torch.Tensor | None = None,
-                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  kv_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q: [T, H, D] packed new tokens of several sequences (their k/v already in the cache).
     Tiles (tile_seq, tile_m) cover each sequence's new tokens in steps of PREFILL_BLOCK_M; only the
-    rows of tiled sequences are written."""
+    rows of tiled sequences are written; window: the layer's sliding window, None for all keys."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
     _prefill_kernel[(tile_seq.shape[0], heads)](
         q, k_cache, v_cache, scales_arg(kv_scale, k_cache), out, block_tables, tile_seq, tile_m, q_start, q_len, past,
-        scale,
+        scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=heads // kv_heads, D=dim, PAGE=page, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=64,

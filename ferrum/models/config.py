@@ -63,12 +63,27 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     mlp_bias: bool
     dtype: torch.dtype  # the checkpoint's dtype
-    sliding_window: int | None
+    sliding_window: int | None  # the attention window in tokens (a query sees itself and the window - 1 before it)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     # the published format its weights are stored in (config.json's quantization_config); None: unquantized
     published: PublishedFormat | None = field(default=None, compare=False)
     moe: MoeConfig | None = None  # a mixture of experts' MLPs; None: dense
+    # the layers whose attention is limited to sliding_window; None: every layer (when sliding_window is set)
+    window_layers: tuple[int, ...] | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of decoder layer `layer`, None where it sees the whole context."""
+        if self.sliding_window is None or (self.window_layers is not None and layer not in self.window_layers):
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has it (then a sequence's KV blocks before the window can be given
+        back); None when some layer sees the whole context."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def q_size(self) -> int:
@@ -148,6 +163,33 @@ def _moe_from(raw: dict[str, Any], architecture: str, layers: int) -> MoeConfig 
                      sparse_layers=sparse, shared_intermediate_size=shared)
 
 
+def _window_from(raw: dict[str, Any], architecture: str, layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """(sliding_window, window_layers) as transformers reads them: `layer_types` where config.json lists them
+    ("sliding_attention" layers), else Qwen2/Qwen3's `use_sliding_window` from layer `max_window_layers` on
+    (Qwen2-MoE: the even layers below it), else every layer where `sliding_window` is set (Mistral, Mixtral)."""
+    window = raw.get("sliding_window")
+    if not window:
+        return None, None
+    types = raw.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ModelConfigError(f"layer_types must list one type per layer ({layers}), got {types!r}")
+        chosen = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        return (int(window), chosen) if chosen else (None, None)
+    qwen = architecture.startswith("Qwen")
+    if qwen and not raw.get("use_sliding_window", False):
+        return None, None
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(raw.get("max_window_layers", layers))
+        chosen = tuple(range(first, layers))
+        return (int(window), chosen) if chosen else (None, None)
+    if architecture == "Qwen2MoeForCausalLM":
+        below = int(raw.get("max_window_layers", layers))
+        chosen = tuple(i for i in range(min(below, layers)) if (i + 1) % 2)
+        return (int(window), chosen) if chosen else (None, None)
+    return int(window), None
+
+
 def load_model_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     try:
@@ -167,13 +209,14 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        layers = int(raw["num_hidden_layers"])
+        sliding, window_layers = _window_from(raw, architecture, layers)
         config = ModelConfig(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -186,11 +229,12 @@ def load_model_config(folder: str | Path) -> ModelConfig:
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             dtype=_checkpoint_dtype(dtype_name),
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=sliding,
+            window_layers=window_layers,
             eos_token_ids=_int_list(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             published=published,
-            moe=_moe_from(raw, architecture, int(raw["num_hidden_layers"])),
+            moe=_moe_from(raw, architecture, layers),
         )
     except KeyError as exc:
         raise ModelConfigError(f"{path}: missing required field {exc.args[0]!r}") from None

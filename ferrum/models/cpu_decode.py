@@ -46,8 +46,10 @@ class CpuDecodeChain:
         self.norms: list[torch.Tensor] = []
         self.weights: list[torch.Tensor] = []
         self.layout: list[int] = []
+        self.windows: list[int] = []  # each layer's sliding window, 0 for none
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
+            self.windows.append(layer.self_attn.window or 0)
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
@@ -85,5 +87,5 @@ class CpuDecodeChain:
             x, self.norms, self.weights, self.layout, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
             batch.positions, batch.rotary.cos_table, batch.rotary.sin_table, batch.slot_mapping, batch.block_tables,
             batch.seq_lens, batch.query_starts, batch.block_size, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps)
+            self.eps, self.windows)
         return out

@@ -52,7 +52,7 @@ class DecoderLayer(nn.Module):
                  prefix: str, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops, tp, linears, f"{prefix}.self_attn")
+        self.self_attn = Attention(config, ops, tp, linears, f"{prefix}.self_attn", config.layer_window(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp: GatedMLP | MoE
         if config.moe is not None and index in config.moe.sparse_layers:

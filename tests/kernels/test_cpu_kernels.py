@@ -32,17 +32,40 @@ def ops() -> object:
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: list[list[int]],
-                        lens: list[int], starts: list[int], block_size: int) -> torch.Tensor:
+                        lens: list[int], starts: list[int], block_size: int, window: int = 0) -> torch.Tensor:
+    """SDPA over each sequence's gathered slots; with a window, each query sees its last `window` keys."""
     out = torch.empty(q.shape, dtype=torch.float32)
     for b, length in enumerate(lens):
         rows = slice(starts[b], starts[b + 1])
         n = starts[b + 1] - starts[b]
-        slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size for p in range(length)])
+        first = max(0, length - n - window + 1) if window else 0  # the first key any of its queries sees
+        slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size for p in range(first, length)])
         k, v = k_cache[slots].float().transpose(0, 1), v_cache[slots].float().transpose(0, 1)
-        mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+        query = torch.arange(length - n, length)[:, None]
+        key = torch.arange(first, length)[None, :]
+        mask = (key <= query) & ((key > query - window) if window else True)
         o = F.scaled_dot_product_attention(q[rows].float().transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True)
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def scattered_tables(cases: list[tuple[int, int]], num_blocks: int, block_size: int
+                     ) -> tuple[list[list[int]], torch.Tensor, list[int], list[int]]:
+    """Block tables for (queries, context) cases over blocks 0 .. num_blocks - 1 taken in a random order
+    (scattered through the cache): the lists, the int32 table, the context lengths and the query starts."""
+    order = torch.randperm(num_blocks).tolist()
+    tables: list[list[int]] = []
+    lens: list[int] = []
+    starts = [0]
+    for n, length in cases:
+        used = sum(len(t) for t in tables)
+        tables.append(order[used : used + -(-length // block_size)])
+        lens.append(length)
+        starts.append(starts[-1] + n)
+    table = torch.zeros(len(cases), max(map(len, tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    return tables, table, lens, starts
 
 
 # (queries, context) per sequence: decodes short and long (split over the keys), a chunk after cached
@@ -65,18 +88,7 @@ def test_paged_attention_matches_sdpa_over_gathered_slots(ops: object, dtype: to
     num_blocks = sum(-(-length // block_size) for _, length in CASES) + 3
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    order = torch.randperm(num_blocks).tolist()  # blocks scattered through the cache
-    tables: list[list[int]] = []
-    lens: list[int] = []
-    starts = [0]
-    for n, length in CASES:
-        used = sum([len(t) for t in tables])
-        tables.append(order[used : used + -(-length // block_size)])
-        lens.append(length)
-        starts.append(starts[-1] + n)
-    table = torch.zeros(len(CASES), max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t)
+    tables, table, lens, starts = scattered_tables(CASES, num_blocks, block_size)
     qkv = torch.randn(starts[-1], (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # a strided view, as the layer passes it
     out = torch.empty(q.shape, dtype=dtype)
@@ -146,18 +158,7 @@ def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int, tiles: 
     k8, v8 = written_int8(ops, k, v, block_size if tiles else None)
     k_rows, v_rows = (untiled(k8, True), untiled(v8, False)) if tiles else (k8, v8)
     torch.testing.assert_close(dequantized(k_rows), dequantized(int8_cache(k)), rtol=0, atol=0.03)
-    order = torch.randperm(num_blocks).tolist()  # blocks scattered through the cache
-    tables: list[list[int]] = []
-    lens: list[int] = []
-    starts = [0]
-    for n, length in cases:
-        used = sum(len(t) for t in tables)
-        tables.append(order[used : used + -(-length // block_size)])
-        lens.append(length)
-        starts.append(starts[-1] + n)
-    table = torch.zeros(len(cases), max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t)
+    tables, table, lens, starts = scattered_tables(cases, num_blocks, block_size)
     q = torch.randn(starts[-1], heads, head_dim, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     ops.paged_attention(out, q, k8, v8, table, torch.tensor(lens, dtype=torch.int32),  # type: ignore[attr-defined]
@@ -174,6 +175,42 @@ def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int, tiles: 
         ops.paged_attention(out, q, k8.view(-1, kv_heads, 8, head_dim + 4), v8.view(-1, kv_heads, 8, head_dim + 4),  # type: ignore[attr-defined]
                             table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
                             block_size, 1.0)
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "float32-any-head-dim", "int8-tiles"])
+def test_paged_attention_with_a_sliding_window_reads_only_the_window(ops: object, cache: str) -> None:
+    """Each query sees its last `window` keys (HF's sliding window: itself and the window - 1 before it), in
+    decodes short and long (split over the keys), chunks after cached tokens and a whole prompt longer than
+    the window. The table entries of blocks wholly before a sequence's first query's window point at a
+    block of NaNs, as the engine's given-back blocks may hold anything: not one may be read."""
+    torch.manual_seed(5)
+    dtype = torch.float32 if cache.startswith("float32") else torch.bfloat16
+    heads, kv_heads, block_size, window = 4, 2, 16, 100
+    head_dim = 40 if cache.startswith("float32") else 64
+    cases = [(1, 37), (1, 1500), (20, 300), (70, 200), (1, 101), (17, 117)]
+    num_blocks = sum(-(-length // block_size) for _, length in cases) + 1
+    poison = num_blocks - 1
+    k = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype)
+    v = torch.randn_like(k)
+    tables, table, lens, starts = scattered_tables(cases, num_blocks - 1, block_size)  # the last one: poison
+    for i, (n, length) in enumerate(cases):
+        table[i, : max(0, length - n - window + 1) // block_size] = poison  # given back: never read
+    q = torch.randn(starts[-1], heads, head_dim, dtype=dtype)
+    k_in, v_in = block_major(k, block_size), block_major(v, block_size)
+    if cache == "int8-tiles":
+        k_in, v_in = written_int8(ops, k, v, block_size)
+        k, v = dequantized(untiled(k_in, True)), dequantized(untiled(v_in, False))
+    for c in (k_in, v_in):
+        c[poison] = -1 if c.dtype == torch.int8 else float("nan")  # int8: bytes 0xFF, NaN scales
+    out = torch.empty_like(q)
+    ops.paged_attention(out, q, k_in, v_in, table, torch.tensor(lens, dtype=torch.int32),  # type: ignore[attr-defined]
+                        torch.tensor(starts, dtype=torch.int32), block_size, 1 / math.sqrt(head_dim), window)
+    expected = reference_attention(q, k, v, tables, lens, starts, block_size, window)
+    assert not out.isnan().any()
+    bound = 1e-5 if dtype == torch.float32 else 1.6e-2
+    assert (out.float() - expected).abs().max().item() < bound
+    whole = reference_attention(q, k, v, tables, lens, starts, block_size)
+    assert (whole - expected).abs().max().item() > 0.1  # the window changes the answer
 
 
 def test_paged_attention_refuses_a_block_table_too_short(ops: object) -> None:

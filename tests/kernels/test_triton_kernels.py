@@ -23,14 +23,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def reference_attention(q, k, v, past):
-    """q: [n, H, D] at positions past..past+n-1; k, v: [past+n, KV, D]. float64, causal."""
+def reference_attention(q, k, v, past, window=0):
+    """q: [n, H, D] at positions past..past+n-1; k, v: [past+n, KV, D]. float64, causal; with a window,
+    each query sees its last `window` keys."""
     n, heads, dim = q.shape
     group = heads // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,mhd->hnm", q.double(), k) / dim**0.5
     mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    if window:
+        mask &= ~torch.ones(n, past + n, dtype=torch.bool).tril(past - window)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v)
 
@@ -70,6 +73,22 @@ def test_paged_decode_matches_reference(heads, kv_heads, dim, splits, block_n):
         assert rel_err(out[b : b + 1].cpu(), ref) < 1e-2
 
 
+def ints(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def prefill_tiles(shapes: list[tuple[int, int]]) -> tuple[list[int], list[int], list[int]]:
+    """(q_start, tile_seq, tile_m) of the prefill kernel for sequences of (past, new) tokens, packed."""
+    q_start, tile_seq, tile_m, row = [], [], [], 0
+    for i, (_, n) in enumerate(shapes):
+        q_start.append(row)
+        row += n
+        for m0 in range(0, n, paged_attention.PREFILL_BLOCK_M):
+            tile_seq.append(i)
+            tile_m.append(m0)
+    return q_start, tile_seq, tile_m
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 2, 128)])
 def test_paged_prefill_with_cached_context_matches_reference(heads, kv_heads, dim):
     """Three sequences in one packed batch: a whole prompt, a chunk after 40 cached tokens, and one
@@ -82,22 +101,63 @@ def test_paged_prefill_with_cached_context_matches_reference(heads, kv_heads, di
     k_cache, v_cache, tables = scattered_cache(kv, 40, page, kv_heads, dim, gen)
     qs = [torch.randn(n, heads, dim, generator=gen).to(DTYPE) for _, n in shapes]
     q = torch.cat(qs)
-    q_start, tile_seq, tile_m, row = [], [], [], 0
-    for i, (_, n) in enumerate(shapes):
-        q_start.append(row)
-        row += n
-        for m0 in range(0, n, paged_attention.PREFILL_BLOCK_M):
-            tile_seq.append(i)
-            tile_m.append(m0)
-
-    def ints(values):
-        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
-
+    q_start, tile_seq, tile_m = prefill_tiles(shapes)
     out = paged_attention.paged_prefill(q.to(DEVICE), k_cache, v_cache, tables, ints(tile_seq), ints(tile_m),
                                         ints(q_start), ints([n for _, n in shapes]), ints([p for p, _ in shapes]),
                                         page, dim**-0.5).cpu()
     for i, (p, n) in enumerate(shapes):
         ref = reference_attention(qs[i], kv[i][0], kv[i][1], past=p)
+        assert rel_err(out[q_start[i] : q_start[i] + n], ref) < 1e-2
+
+
+def _poisoned(tables: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, firsts: list[int], page: int):
+    """The table entries of blocks wholly before each sequence's first key (given back by the engine under a
+    sliding window) pointed at a block of NaNs: the kernels may not read them."""
+    poison = min(set(range(k_cache.shape[0] // page)) - set(tables.flatten().tolist()))  # a block nobody holds
+    k_cache[poison * page : (poison + 1) * page] = float("nan")
+    v_cache[poison * page : (poison + 1) * page] = float("nan")
+    tables = tables.clone()
+    for b, first in enumerate(firsts):
+        tables[b, : first // page] = poison
+    return tables
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_with_a_sliding_window(splits):
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, page, window = 4, 2, 64, 16, 40
+    lengths = [1, 39, 41, 200]
+    kv = [(torch.randn(n, kv_heads, dim, generator=gen).to(DTYPE),
+           torch.randn(n, kv_heads, dim, generator=gen).to(DTYPE)) for n in lengths]
+    k_cache, v_cache, tables = scattered_cache(kv, 24, page, kv_heads, dim, gen)
+    tables = _poisoned(tables, k_cache, v_cache, [max(0, n - window) for n in lengths], page)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(DTYPE)
+    out = paged_attention.paged_decode(q.to(DEVICE), k_cache, v_cache, tables,
+                                       torch.tensor(lengths, dtype=torch.int32, device=DEVICE), page, dim**-0.5,
+                                       splits, block_n=16, window=window).cpu()
+    assert not out.isnan().any()
+    for b, n in enumerate(lengths):
+        ref = reference_attention(q[b : b + 1], kv[b][0], kv[b][1], past=n - 1, window=window)
+        assert rel_err(out[b : b + 1], ref) < 1e-2
+
+
+def test_paged_prefill_with_a_sliding_window():
+    """A whole prompt longer than the window, a chunk after cached tokens past the window, a decode."""
+    gen = torch.Generator().manual_seed(12)
+    heads, kv_heads, dim, page, window = 4, 2, 64, 16, 24
+    shapes = [(0, 70), (60, 33), (50, 1)]  # (past, new)
+    kv = [(torch.randn(p + n, kv_heads, dim, generator=gen).to(DTYPE),
+           torch.randn(p + n, kv_heads, dim, generator=gen).to(DTYPE)) for p, n in shapes]
+    k_cache, v_cache, tables = scattered_cache(kv, 24, page, kv_heads, dim, gen)
+    tables = _poisoned(tables, k_cache, v_cache, [max(0, p - window + 1) for p, _ in shapes], page)
+    qs = [torch.randn(n, heads, dim, generator=gen).to(DTYPE) for _, n in shapes]
+    q_start, tile_seq, tile_m = prefill_tiles(shapes)
+    out = paged_attention.paged_prefill(torch.cat(qs).to(DEVICE), k_cache, v_cache, tables, ints(tile_seq),
+                                        ints(tile_m), ints(q_start), ints([n for _, n in shapes]),
+                                        ints([p for p, _ in shapes]), page, dim**-0.5, window=window).cpu()
+    assert not out.isnan().any()
+    for i, (p, n) in enumerate(shapes):
+        ref = reference_attention(qs[i], kv[i][0], kv[i][1], past=p, window=window)
         assert rel_err(out[q_start[i] : q_start[i] + n], ref) < 1e-2
 
 
@@ -252,9 +312,6 @@ def test_paged_prefill_reads_an_fp8_cache():
     k_cache, v_cache, tables = scattered_cache(kv, 12, page, kv_heads, dim, gen)
     kc, vc = fp8_cache(k_cache, 0.01).cpu(), fp8_cache(v_cache, 0.01).cpu()
     qs = [torch.randn(n, heads, dim, generator=gen).to(DTYPE) for _, n in shapes]
-
-    def ints(values):
-        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
     out = paged_attention.paged_prefill(torch.cat(qs).to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), tables,
                                         ints([0, 1]), ints([0, 0]), ints([0, 40]), ints([40, 9]), ints([0, 24]),

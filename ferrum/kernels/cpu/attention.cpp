@@ -2,7 +2,8 @@
 //
 // A step's queries are packed by sequence (query_starts); sequence b has seq_lens[b] tokens in the
 // cache after this step's write, its queries are its last tokens, and query i of n sits at position
-// seq_lens[b] - n + i and sees the keys at positions 0 .. that position (causal). Key position p of
+// seq_lens[b] - n + i and sees the keys at positions 0 .. that position (causal), or with a sliding window
+// of w tokens only the last w of them (itself and the w - 1 before it). Key position p of
 // sequence b lives in block block_tables[b][p / block_size], at p % block_size within it. The cache is
 // [blocks, KV, block_size, W] (each kv head's keys of a block side by side: what the engine allocates
 // for this kernel) or [slots, KV, W]; W is head_dim, or head_dim + 4 for an int8 cache.
@@ -48,6 +49,7 @@ struct ItemArgs {
   CacheStrides strides;
   const int32_t* table;  // the sequence's block table
   int64_t block_size, past, group, head_dim;
+  int64_t window;  // a query sees itself and the window - 1 keys before it; 0: every key before it
   float scale;
   bool tiled;  // an int8 cache in tiles (common.h)
 };
@@ -124,25 +126,35 @@ void init_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf) {
   }
 }
 
-// The keys of this range the tile's row r (0-based within the item) sees: n, or fewer for rows
-// whose position comes before the range's last key.
-inline int64_t visible(const Item& it, int64_t r_row, int64_t past, int64_t k0, int64_t n) {
-  return std::max<int64_t>(0, std::min(n, past + it.row0 + r_row - k0 + 1));
+// The keys of a range [k0, k0 + n) one query row sees: [lo, hi) within the range, empty where lo >= hi.
+struct Seen {
+  int64_t lo, hi;
+};
+
+// The keys of this range the tile's row r (0-based within the item) sees: those up to its position, and
+// with a window only the last `window` of them.
+template <typename T, typename C>
+inline Seen seen(const Item& it, const ItemArgs<T, C>& a, int64_t r_row, int64_t k0, int64_t n) {
+  const int64_t position = a.past + it.row0 + r_row;
+  const int64_t hi = std::max<int64_t>(0, std::min(n, position - k0 + 1));
+  const int64_t lo = a.window > 0 ? std::clamp<int64_t>(position - a.window + 1 - k0, 0, n) : 0;
+  return {lo, hi};
 }
 
-// Folds row r's new scores s[0..n) (n_vis of them visible) into its running softmax; s becomes the weights.
-inline void softmax_step(float* s, int64_t n, int64_t n_vis, Partial st, int64_t r, int64_t D) {
-  if (n_vis == 0) {
+// Folds row r's new scores s[0..n) (those in `vis` visible) into its running softmax; s becomes the weights.
+inline void softmax_step(float* s, int64_t n, Seen vis, Partial st, int64_t r, int64_t D) {
+  if (vis.lo >= vis.hi) {
     std::fill(s, s + n, 0.f);
     return;
   }
   float m = st.max[r];
-  for (int64_t j = 0; j < n_vis; ++j) m = std::max(m, s[j]);
+  for (int64_t j = vis.lo; j < vis.hi; ++j) m = std::max(m, s[j]);
   const float correction = std::exp(st.max[r] - m);
-  for (int64_t j = 0; j < n_vis; ++j) s[j] = std::exp(s[j] - m);
-  std::fill(s + n_vis, s + n, 0.f);
+  for (int64_t j = vis.lo; j < vis.hi; ++j) s[j] = std::exp(s[j] - m);
+  std::fill(s, s + vis.lo, 0.f);
+  std::fill(s + vis.hi, s + n, 0.f);
   float total = 0.f;
-  for (int64_t j = 0; j < n_vis; ++j) total += s[j];
+  for (int64_t j = vis.lo; j < vis.hi; ++j) total += s[j];
   st.sum[r] = st.sum[r] * correction + total;
   st.max[r] = m;
   if (correction != 1.f) {
@@ -157,26 +169,28 @@ inline void softmax_step(float* s, int64_t n, int64_t n_vis, Partial st, int64_t
 // decide its greedy answers (a sum in another order turned "Paris" into "L'Étoile, ..."), where an int8
 // cache's are new anyway.
 template <bool VectorSum>
-inline void softmax_step16(float* s, int64_t n16, int64_t n_vis, Partial st, int64_t r, int64_t D) {
-  if (n_vis == 0) {
+inline void softmax_step16(float* s, int64_t n16, Seen vis, Partial st, int64_t r, int64_t D) {
+  if (vis.lo >= vis.hi) {
     std::fill(s, s + n16, 0.f);
     return;
   }
-  const int64_t vis16 = (n_vis + 15) / 16 * 16;
-  std::fill(s + n_vis, s + vis16, -std::numeric_limits<float>::infinity());
+  const int64_t from16 = vis.lo / 16 * 16, vis16 = (vis.hi + 15) / 16 * 16;
+  std::fill(s + from16, s + vis.lo, -std::numeric_limits<float>::infinity());
+  std::fill(s + vis.hi, s + vis16, -std::numeric_limits<float>::infinity());
   F16 top = splat(st.max[r]);
-  for (int64_t j = 0; j < vis16; j += 16) top = max16(top, load16(s + j));
+  for (int64_t j = from16; j < vis16; j += 16) top = max16(top, load16(s + j));
   const float m = hmax16(top);
   const F16 shift = splat(-m);
-  for (int64_t j = 0; j < vis16; j += 16) store16(s + j, exp16(add16(load16(s + j), shift)));
-  std::fill(s + n_vis, s + n16, 0.f);  // exactly: exp16 of -inf is tiny, not 0
+  for (int64_t j = from16; j < vis16; j += 16) store16(s + j, exp16(add16(load16(s + j), shift)));
+  std::fill(s, s + vis.lo, 0.f);  // exactly: exp16 of -inf is tiny, not 0
+  std::fill(s + vis.hi, s + n16, 0.f);
   float sum = 0.f;
   if constexpr (VectorSum) {
     F16 total = zero16();
-    for (int64_t j = 0; j < vis16; j += 16) total = add16(total, load16(s + j));
+    for (int64_t j = from16; j < vis16; j += 16) total = add16(total, load16(s + j));
     sum = hsum16(total);
   } else {
-    for (int64_t j = 0; j < n_vis; ++j) sum += s[j];
+    for (int64_t j = vis.lo; j < vis.hi; ++j) sum += s[j];
   }
   const float correction = std::exp(st.max[r] - m);
   st.sum[r] = st.sum[r] * correction + sum;
@@ -203,7 +217,7 @@ void run_item_scalar(const Item& it, const ItemArgs<T, C>& a, Partial st, float*
       for (int64_t r = 0; r < R; ++r) scores[r * SUB + j] = dot(qf + r * D, kf, D);
     }
     for (int64_t r = 0; r < R; ++r)
-      softmax_step(scores + r * SUB, n, visible(it, r / a.group, a.past, k0, n), st, r, D);
+      softmax_step(scores + r * SUB, n, seen(it, a, r / a.group, k0, n), st, r, D);
     for (int64_t j = 0; j < n; ++j) {
       head_to_float(cached_row<false>(a, offsets[j], row.data()), kf, D);
       for (int64_t r = 0; r < R; ++r) {
@@ -295,7 +309,7 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
       }
     }
     for (int64_t r = 0; r < R; ++r)
-      softmax_step16<std::is_same_v<C, int8_t>>(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
+      softmax_step16<std::is_same_v<C, int8_t>>(scores + r * SUB, n16, seen(it, a, r / a.group, k0, n), st, r, D);
     for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(cached_row<false>(a, offsets[j], row), buf + j * D);
     if constexpr (scaled) {
       for (int64_t r = 0; r < R; ++r)
@@ -464,7 +478,7 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
       }
     }
     for (int64_t r = 0; r < R; ++r) {
-      softmax_step16<true>(scores + r * SUB, n16, visible(it, r / a.group, a.past, k0, n), st, r, D);
+      softmax_step16<true>(scores + r * SUB, n16, seen(it, a, r / a.group, k0, n), st, r, D);
       for (int64_t j0 = 0; j0 < n16; j0 += 16)
         store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(v_scale + j0)));
     }
@@ -497,10 +511,11 @@ void run_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, fl
 }  // namespace
 
 // out [T, H, D], q [T, H, D] (last dim contiguous), k_cache / v_cache [slots, KV, D] contiguous,
-// block_tables int32 [B, W], seq_lens int32 [B], query_starts int32 [B + 1].
+// block_tables int32 [B, W], seq_lens int32 [B], query_starts int32 [B + 1]; window: the sliding window
+// (0: none), whose keys alone are read (a table's blocks before its first query's window are never read).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
-                     int64_t block_size, double scale) {
+                     int64_t block_size, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_attention: out must be contiguous, shaped and typed like q");
@@ -520,6 +535,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
               "paged_attention: block_tables, seq_lens and query_starts must be int32 (block_tables contiguous)");
   TORCH_CHECK(query_starts.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) >= seq_lens.size(0),
               "paged_attention: one row of block_tables and seq_lens per sequence, query_starts one longer");
+  TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
   const int64_t num_seqs = seq_lens.size(0), heads = q.size(1), D = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads, width = block_tables.size(1);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -544,13 +560,17 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t row0 = 0; row0 < n; row0 += TILE) {
         const int64_t rows = std::min(TILE, n - row0), keys = past + row0 + rows;
+        // the first key the tile's first row sees, down to its block's first (the blocks before it may
+        // have been given back; an int8 cache's 16-key groups start at multiples of 16, as blocks do)
+        const int64_t first =
+            window > 0 ? std::max<int64_t>(0, past + row0 - window + 1) / block_size * block_size : 0;
         int64_t splits = 1;
-        if (base_items < want) splits = std::max<int64_t>(1, std::min(want / base_items, keys / MIN_SPLIT));
-        // ranges start at multiples of SUB, so that however a sequence's keys are split (which its batch
-        // decides) the same SUB keys share a range: an int8 cache quantizes a range's weights together
-        const int64_t per = ((keys + splits - 1) / splits + SUB - 1) / SUB * SUB;
+        if (base_items < want) splits = std::max<int64_t>(1, std::min(want / base_items, (keys - first) / MIN_SPLIT));
+        // ranges start at multiples of SUB from `first`, so that however a sequence's keys are split (which
+        // its batch decides) the same SUB keys share a range: an int8 cache quantizes a range's weights together
+        const int64_t per = ((keys - first + splits - 1) / splits + SUB - 1) / SUB * SUB;
         for (int64_t s = 0; s < splits; ++s) {
-          const int64_t k0 = s * per, k1 = std::min(keys, k0 + per);
+          const int64_t k0 = first + s * per, k1 = std::min(keys, k0 + per);
           if (k0 >= k1) break;
           items.push_back({b, h, row0, rows, k0, k1, splits > 1 ? num_partials++ : -1});
         }
@@ -592,7 +612,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
           }
           const ItemArgs<scalar_t, C> args{qp + starts[it.seq] * q.stride(0), q.stride(0), q.stride(1), kc, vc,
                                            strides, tables + it.seq * width, block_size,
-                                           lens[it.seq] - n, group, D, float(scale), tiled};
+                                           lens[it.seq] - n, group, D, window, float(scale), tiled};
           run_item(it, args, st, qf, buf, scores);
           if (it.partial >= 0) continue;
           for (int64_t r = 0; r < it.rows * group; ++r) {

@@ -34,13 +34,15 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
                          const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
-                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
+                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                         c10::IntArrayRef windows) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(v_caches.size() == k_caches.size() && static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
                   static_cast<int64_t>(weights.size()) == layers * PROJECTIONS * PER_PROJECTION &&
                   static_cast<int64_t>(layout.size()) == layers * PROJECTIONS * PER_PROJECTION,
               message("decode_layers: per layer two norms, ", PROJECTIONS, " projections of ", PER_PROJECTION,
                       " tensors and ints each, and a k and v cache; then the final norm"));
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == layers, "decode_layers: one window per layer (0: none)");
   const int64_t rows = x_in.size(0), q_size = num_heads * head_dim;
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);  // as Python's head_dim**-0.5
   at::Tensor x = x_in.contiguous();
@@ -52,7 +54,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
     rope_write(qkv, positions, cos_table, sin_table, k_caches[l], v_caches[l], slots, num_heads, num_kv_heads);
     at::Tensor out = at::empty({rows, num_heads, head_dim}, qkv.options());
     paged_attention(out, qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim}), k_caches[l], v_caches[l],
-                    block_tables, seq_lens, query_starts, block_size, scale);
+                    block_tables, seq_lens, query_starts, block_size, scale, windows[l]);
     x = project(out.view({rows, q_size}), weights, layout, l * PROJECTIONS + 1);
     std::tie(normed, summed) = rms_norm(x, norms[2 * l + 1], eps, residual);
     residual = summed;

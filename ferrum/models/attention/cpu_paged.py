@@ -5,7 +5,8 @@ writes k and v to their cache slots; `paged_attention` reads each sequence's key
 they lie, block by block through its block table, for decodes and prefills alike (a prefill's
 queries see the cached tokens before them and their own, causally). Nothing is gathered or copied
 per step: a step's inputs are its new tokens' positions and slots, and per sequence its block table,
-context length and first query row.
+context length and first query row. A layer with a sliding window reads only the keys inside it (the
+blocks before it may have been given back: their table entries are never read).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class CpuAttentionBatch:
         out = torch.empty(rows, heads, dim, dtype=qkv.dtype)
         torch.ops.ferrum_cpu.paged_attention(out, qkv[:, : layer.q_size].view(rows, heads, dim), cache[0], cache[1],
                                              self.block_tables, self.seq_lens, self.query_starts, self.block_size,
-                                             dim**-0.5)
+                                             dim**-0.5, layer.window or 0)
         return out.view(rows, layer.q_size)
 
 

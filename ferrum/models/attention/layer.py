@@ -27,12 +27,15 @@ class AttentionInputs(Protocol):
 
 class Attention(nn.Module):
     """`config` is this rank's (its share of the heads under tensor parallelism); `prefix` is the
-    module's path in the model ("layers.3.self_attn"), which names its projections' quantization."""
+    module's path in the model ("layers.3.self_attn"), which names its projections' quantization; `window`:
+    the layer's sliding window (a query sees itself and the window - 1 keys before it), None for the whole
+    context."""
 
     def __init__(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel, linears: LinearFactory | None = None,
-                 prefix: str = "self_attn") -> None:
+                 prefix: str = "self_attn", window: int | None = None) -> None:
         super().__init__()
         linears = linears or LinearFactory()
+        self.window = window
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim

@@ -72,7 +72,7 @@ class TritonAttentionBatch:
             out = paged_decode(
                 q, cache[0], cache[1], self.block_tables, self.context_lens, self.page, scale, self.decode_splits,
                 block_n=32 if self.decode_splits > 1 else 64,  # short slices: smaller steps (measured on an H100)
-                pdl=self.pdl, kv_scale=layer.kv_scale,
+                pdl=self.pdl, kv_scale=layer.kv_scale, window=layer.window,
             )
             return out.view(-1, layer.q_size)
         out = torch.zeros_like(q)  # rows padding the step stay zero
@@ -81,12 +81,12 @@ class TritonAttentionBatch:
             assert self.context_lens is not None
             paged_decode(
                 q[:n], cache[0], cache[1], self.block_tables[:n], self.context_lens, self.page, scale, 1, out=out[:n],
-                pdl=self.pdl, kv_scale=layer.kv_scale,
+                pdl=self.pdl, kv_scale=layer.kv_scale, window=layer.window,
             )
         if t is not None:
             paged_prefill(
                 q, cache[0], cache[1], self.block_tables, t.tile_seq, t.tile_m, t.q_start, t.q_len, t.past,
-                self.page, scale, out=out, kv_scale=layer.kv_scale,
+                self.page, scale, out=out, kv_scale=layer.kv_scale, window=layer.window,
             )
         return out.view(-1, layer.q_size)
 
