@@ -56,13 +56,27 @@ SHAPES: dict[str, dict] = {
         tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
         hidden_act="silu", attention_bias=False,
     ),
+    # mixtures of experts: every layer sparse
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, use_sliding_window=False,
+    ),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=32000, tie_word_embeddings=False, rope_theta=1000000.0,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, hidden_act="silu", sliding_window=None,
+    ),
 }
 
 SHARD_BYTES = 5 * 2**30
 
 
 def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    h, d = c["hidden_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
     for n in range(c["num_hidden_layers"]):
@@ -74,14 +88,30 @@ def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         }
-        if c["model_type"] == "qwen3":
+        shapes |= mlp_shapes(c, p)
+        if c["model_type"] in ("qwen3", "qwen3_moe"):
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], h)
+    return shapes
+
+
+def mlp_shapes(c: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP: a dense gated MLP, or a mixture's router and experts (their checkpoint names)."""
+    h, i = c["hidden_size"], c["intermediate_size"]
+    if c["model_type"] == "qwen3_moe":
+        e, i = c["num_experts"], c["moe_intermediate_size"]
+        block, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    elif c["model_type"] == "mixtral":
+        e, block, names = c["num_local_experts"], p + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        return {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i)}
+    shapes: dict[str, tuple[int, ...]] = {block + "gate.weight": (e, h)}
+    for n in range(e):
+        shapes |= {f"{block}experts.{n}.{names[0]}.weight": (i, h), f"{block}experts.{n}.{names[1]}.weight": (i, h),
+                   f"{block}experts.{n}.{names[2]}.weight": (h, i)}
     return shapes
 
 

@@ -4,11 +4,14 @@ Each forward pass of the engine (a step; a greedy burst's every decode iteration
 its FLOPs at the device's peak matmul rate or move its bytes at its copy bandwidth, whichever takes
 longer:
 
-    FLOPs  2 x the body's linear weights x the pass's tokens, 2 x the head x its sequences, and
+    FLOPs  2 x the body's linear weights a token uses x the pass's tokens (a mixture of experts' layer:
+           the router and its top k experts, the shared expert), 2 x the head x its sequences, and
            4 x num_heads x head_dim x layers for each cached key a token's attention reads (QK^T, PV)
     bytes  the weights one pass reads (as stored: quantized bytes where quantized; the head, not the
-           embedding table, which a pass reads a row of), each sequence's whole KV cache read once,
-           and the pass's new tokens' KV written
+           embedding table, which a pass reads a row of; of a mixture of experts' experts, those the
+           pass's tokens pick: with routing spread evenly, E (1 - (1 - k/E)^tokens) of the E per layer,
+           the expected number), each sequence's whole KV cache read once, and the pass's new tokens'
+           KV written
 
 The roofline is the sum over the passes of max(FLOPs / peak, bytes / bandwidth). Activations, norms,
 sampling and the host are left out: they are part of what the measured time spends above it. The
@@ -76,22 +79,44 @@ class ModelCost:
     linear_flops_per_token: float  # 2 x the body's linear weights
     head_flops_per_seq: float  # 2 x vocab x hidden
     attention_flops_per_key: float  # 4 x num_heads x head_dim x layers
-    weight_bytes_per_pass: float  # every weight a pass reads, as stored
+    weight_bytes_per_pass: float  # every weight a pass reads, as stored (a mixture's experts apart)
     kv_bytes_per_token: float  # k and v of every layer, every rank
+    expert_bytes: float = 0.0  # a mixture of experts: one expert's weights in every sparse layer
+    num_experts: int = 0
+    top_k: int = 0
+
+    def expert_bytes_read(self, tokens: int) -> float:
+        """The expected bytes of the experts a pass of `tokens` tokens picks (0 for a dense model)."""
+        if not self.num_experts:
+            return 0.0
+        return self.expert_bytes * self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** tokens)
 
     @classmethod
     def of(cls, config: ModelConfig, weight_bytes: int, embedding_itemsize: int, kv_bytes_per_token: int) -> ModelCost:
         """`weight_bytes`: the model's weights as stored, every rank summed; an untied embedding table
-        is taken out (a pass reads only its tokens' rows)."""
+        is taken out (a pass reads only its tokens' rows). A mixture's experts are in `embedding_itemsize`
+        (the serving dtype: they are not quantized)."""
         h, layers = config.hidden_size, config.num_layers
-        per_layer = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * config.intermediate_size
+        attention = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
+        moe = config.moe
+        sparse = len(moe.sparse_layers) if moe is not None else 0
+        linear = float(attention * layers + 3 * h * config.intermediate_size * (layers - sparse))
+        expert = 0.0
+        if moe is not None:
+            expert = 3.0 * h * moe.intermediate_size * sparse  # one expert, every sparse layer
+            linear += sparse * (h * moe.num_experts + 3 * h * moe.shared_intermediate_size) + moe.top_k * expert
         embedding = config.vocab_size * h * embedding_itemsize
+        experts_stored = expert * embedding_itemsize * (moe.num_experts if moe is not None else 0)
         return cls(
-            linear_flops_per_token=2.0 * per_layer * layers,
+            linear_flops_per_token=2.0 * linear,
             head_flops_per_seq=2.0 * config.vocab_size * h,
             attention_flops_per_key=4.0 * config.num_heads * config.head_dim * layers,
-            weight_bytes_per_pass=float(weight_bytes - (0 if config.tie_word_embeddings else embedding)),
+            weight_bytes_per_pass=float(weight_bytes - experts_stored
+                                        - (0 if config.tie_word_embeddings else embedding)),
             kv_bytes_per_token=float(kv_bytes_per_token),
+            expert_bytes=expert * embedding_itemsize,
+            num_experts=moe.num_experts if moe is not None else 0,
+            top_k=moe.top_k if moe is not None else 0,
         )
 
 
@@ -114,8 +139,8 @@ class Roofline:
             ahead = j * record.num_seqs
             flops = (c.linear_flops_per_token * record.num_tokens + c.head_flops_per_seq * record.num_seqs
                      + c.attention_flops_per_key * (record.attended_keys + ahead))
-            moved = c.weight_bytes_per_pass + c.kv_bytes_per_token * (record.cached_tokens + ahead
-                                                                      + 2 * record.num_tokens)
+            moved = (c.weight_bytes_per_pass + c.expert_bytes_read(record.num_tokens)
+                     + c.kv_bytes_per_token * (record.cached_tokens + ahead + 2 * record.num_tokens))
             t_flops, t_bytes = flops / self.peaks.matmul_flops, moved / self.peaks.bandwidth
             self.seconds += max(t_flops, t_bytes)
             self.by_kind[record.kind] = self.by_kind.get(record.kind, 0.0) + max(t_flops, t_bytes)

@@ -70,8 +70,7 @@ class GPUModelRunner:
         self.max_burst = 0
         if device.cuda_graphs and not config.enforce_eager:
             kernels = config.kernels
-            # the fused chain reads dense MLPs: a mixture of experts decodes through the model's forward
-            chained = kernels.fused_decode_rows and model.config.moe is None
+            chained = kernels.fused_decode_rows
             fused = FusedDecode(model, kernels, attention.pdl) if chained else None
             max_num_seqs = config.seqs_per_step
             self.graphs = DecodeGraphs(

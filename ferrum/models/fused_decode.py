@@ -1,7 +1,9 @@
 """GPU: the decode of a few rows (up to `KernelConfig.fused_decode_rows`) as a chain of fused
 matrix-vector kernels (ferrum.kernels.gemv), each projection with its neighbours fused in: the
 norm before it in its prologue, rope and the KV-cache write (q/k/v), or the residual add or
-silu * mul after it in its epilogue. At these batch sizes a step is a chain of weight reads, and
+silu * mul after it in its epilogue; a mixture of experts' layer takes the norm kernel, then its own
+kernels (ferrum.kernels.moe: the router's top k and the chosen experts' rows read per pair), then the
+residual add. At these batch sizes a step is a chain of weight reads, and
 these kernels read the weights faster than cuBLAS while launching a third as many kernels.
 Equal to the layered forward up to rounding order.
 
@@ -22,7 +24,7 @@ from torch import nn
 from ferrum.kernels.config import GemvTable, KernelConfig
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.layers.linear import gemv_weight
-from ferrum.models.layers.mlp import GatedMLP
+from ferrum.models.layers.moe import MoE
 from ferrum.models.layers.quantized_linear import QuantizedLinear
 from ferrum.models.llama import DecoderLayer
 
@@ -61,6 +63,7 @@ class FusedDecode:
         """The logits (float32) of decoding `input_ids` [M], as compute_logits(forward(...)); into
         `into` [M, vocab] when given."""
         from ferrum.kernels.gemv import gemv, qkv_rope_store
+        from ferrum.kernels.norm import rms_norm
 
         model, pdl = self.model, self.pdl
         tp = model.tp
@@ -72,7 +75,6 @@ class FusedDecode:
         for layer, cache in zip(model.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)  # (run while a graph is captured, not at its replays)
             attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, GatedMLP)  # a mixture of experts never takes the chain (gpu_runner)
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             w, table = self.weight(attn.qkv_proj)
             if attn.q_norm is None:  # rope and the cache write in the projection's epilogue
@@ -90,6 +92,9 @@ class FusedDecode:
             rows = None
             if split:
                 h = tp.all_reduce(h)
+            if isinstance(mlp, MoE):  # the norm, then the experts' kernels (summed across ranks), then the residual
+                h = mlp(rms_norm(h, norm2.weight, norm2.eps)[0]) + h
+                continue
             w, table = self.weight(mlp.gate_up_proj)
             act = gemv(h, w, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight, eps=norm2.eps, gated=True,
                        pdl=pdl)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from ferrum.bench.roofline import DevicePeaks, ModelCost, Roofline
 from ferrum.engine.observer import StepKind, StepRecord
-from ferrum.models.config import ModelConfig, RopeConfig
+from ferrum.models.config import ModelConfig, MoeConfig, RopeConfig
 
 
 def _config(tied: bool) -> ModelConfig:
@@ -53,3 +55,17 @@ def test_each_pass_takes_the_larger_of_its_flops_and_bytes() -> None:
     assert roofline.by_kind == pytest.approx({"prefill": max(prefill_flops, prefill_bytes) / 100,
                                               "burst": sum(burst) / 100})
     assert roofline.fraction(2 * roofline.seconds) == pytest.approx(0.5)
+
+
+def test_a_mixture_of_experts_counts_the_experts_its_tokens_pick() -> None:
+    """8 experts of 32, top 2, in both layers: a token's FLOPs are its router and 2 experts; a pass's bytes
+    are the rest of the weights plus the experts its tokens pick (expected, with routing spread evenly)."""
+    moe = MoeConfig(num_experts=32, top_k=2, intermediate_size=48, normalize=True, sparse_layers=(0, 1))
+    config = replace(_config(tied=True), moe=moe)
+    expert = 3 * 64 * 48 * 2  # one expert in both layers, elements
+    cost = ModelCost.of(config, weight_bytes=10_000_000, embedding_itemsize=2, kv_bytes_per_token=256)
+    attention = 64 * (64 + 2 * 32) + 64 * 64
+    assert cost.linear_flops_per_token == 2 * (2 * attention + 2 * 64 * 32 + 2 * expert)
+    assert cost.weight_bytes_per_pass == 10_000_000 - 32 * expert * 2
+    assert cost.expert_bytes_read(1) == pytest.approx(2 * expert * 2)  # one token: its 2 experts
+    assert cost.expert_bytes_read(10_000) == pytest.approx(32 * expert * 2)  # many: every expert once

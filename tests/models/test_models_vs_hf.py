@@ -116,7 +116,14 @@ def test_greedy_generation_matches_hf(pair) -> None:
 def test_fused_small_batch_decode_matches_hf(pair) -> None:
     """The few-row decode path (each projection one fused GEMV kernel, split attention), run in
     Triton's interpreter without a GPU: logits of two sequences over four steps against HF."""
-    hf, folder = pair
+    worst = fused_decode_error(pair[0], pair[1], steps=4)
+    print(f"max abs logit error {worst:.2e}")
+    assert worst < ATOL, f"max abs logit error {worst:.2e}"
+
+
+def fused_decode_error(hf, folder: Path, steps: int) -> float:
+    """The largest logit difference from HF's of two sequences decoded `steps` steps through the fused
+    decode chain (ferrum.models.fused_decode), after a prefill through the eager path."""
     ours, device = _ours(folder, "triton-eager")
     runner = make_runner(ours, device, 64, 8, enforce_eager=True)
     from ferrum.kernels.config import KernelConfig
@@ -128,7 +135,7 @@ def test_fused_small_batch_decode_matches_hf(pair) -> None:
     seqs = [_seq(i, torch.randint(0, 512, (n,), generator=g).tolist()) for i, n in enumerate((21, 9))]
     got = _run(runner, blocks, [(s, s.num_tokens) for s in seqs])  # prefill, eager path
     worst = 0.0
-    for _ in range(4):
+    for _ in range(steps):
         for s in seqs:
             s.output_token_ids.append(int(got[s.request_id].argmax()))
             blocks.grow(s, s.num_computed_tokens + 1)
@@ -149,5 +156,4 @@ def test_fused_small_batch_decode_matches_hf(pair) -> None:
             got[s.request_id] = row
             ref = _hf_logits(hf, s.prompt_token_ids + s.output_token_ids)[-1]
             worst = max(worst, (row - ref).abs().max().item())
-    print(f"max abs logit error {worst:.2e}")
-    assert worst < ATOL, f"max abs logit error {worst:.2e}"
+    return worst

@@ -22,6 +22,7 @@ from ferrum.models.layers.mlp import GatedMLP
 from ferrum.models.layers.moe import MoE
 from ferrum.models.layers.parallel import ShardingError
 from tests.engines import host_device, load_test_model, local_engine, make_runner
+from tests.models.test_models_vs_hf import fused_decode_error
 from tests.tiny_model import MOE_FAMILIES, save_hf_model, tiny_config
 from tests.triton_interpreter import gpu_path_device
 
@@ -72,6 +73,14 @@ def test_logits_match_hf_in_a_mixed_batch(pair, path: str) -> None:
     assert worst < ATOL
 
 
+def test_fused_decode_chain_matches_hf(pair) -> None:
+    """The GPU's few-row decode chain (interpreted without a GPU), each MoE layer through the norm kernel and
+    the experts' kernels per pair: two sequences over one step against HF."""
+    worst = fused_decode_error(pair[0], pair[1], steps=1)
+    print(f"{pair[1].name}: largest logit difference {worst:.2e}")
+    assert worst < ATOL
+
+
 def test_router_chooses_hfs_experts_with_hfs_weights(pair) -> None:
     hf, folder = pair
     ours = load_test_model(folder, host_device(), torch.float32)
@@ -104,17 +113,21 @@ def test_dense_layers_where_the_config_says(tmp_path: Path) -> None:
     assert [type(layer.mlp) for layer in ours.layers] == [MoE, GatedMLP, MoE]
 
 
-def test_greedy_outputs_match_hf_through_the_engine(pair) -> None:
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU's decode graphs and fused chain: needs CUDA"))])
+def test_greedy_outputs_match_hf_through_the_engine(pair, backend: str) -> None:
     """Two prompts sharing a 24-token prefix, one after the other: the second reads the first's cached
-    blocks (the prefix cache on)."""
+    blocks (the prefix cache on). On the GPU its decodes run in CUDA graphs, one row through the fused chain."""
     hf, folder = pair
-    engine = local_engine(folder, dtype="float32", max_model_len=128, kv_cache_memory_gb=0.01, block_size=8)
+    engine = local_engine(folder, backend=backend, dtype="float32", max_model_len=128, kv_cache_memory_gb=0.01,
+                          block_size=8, max_num_seqs=4)
     g = torch.Generator().manual_seed(9)
     prefix = torch.randint(0, 512, (24,), generator=g).tolist()
     prompts = [prefix + torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 11)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     got = [engine.generate([p], params)[0] for p in prompts]
     assert engine.stats().prefix_cache_hits > 0
+    engine.release()
     for prompt, tokens in zip(prompts, got, strict=True):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)

@@ -124,13 +124,18 @@ def _hf_last(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0, -1].float()
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's decode graphs and fused chain: needs CUDA")
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=GPU)])
 @pytest.mark.parametrize("model", ["mistral", "qwen2_upper"])
-def test_greedy_outputs_match_hf_through_the_engine(model: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_outputs_match_hf_through_the_engine(model: str, backend: str, request: pytest.FixtureRequest) -> None:
     """Three 100-token prompts, 100 tokens each, run together; two share their first 48 tokens (the prefix
     cache on). With a window on every layer a decoding sequence holds at most the window's blocks and one
     more; with a layer that sees everything it holds them all. max_model_len is the model's, not the window."""
     hf, folder = request.getfixturevalue(model)
-    engine = local_engine(folder, dtype="float32", kv_cache_memory_gb=0.01, block_size=BLOCK)
+    engine = local_engine(folder, backend=backend, dtype="float32", kv_cache_memory_gb=0.01, block_size=BLOCK,
+                          max_num_seqs=4)
     assert engine.max_model_len == 256
     shared = _prompt(48, 3)
     prompts = [shared + _prompt(52, 4), _prompt(100, 5), shared + _prompt(52, 6)]
@@ -154,3 +159,4 @@ def test_greedy_outputs_match_hf_through_the_engine(model: str, request: pytest.
         for _ in range(100):
             tokens.append(int(_hf_last(hf, tokens).argmax()))
         assert got[str(i)] == tokens[len(prompt) :], i
+    engine.release()

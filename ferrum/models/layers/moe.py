@@ -7,11 +7,16 @@ are stacked, expert after expert, in two parameters that the checkpoint's per-ex
     experts_gate_up   [E * 2I, H]   expert e's gate rows e*2I .. e*2I+I, its up rows after them
     experts_down      [E * H, I]    expert e's rows e*H .. (e+1)*H
 
-The forward groups the step's tokens by expert and runs each chosen expert once over its tokens (the
-plain path: correct on every device, its speed not a target yet). A CUDA graph cannot hold that
-data-dependent grouping, so while one is captured every expert runs over every token, weighted by zero
-where not chosen: the same sums, E/k times the arithmetic. A shared expert (Qwen2-MoE) runs on every
-token, scaled by sigmoid of its gate.
+How the experts compute is chosen once from the layer ops (`ExpertsMethod`):
+
+    plain     (the CPU, any device without Triton) the step's tokens grouped by expert in PyTorch, each
+              chosen expert run once over its tokens: correct everywhere, its speed not a target
+    triton    (GPUs; Triton's interpreter in tests) ferrum.kernels.moe: the router's top k in one
+              kernel, then the experts' products reading only the chosen experts' rows (per pair at
+              decode sizes, grouped by expert for larger steps), every shape static, so decode steps
+              stay inside their CUDA graphs
+
+A shared expert (Qwen2-MoE) runs on every token, scaled by sigmoid of its gate.
 
 Under tensor parallelism (`tp`) each rank holds every expert's share of the intermediate dimension (and
 of the shared expert's): the router runs whole on every rank (the same choices), each rank's experts give
@@ -19,6 +24,8 @@ partial sums, and one all-reduce adds them, the shared expert's included.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,36 @@ from ferrum.models.layers.linear import LinearFactory
 from ferrum.models.layers.mlp import GatedMLP
 from ferrum.models.layers.ops import LayerOps
 from ferrum.models.layers.parallel import TensorParallel
+
+
+class ExpertsMethod(Protocol):
+    def __call__(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each token of x [T, H] (this rank's part under tensor
+        parallelism, before the all-reduce), in x's dtype."""
+        ...
+
+
+def plain_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    chosen, weights = moe.route(x)
+    out = torch.zeros_like(x)
+    for e in torch.unique(chosen).tolist():
+        tokens, slot = torch.where(chosen == e)
+        y = moe.expert(e, x[tokens]) * weights[tokens, slot, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def triton_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    from ferrum.kernels import moe as kernels
+
+    config = moe.moe
+    chosen, weights = kernels.route(x, moe.gate.weight, config.top_k, config.normalize)
+    return kernels.experts(x, chosen, weights, moe.experts_gate_up, moe.experts_down, config.num_experts)
+
+
+def experts_method(ops: LayerOps) -> ExpertsMethod:
+    """The Triton kernels where the layer ops are Triton's (the device compiles them), else the plain path."""
+    return triton_experts if ops.name == "triton" else plain_experts
 
 
 class MoE(nn.Module):
@@ -43,6 +80,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden, e, bias=False)  # the router (its checkpoint name)
         self.experts_gate_up = nn.Parameter(torch.empty(e * 2 * i, hidden), requires_grad=False)
         self.experts_down = nn.Parameter(torch.empty(e * hidden, i), requires_grad=False)
+        self.compute: ExpertsMethod = experts_method(ops)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_intermediate_size:
@@ -58,24 +96,15 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return chosen, weights.to(x.dtype)
 
-    def _expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's gated MLP of x [T, H]."""
         i, h = self.moe.intermediate_size, self.hidden
         gate_up = self.experts_gate_up.view(self.moe.num_experts, 2 * i, h)[e]
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.experts_down.view(self.moe.num_experts, h, i)[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        chosen, weights = self.route(x)
-        out = torch.zeros_like(x)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph holds no data-dependent shapes
-            for e in range(self.moe.num_experts):
-                w = (weights * (chosen == e)).sum(dim=-1, keepdim=True)
-                out += self._expert(e, x) * w
-        else:
-            for e in torch.unique(chosen).tolist():
-                tokens, slot = torch.where(chosen == e)
-                y = self._expert(e, x[tokens]) * weights[tokens, slot, None]
-                out.index_add_(0, tokens, y.to(out.dtype))
+        out = self.compute(self, x)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)

@@ -1,0 +1,266 @@
+"""Mixtures of experts on the GPU: the router's top k and the experts' products over stacked weights.
+
+The experts' weights are stacked expert after expert: gate_up [E * 2I, H] (expert e's I gate rows, then
+its I up rows), down [E * H, I]. A step's T tokens each pick k experts: P = T * k (token, expert) pairs,
+pair p = t * k + j. Every shape here depends on T and k only, never on which experts were picked, so a
+decode step's MoE layers run inside its CUDA graph.
+
+    route      one kernel a tile of tokens: float32 logits against the router's weight (read as
+               stored, widened in registers), softmax, the top k by repeated arg-max (the first index
+               of a tie), renormalised where the model says
+    per pair   decode-sized steps (few pairs an expert): a matrix-vector program per (pair, slice of
+               outputs) reading only its expert's rows, through the dense GEMV's products
+               (ferrum.kernels.gemv), so any storage that reads (bf16; int8, fp8, int4 planes) serves:
+               gate/up with silu(gate) * up, then down times the pair's weight
+    grouped    larger steps: the pairs sorted by expert on the device (`align`), each expert's pairs
+               in blocks of BLOCK_M rows, one tensor-core product per (block, slice of outputs), the
+               expert's weight slice read once per block
+    combine    each token's k weighted outputs summed in float32, rounded once to the activations' dtype
+
+The routing weights are rounded to the activations' dtype before they multiply (as HF rounds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrum.kernels.config import GemvTable
+from ferrum.kernels.gemv import MAGIC, _products, kernel_weight, slicing
+from ferrum.kernels.quant_weight import QuantWeight
+
+PER_PAIR_MAX_ROWS = 16  # the most tokens a step may have for the per-pair products
+
+
+@triton.jit
+def _route_kernel(X: tl.tensor, W: tl.tensor, CHOSEN: tl.tensor, WEIGHTS: tl.tensor, T: tl.tensor, E: tl.tensor,
+                  H: tl.tensor, stride_x: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr,
+                  NORMALIZE: tl.constexpr) -> None:
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    cols = tl.arange(0, BLOCK_E)
+    emask = cols < E
+    logits = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < H
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(W + cols[None, :] * H + k[:, None], mask=kmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+        logits = tl.dot(x, w, logits, input_precision="ieee")
+    logits = tl.where(emask[None, :], logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    slots = tl.arange(0, BLOCK_TOP)
+    top = tl.zeros([BLOCK_T, BLOCK_TOP], tl.float32)
+    which = tl.zeros([BLOCK_T, BLOCK_TOP], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        index = tl.min(tl.where(p == best[:, None], cols[None, :], BLOCK_E), axis=1)  # the first of a tie
+        top = tl.where(slots[None, :] == j, best[:, None], top)
+        which = tl.where(slots[None, :] == j, index[:, None], which)
+        p = tl.where(cols[None, :] == index[:, None], -1.0, p)
+    if NORMALIZE:
+        top = top / tl.sum(top, axis=1)[:, None]
+    out = rows[:, None] * TOP_K + slots[None, :]
+    smask = rmask[:, None] & (slots < TOP_K)[None, :]
+    tl.store(CHOSEN + out, which, mask=smask)
+    tl.store(WEIGHTS + out, top, mask=smask)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], the router's weight [E, H] (any float dtype) -> chosen experts [T, k] int32 and their
+    softmax weights [T, k] float32 (renormalised over the chosen when `normalize`)."""
+    tokens, hidden = x.shape
+    experts = weight.shape[0]
+    assert weight.shape[1] == hidden and weight.is_contiguous() and x.stride(1) == 1
+    chosen = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    block_t = 16
+    block_e = max(16, triton.next_power_of_2(experts))
+    _route_kernel[(triton.cdiv(tokens, block_t),)](
+        x, weight, chosen, weights, tokens, experts, hidden, x.stride(0),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=max(16, min(64, 8192 // block_e)), TOP_K=top_k,
+        BLOCK_TOP=max(2, triton.next_power_of_2(top_k)), NORMALIZE=normalize, num_warps=4,
+    )
+    return chosen, weights
+
+
+@triton.jit
+def _pair_gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, CHOSEN: tl.tensor,
+                      RW: tl.tensor, N: tl.tensor, K: tl.tensor, rows_e: tl.tensor, stride_xm: tl.tensor,
+                      stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor, magic: tl.tensor,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                      WEIGHTED: tl.constexpr, X_BY_PAIR: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr,
+                      GROUP: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr) -> None:
+    """One program per (pair, BLOCK_N outputs): its expert's rows (`rows_e` a expert) times its token's
+    row of X (X_BY_PAIR: the pair's own row); GATED: silu(gate) * up of the expert's gate rows n and up
+    rows N + n; WEIGHTED: times the pair's routing weight."""
+    act_ty = X.dtype.element_ty
+    pair = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    expert = tl.load(CHOSEN + pair).to(tl.int64)
+    first = expert * rows_e  # the expert's first row of the stack
+    one = tl.arange(0, 1)
+    if X_BY_PAIR:
+        xrows = (one + pair).to(tl.int64)
+    else:
+        xrows = (one + pair // TOP_K).to(tl.int64)
+    acc, acc2 = _products(X, W + first * stride_wn, S + first * stride_sn, Z + first * stride_sn, X, n, n + N, nmask,
+                          xrows, one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1, BLOCK_N, BLOCK_K, False,
+                          GATED, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM)
+    y = acc.to(act_ty).to(tl.float32)  # [1, BLOCK_N]
+    if GATED:
+        up = acc2.to(act_ty).to(tl.float32)
+        y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
+    if WEIGHTED:
+        y = y.to(act_ty).to(tl.float32) * tl.load(RW + pair).to(act_ty).to(tl.float32)
+    tl.store(OUT + pair * stride_om + n[None, :], y.to(OUT.dtype.element_ty), mask=nmask[None, :])
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """The step's pairs sorted by expert, each expert's in blocks of `block_m` (`align`)."""
+
+    order: torch.Tensor  # [P] int32: pair ids, by expert
+    counts: torch.Tensor  # [E] int64: pairs each expert has
+    pair_start: torch.Tensor  # [E] int64: where each expert's pairs start in `order`
+    block_start: torch.Tensor  # [E] int64: each expert's first block
+    block_expert: torch.Tensor  # [max_blocks] int64: each block's expert (E: a block past the last)
+    block_m: int
+
+
+def align(chosen: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sorts the pairs of `chosen` [T, k] by expert with device ops of static shapes (no host sync):
+    expert e's pairs fill ceil(count_e / block_m) blocks; there are at most P / block_m + min(E, P)."""
+    flat = chosen.reshape(-1).long()
+    pairs = flat.shape[0]
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    max_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=flat.device), right=True)
+    return Alignment(order, counts, torch.cumsum(counts, 0) - counts, block_end - blocks, block_expert, block_m)
+
+
+@triton.jit
+def _grouped_kernel(X: tl.tensor, W: tl.tensor, OUT: tl.tensor, RW: tl.tensor, ORDER: tl.tensor, COUNTS: tl.tensor,
+                    PAIR_START: tl.tensor, BLOCK_START: tl.tensor, BLOCK_EXPERT: tl.tensor, E: tl.tensor,
+                    N: tl.tensor, K: tl.tensor, rows_e: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
+                    stride_om: tl.tensor, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, X_BY_PAIR: tl.constexpr,
+                    PRECISION: tl.constexpr) -> None:
+    """One program per (block of one expert's pairs, BLOCK_N outputs); GATED, WEIGHTED, X_BY_PAIR as in
+    _pair_gemv_kernel. Blocks past the last expert's return at once."""
+    act_ty = X.dtype.element_ty
+    block = tl.program_id(0)
+    expert = tl.load(BLOCK_EXPERT + block)
+    if expert >= E:
+        return
+    local = (block - tl.load(BLOCK_START + expert)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = local < tl.load(COUNTS + expert)
+    pair = tl.load(ORDER + tl.load(PAIR_START + expert) + local, mask=valid, other=0)
+    if X_BY_PAIR:
+        xrow = pair.to(tl.int64)
+    else:
+        xrow = (pair // TOP_K).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    w_cols = W + (expert.to(tl.int64) * rows_e + n)[None, :] * stride_wn  # [1, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(X + xrow[:, None] * stride_xm + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if GATED:
+            w2 = tl.load(w_cols + N * stride_wn + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc2 = tl.dot(x, w2, acc2, input_precision=PRECISION)
+    y = acc.to(act_ty).to(tl.float32)
+    if GATED:
+        up = acc2.to(act_ty).to(tl.float32)
+        y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
+    if WEIGHTED:
+        y = y.to(act_ty).to(tl.float32) * tl.load(RW + pair, mask=valid, other=0.0).to(act_ty).to(tl.float32)[:, None]
+    tl.store(OUT + pair[:, None].to(tl.int64) * stride_om + n[None, :], y.to(OUT.dtype.element_ty),
+             mask=valid[:, None] & nmask[None, :])
+
+
+@dataclass(frozen=True)
+class GroupedTiles:
+    """The grouped products' tiling."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def grouped_tiles(pairs: int, num_experts: int) -> GroupedTiles:
+    """16-row blocks while an expert has few pairs, 64 once most have many."""
+    if pairs >= 16 * num_experts:
+        return GroupedTiles(64, 128, 64, 8, 3)
+    return GroupedTiles(16, 64, 64, 4, 3)
+
+
+def _dot_precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
+            down: torch.Tensor | QuantWeight, num_experts: int, table: GemvTable | None = None,
+            per_pair: bool | None = None) -> torch.Tensor:
+    """The experts' weighted sum for each token of x [T, H]: chosen / weights [T, k] from `route`,
+    gate_up [E * 2I, H] and down [E * H, I] stacked (tensors in x's dtype, or QuantWeights of the stacks
+    for the per-pair products). `per_pair`: force one way (None: per pair while the pairs are few against
+    the experts, or the weights are quantized). Returns [T, H] in x's dtype."""
+    tokens, hidden = x.shape
+    top_k = chosen.shape[1]
+    pairs = tokens * top_k
+    gu, dn = kernel_weight(gate_up), kernel_weight(down)
+    inter = gu.out_rows // (2 * num_experts)
+    assert gu.in_features == hidden and dn.out_rows == num_experts * hidden and dn.in_features == inter
+    quantized = isinstance(gate_up, QuantWeight) or isinstance(down, QuantWeight)
+    if per_pair is None:
+        per_pair = quantized or (tokens <= PER_PAIR_MAX_ROWS and 2 * pairs <= num_experts)
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    if per_pair:
+        table = table or GemvTable()
+        for kw, src, dst, rows_e, gated in ((gu, x, act, 2 * inter, True), (dn, act, out, hidden, False)):
+            n = rows_e // 2 if gated else rows_e
+            cfg = slicing(kw.in_features, 1, table, min_k=kw.planes)
+            kw.check_slice(cfg.block_k)
+            _pair_gemv_kernel[(pairs, triton.cdiv(n, cfg.block_n))](
+                src, kw.data, kw.scale, kw.zero, dst, chosen, weights, n, kw.in_features, rows_e, src.stride(0),
+                kw.stride_wn, kw.stride_sn, dst.stride(0), MAGIC,
+                TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, WEIGHTED=not gated,
+                X_BY_PAIR=not gated, WHOLE_K=cfg.block_k >= kw.in_features, QUANT=kw.quant, GROUP=kw.group,
+                PLANES=kw.planes, ASM=kw.data.is_cuda, num_warps=cfg.num_warps, num_stages=2,
+            )
+    else:
+        if quantized:
+            raise ValueError("the grouped expert products take weights in the activations' dtype")
+        tiles = grouped_tiles(pairs, num_experts)
+        aligned = align(chosen, num_experts, tiles.block_m)
+        for w, src, dst, rows_e, gated in ((gate_up, x, act, 2 * inter, True), (down, act, out, hidden, False)):
+            assert isinstance(w, torch.Tensor)
+            n = rows_e // 2 if gated else rows_e
+            _grouped_kernel[(aligned.block_expert.shape[0], triton.cdiv(n, tiles.block_n))](
+                src, w, dst, weights, aligned.order, aligned.counts, aligned.pair_start, aligned.block_start,
+                aligned.block_expert, num_experts, n, w.shape[1], rows_e, src.stride(0), w.stride(0), dst.stride(0),
+                TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GATED=gated,
+                WEIGHTED=not gated, X_BY_PAIR=not gated, PRECISION=_dot_precision(x),
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            )
+    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

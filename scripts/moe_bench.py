@@ -1,0 +1,237 @@
+"""Mixtures of experts on one GPU: the expert kernels against the bytes they must read, and the
+Qwen3-30B-A3B shape served end to end against its active-weight floor. Prints the GPU, then a table.
+
+    python scripts/moe_bench.py --phases kernels,decode,offline --ckpt /dev/shm/ckpt --out DIR
+
+kernels   one MoE layer of each shape (Qwen3-30B-A3B: 128 experts of 768, top 8, hidden 2048;
+          Mixtral-8x7B: 8 of 14336, top 2, hidden 4096), bf16, T tokens with random distinct experts: the
+          router kernel, the per-pair and grouped expert products (each replayed in a CUDA graph), against
+          the bytes of the experts the T tokens pick at the measured copy bandwidth; beside them the plain
+          path (each chosen expert's matmuls, eager) and what a CUDA graph ran before the kernels (every
+          expert over every token)
+decode    the Qwen3-30B-A3B random checkpoint (written tiled into --ckpt, a tmpfs): batch-1 ms/token
+          against its active-weight floor (attention, router, 8 experts, norms and the head a token
+          reads), and the decode step at batch 16 and 64 against the bytes of the experts they pick
+offline   `ferrum bench offline` on it (256 requests, 100-1024 in and out), with its roofline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_suite import RESULTS, gpu_engine, print_results, record  # noqa: E402
+
+from ferrum.bench.roofline import measure_peaks  # noqa: E402
+
+LAYERS = {  # (experts, top k, hidden, each expert's intermediate)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+
+
+def graph_time(fn: Callable[[], object], repeats: int = 20, replays: int = 20) -> float:
+    """Seconds per call of `fn`, captured `repeats` times in one CUDA graph, replayed `replays` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * repeats)
+
+
+def eager_time(fn: Callable[[], object], repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats
+
+
+def phase_kernels(args, bandwidth: float) -> None:
+    for shape, (experts, top_k, hidden, inter) in LAYERS.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        stacks = ((0.02 * torch.randn(experts * 2 * inter, hidden, device="cuda", generator=gen)).bfloat16(),
+                  (0.02 * torch.randn(experts * hidden, inter, device="cuda", generator=gen)).bfloat16(),
+                  (0.02 * torch.randn(experts, hidden, device="cuda", generator=gen)).bfloat16())
+        for tokens in (1, 4, 16, 64, 256):
+            bench_layer(shape, stacks, top_k, tokens, bandwidth, gen)
+        del stacks
+        torch.cuda.empty_cache()
+
+
+def bench_layer(shape: str, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k: int, tokens: int,
+                bandwidth: float, gen: torch.Generator) -> None:
+    """One MoE layer's kernels for `tokens` tokens; stacks: gate_up, down and the router's weight."""
+    from ferrum.kernels import moe
+
+    gate_up, down, router = stacks
+    experts, hidden = router.shape
+    inter = down.shape[1]
+    stack_gu, stack_dn = gate_up.view(experts, 2 * inter, hidden), down.view(experts, hidden, inter)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    chosen = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
+    floor = len(set(chosen.flatten().tolist())) * 3 * hidden * inter * 2 / bandwidth
+    t = graph_time(lambda: moe.route(x, router, top_k, True))
+    record("kernels", f"{shape} T={tokens} route", round(t * 1e6, 1), "us")
+    for per_pair in (True, False):
+        if per_pair and tokens > moe.PER_PAIR_MAX_ROWS:
+            continue
+        t = graph_time(partial(moe.experts, x, chosen, weights, gate_up, down, experts, per_pair=per_pair))
+        record("kernels", f"{shape} T={tokens} experts {'per pair' if per_pair else 'grouped'}", round(t * 1e6, 1),
+               "us", f"floor {floor * 1e6:.1f} us -> {floor / t:.1%} of floor")
+    if tokens > 16:
+        return
+
+    def plain() -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = torch.where(chosen == e)
+            g, u = torch.nn.functional.linear(x[rows], stack_gu[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, stack_dn[e])
+            out.index_add_(0, rows, y * weights[rows, slot, None].bfloat16())
+        return out
+
+    t = eager_time(plain)
+    record("kernels", f"{shape} T={tokens} plain path (eager)", round(t * 1e6, 1), "us", f"{floor / t:.1%} of floor")
+    if tokens == 1:
+        def every_expert() -> torch.Tensor:
+            g, u = torch.einsum("th,enh->ten", x, stack_gu).chunk(2, dim=-1)
+            return torch.einsum("tei,ehi->th", torch.nn.functional.silu(g) * u, stack_dn)
+
+        t = graph_time(every_expert, repeats=5, replays=5)
+        record("kernels", f"{shape} T=1 every expert (the old graph path)", round(t * 1e6, 1), "us",
+               f"{floor / t:.1%} of floor")
+
+
+def checkpoint(root: Path) -> Path:
+    out = root / "qwen3-30b-a3b"
+    if not (out / "config.json").exists():
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", "qwen3-30b-a3b",
+                        "--out", str(out), "--tiled", "--workers", "8"], check=True)
+        record("decode", "qwen3-30b-a3b checkpoint written (tiled)", round(time.perf_counter() - started, 1), "s")
+    return out
+
+
+def active_bytes_per_token(folder: Path) -> float:
+    """The weight bytes one decode token reads: everything but the embedding table and the experts, plus
+    top_k experts of every sparse layer (bf16)."""
+    c = json.loads((folder / "config.json").read_text())
+    h, layers, d = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    attention = h * (q + 2 * kv) + q * h + 2 * d  # q/k norms
+    per_layer = attention + 2 * h + c["num_experts"] * h + c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    return 2.0 * (layers * per_layer + h + c["vocab_size"] * h)
+
+
+def step_time(engine, batch: int, prompt_len: int = 128, new_tokens: int = 64) -> float:
+    """Seconds per decode iteration of `batch` greedy requests decoding together (after their prefill)."""
+    from ferrum.engine.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(batch)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"s{batch}-{i}", torch.randint(0, vocab - 2, (prompt_len,), generator=gen).tolist(), params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.sequences.values()):
+        engine.step()
+    engine.device.runtime.synchronize()
+    started, tokens = time.perf_counter(), 0
+    while engine.has_work:
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    return (time.perf_counter() - started) / (tokens / batch)
+
+
+def phase_decode(args, bandwidth: float) -> None:
+    from gpu_suite import batch1_per_token
+
+    folder = checkpoint(args.ckpt)
+    floor = active_bytes_per_token(folder) / bandwidth
+    started = time.perf_counter()
+    engine = gpu_engine(folder, max_num_seqs=64, max_model_len=2048)
+    record("decode", "qwen3-30b-a3b engine ready", round(time.perf_counter() - started, 1), "s")
+    experts, top_k, hidden, inter = LAYERS["qwen3-30b-a3b"]
+    expert_bytes = 3 * hidden * inter * 2 * 48
+    base = active_bytes_per_token(folder) - top_k * expert_bytes
+    for batch in (16, 64):
+        t = step_time(engine, batch)
+        touched = experts * (1 - (1 - top_k / experts) ** batch)  # expected distinct experts a layer
+        step_floor = (base + touched * expert_bytes) / bandwidth
+        record("decode", f"qwen3-30b-a3b decode step, batch {batch}", round(t * 1e3, 3), "ms",
+               f"floor {step_floor * 1e3:.3f} ms ({touched:.0f} experts a layer) -> {step_floor / t:.1%}")
+    per_token = batch1_per_token(engine)
+    record("decode", "qwen3-30b-a3b batch-1 ms/token", round(per_token * 1e3, 3), "ms",
+           f"active floor {floor * 1e3:.3f} ms ({active_bytes_per_token(folder) / 1e9:.2f} GB) -> "
+           f"{floor / per_token:.1%} of floor")
+
+
+def phase_offline(args) -> None:
+    folder = checkpoint(args.ckpt)
+    out = args.out / "offline-qwen3-30b-a3b.json"
+    done = subprocess.run([sys.executable, "-m", "ferrum.cli", "bench", "offline", "--model", str(folder),
+                           "--max-model-len", "2048", "--num-prompts", "256", "--output-json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    print(done.stdout[-3000:], done.stderr[-2000:])
+    if done.returncode or not out.exists():
+        record("offline", "qwen3-30b-a3b", "failed", note=done.stderr[-600:])
+        return
+    res = json.loads(out.read_text())
+    r = res["roofline"]
+    record("offline", "qwen3-30b-a3b bench offline", round(res["output_tokens_per_s"]), "output tok/s",
+           f"{res['elapsed_s']:.1f}s; roofline {r['seconds']:.1f}s = {r['fraction']:.1%} "
+           f"({r['compute_bound_passes']}/{r['passes']} passes compute-bound); KV {res['kv_cache_tokens']} tokens")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phases", default="kernels,decode,offline")
+    parser.add_argument("--ckpt", type=Path, default=Path("/dev/shm/ckpt"))
+    parser.add_argument("--out", type=Path, default=Path("moe-bench"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    print(f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}", flush=True)
+    peaks = measure_peaks(torch.device("cuda"), torch.bfloat16)
+    record("env", "peaks", peaks.describe())
+    phases = {"kernels": lambda: phase_kernels(args, peaks.bandwidth),
+              "decode": lambda: phase_decode(args, peaks.bandwidth), "offline": lambda: phase_offline(args)}
+    for phase in args.phases.split(","):
+        try:
+            phases[phase]()
+        except Exception as e:  # noqa: BLE001  (one phase's failure is recorded; the others still run)
+            record(phase, "failed", repr(e)[-500:])
+        print_results(args.out / "moe_bench.json")
+    assert RESULTS
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The mixture-of-experts kernels (ferrum.kernels.moe) against plain PyTorch: the router's top k against
+softmax + topk in float32, and the experts' weighted sums, per pair and grouped by expert, in the
+activations' dtype and with quantized expert stacks (int8, fp8, int4 planes), against the same experts run
+one by one over the dequantized weights in float64.
+
+Interpreted by Triton on machines without CUDA (fp16 there: numpy has no bf16), compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum.kernels.config import GemvTable
+from tests.kernels.test_quant_kernels import quantized
+from tests.triton_interpreter import ON_GPU, use_interpreter
+
+use_interpreter()
+from ferrum.kernels import moe  # noqa: E402  (after the interpreter is chosen)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPE = torch.bfloat16 if ON_GPU else torch.float16
+TABLE = GemvTable(features_per_program=8)  # the per-pair products: fewer programs to interpret
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm())
+
+
+def reference(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each token's chosen experts one by one, float64."""
+    hidden = x.shape[1]
+    inter = down.shape[1]
+    gu = gate_up.double().view(experts, 2 * inter, hidden)
+    dn = down.double().view(experts, hidden, inter)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(chosen[t].tolist()):
+            gate, up = (gu[e] @ x[t].double()).chunk(2)
+            out[t] += float(weights[t, j]) * (dn[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize(("experts", "top_k", "normalize"), [(8, 2, True), (4, 2, False), (40, 6, True)])
+def test_route_picks_the_top_k_of_the_softmax(experts: int, top_k: int, normalize: bool) -> None:
+    gen = torch.Generator().manual_seed(experts)
+    x = torch.randn(37, 96, generator=gen).to(DTYPE)
+    w = (torch.randn(experts, 96, generator=gen) / 4).to(DTYPE)
+    chosen, weights = moe.route(x.to(DEVICE), w.to(DEVICE), top_k, normalize)
+    probs = torch.softmax(x.double() @ w.double().T, dim=-1)
+    want_w, want = probs.topk(top_k, dim=-1)
+    if normalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert chosen.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(chosen.cpu().long(), want)  # (random scores: no near-ties at this size)
+    torch.testing.assert_close(weights.cpu().double(), want_w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("tokens", "per_pair"), [(1, True), (5, True), (1, False), (5, False), (40, False)])
+def test_experts_match_one_by_one(tokens: int, per_pair: bool) -> None:
+    """Mixtral-like 8 experts top 2 and the dims not powers of two; the grouped path's blocks of 16 and of
+    64 rows (40 tokens: 80 pairs, 10 an expert on average, some experts none)."""
+    gen = torch.Generator().manual_seed(tokens)
+    experts, top_k, hidden, inter = 8, 2, 96, 40
+    x = torch.randn(tokens, hidden, generator=gen).to(DTYPE)
+    gate_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) / 8).to(DTYPE)
+    down = (torch.randn(experts * hidden, inter, generator=gen) / 6).to(DTYPE)
+    chosen = torch.stack([torch.randperm(experts - 2, generator=gen)[:top_k] for _ in range(tokens)]).int()  # 6, 7 idle
+    weights = torch.rand(tokens, top_k, generator=gen)
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+    out = moe.experts(d(x), d(chosen), d(weights), d(gate_up), d(down), experts, TABLE, per_pair=per_pair)
+    assert out.shape == (tokens, hidden) and out.dtype == DTYPE
+    assert rel_err(out, reference(x, chosen, weights.to(DTYPE), gate_up, down, experts)) < 1e-2
+
+
+def test_float32_experts_are_exact_to_float32() -> None:
+    gen = torch.Generator().manual_seed(3)
+    experts, top_k, hidden, inter = 4, 2, 64, 32
+    x = torch.randn(6, hidden, generator=gen)
+    gate_up = torch.randn(experts * 2 * inter, hidden, generator=gen) / 8
+    down = torch.randn(experts * hidden, inter, generator=gen) / 6
+    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(6)]).int()
+    weights = torch.rand(6, top_k, generator=gen)
+    want = reference(x, chosen, weights, gate_up, down, experts)
+    for per_pair in (True, False):
+        out = moe.experts(x.to(DEVICE), chosen.to(DEVICE), weights.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE),
+                          experts, TABLE, per_pair=per_pair)
+        assert rel_err(out, want) < 1e-5
+
+
+def test_alignment_covers_every_pair_once() -> None:
+    chosen = torch.tensor([[3, 1], [3, 0], [1, 3], [2, 3], [3, 1]], dtype=torch.int32)
+    a = moe.align(chosen.to(DEVICE), 5, 2)
+    assert a.counts.tolist() == [1, 3, 1, 5, 0]
+    assert a.block_start.tolist() == [0, 1, 3, 4, 7]
+    assert a.block_expert.tolist()[:7] == [0, 1, 1, 2, 3, 3, 3] and set(a.block_expert.tolist()[7:]) == {5}
+    flat = chosen.flatten().tolist()
+    order = a.order.tolist()
+    assert sorted(order) == list(range(10)) and [flat[p] for p in order] == sorted(flat)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+def test_quantized_experts_per_pair(kind: str) -> None:
+    """The stacks quantized row by row (int4 in groups of 32 along K): the per-pair products read each
+    expert's rows of the storage; against the dequantized stacks."""
+    gen = torch.Generator().manual_seed(7)
+    experts, top_k, hidden, inter = 6, 2, 64, 32
+    x = torch.randn(3, hidden, generator=gen).to(DTYPE)
+    gate_up, gate_up_ref = quantized((torch.randn(experts * 2 * inter, hidden, generator=gen) / 8).to(DTYPE), kind)
+    down, down_ref = quantized((torch.randn(experts * hidden, inter, generator=gen) / 6).to(DTYPE), kind)
+    chosen = torch.tensor([[5, 0], [2, 3], [0, 5]], dtype=torch.int32)
+    weights = torch.rand(3, top_k, generator=gen)
+    out = moe.experts(x.to(DEVICE), chosen.to(DEVICE), weights.to(DEVICE), gate_up, down, experts, TABLE)
+    assert rel_err(out, reference(x, chosen, weights.to(DTYPE), gate_up_ref, down_ref, experts)) < 1e-2
+    with pytest.raises(ValueError, match="grouped expert products take weights in the activations' dtype"):
+        moe.experts(x.to(DEVICE), chosen.to(DEVICE), weights.to(DEVICE), gate_up, down, experts, per_pair=False)
