@@ -17,6 +17,7 @@ from ferrum.engine.builder import create_engine
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.sampling_params import SamplingParams
+from ferrum.models.layers.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,9 @@ def _roofline(engine: LLMEngine) -> Roofline:
     if engine.device.kind == "cuda":
         torch.cuda.empty_cache()  # the measurement's buffers go back to the device
     peaks = type(peaks)(peaks.matmul_flops * ranks, peaks.bandwidth * ranks)
+    experts = sum(m.stack_bytes for m in engine.model.modules() if isinstance(m, MoE)) * ranks  # equal shares
     cost = ModelCost.of(engine.model_config, sum(r.nbytes for r in engine.rank_reports), engine.dtype.itemsize,
-                        engine.layout.bytes_per_token * ranks)
+                        engine.layout.bytes_per_token * ranks, experts if engine.model_config.moe else None)
     return Roofline(cost, peaks)
 
 

@@ -92,10 +92,11 @@ class ModelCost:
         return self.expert_bytes * self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** tokens)
 
     @classmethod
-    def of(cls, config: ModelConfig, weight_bytes: int, embedding_itemsize: int, kv_bytes_per_token: int) -> ModelCost:
+    def of(cls, config: ModelConfig, weight_bytes: int, embedding_itemsize: int, kv_bytes_per_token: int,
+           experts_bytes: int | None = None) -> ModelCost:
         """`weight_bytes`: the model's weights as stored, every rank summed; an untied embedding table
-        is taken out (a pass reads only its tokens' rows). A mixture's experts are in `embedding_itemsize`
-        (the serving dtype: they are not quantized)."""
+        is taken out (a pass reads only its tokens' rows). `experts_bytes`: a mixture's expert stacks as
+        stored, every rank summed (None: in `embedding_itemsize`, the serving dtype)."""
         h, layers = config.hidden_size, config.num_layers
         attention = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
         moe = config.moe
@@ -107,6 +108,8 @@ class ModelCost:
             linear += sparse * (h * moe.num_experts + 3 * h * moe.shared_intermediate_size) + moe.top_k * expert
         embedding = config.vocab_size * h * embedding_itemsize
         experts_stored = expert * embedding_itemsize * (moe.num_experts if moe is not None else 0)
+        if experts_bytes is not None and moe is not None:
+            experts_stored = float(experts_bytes)
         return cls(
             linear_flops_per_token=2.0 * linear,
             head_flops_per_seq=2.0 * config.vocab_size * h,
@@ -114,7 +117,7 @@ class ModelCost:
             weight_bytes_per_pass=float(weight_bytes - experts_stored
                                         - (0 if config.tie_word_embeddings else embedding)),
             kv_bytes_per_token=float(kv_bytes_per_token),
-            expert_bytes=expert * embedding_itemsize,
+            expert_bytes=experts_stored / moe.num_experts if moe is not None else 0.0,
             num_experts=moe.num_experts if moe is not None else 0,
             top_k=moe.top_k if moe is not None else 0,
         )

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrum.backends.device import Device
-from ferrum.dtypes import dtype_name
 from ferrum.engine.auto_quantization import resolve_quantization
 from ferrum.engine.block_manager import peak_tokens
 from ferrum.engine.config import EngineConfig
@@ -88,10 +87,6 @@ class ModelRank:
         self.quantization = resolve_quantization(config.quantization, device, model_config, self.cpu_kernels, dtype)
         if self.quantization.reason and self.tp.rank == 0:
             log.info("%s", self.quantization.reason)
-        if self.quantization.quantization is not None and model_config.moe is not None and self.tp.rank == 0:
-            log.warning("quantization %s applies to the attention, dense MLP and head layers of this mixture of "
-                        "experts; its experts stay in %s (quantized experts are not built yet)",
-                        self.quantization.quantization.method, dtype_name(dtype))
         self.layout = KVCacheLayout.of(self.shard.rank_config(), config.kv_dtype(dtype), config.block_size)
         self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels, dtype)
         self._report = report

@@ -243,5 +243,5 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     if config.moe is not None and published is not None:
         raise ModelConfigError(f"{path}: a {published.name} quantized mixture of experts ({architecture}): published "
                                f"quantized experts are not served yet; serve the unquantized checkpoint (on-load "
-                               f"quantization covers its attention and dense layers)")
+                               f"quantization, --quantization int8|int4|fp8, quantizes its experts too)")
     return config

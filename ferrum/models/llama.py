@@ -182,10 +182,11 @@ class LlamaForCausalLM(nn.Module):
                 bindings.append(WeightBinding(f"{block}.gate.weight", f"{name}.gate.weight"))
                 for parameter, tensor_name, span in module.checkpoint_rows():
                     projection = "down_proj" if parameter == "experts_down" else "gate_proj"
-                    bindings.append(WeightBinding(f"{block}.{tensor_name}", f"{name}.{parameter}", span,
-                                                  self.shard.checkpoint_shard(projection, "weight",
-                                                                              moe.intermediate_size)))
-                experts.update((f"{name}.gate.weight", f"{name}.experts_gate_up", f"{name}.experts_down"))
+                    bindings.append(WeightBinding(f"{block}.{tensor_name}", f"{name}.{module.destination(parameter)}",
+                                                  span, self.shard.checkpoint_shard(projection, "weight",
+                                                                                    moe.intermediate_size)))
+                experts.update((f"{name}.gate.weight", f"{name}.{module.destination('experts_gate_up')}",
+                                f"{name}.{module.destination('experts_down')}"))
                 shared[f"{name}.shared_expert"] = moe.shared_intermediate_size
         for parameter, tensor in self.weight_destinations().items():
             if parameter in experts:

@@ -21,7 +21,7 @@ from torch import nn
 from ferrum.backends.device import Device
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.layers.parallel import ParallelLMHead, RowParallelLinear, TensorParallel
-from ferrum.models.layers.quantized_linear import QuantizedLinear, QuantKernels
+from ferrum.models.layers.quantized_linear import QuantizedExperts, QuantizedLinear, QuantKernels
 from ferrum.weights.quantization.published.base import PublishedLayers
 from ferrum.weights.quantization.scheme import QuantizationConfig, QuantizationConfigError, QuantScheme
 
@@ -103,6 +103,22 @@ class LinearFactory:
         self._check_in_features(scheme, in_features, path)
         return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype,
                                fp8_rowwise=self.fp8_rowwise)
+
+    def experts(self, path: str, in_features: int, out_features: int,
+                tp: TensorParallel | None = None) -> QuantizedExperts | None:
+        """A mixture's stack of experts' projections [E * rows, in_features] quantized as one weight, or None
+        where `path` is not quantized (the stack is then a plain parameter). Under tensor parallelism a
+        stack whose inputs are split across ranks (down's: `in_features` is this rank's share) keeps whole
+        groups on each rank."""
+        scheme = self.scheme_for(path, in_features * (tp.size if tp is not None else 1))
+        if scheme is None:
+            return None
+        if tp is not None and tp.size > 1:
+            scheme.check_shard(in_features, f"{path} (this rank's share of {in_features * tp.size} input features "
+                                            f"split over tensor_parallel_size={tp.size})")
+        self._check_in_features(scheme, in_features, path)
+        return QuantizedExperts(in_features, out_features, False, scheme, self.kernels, self.dtype,
+                                fp8_rowwise=self.fp8_rowwise)
 
     def row_parallel(self, path: str, in_features: int, out_features: int, bias: bool,
                      tp: TensorParallel) -> RowParallelLinear | QuantizedLinear:

@@ -7,6 +7,10 @@ are stacked, expert after expert, in two parameters that the checkpoint's per-ex
     experts_gate_up   [E * 2I, H]   expert e's gate rows e*2I .. e*2I+I, its up rows after them
     experts_down      [E * H, I]    expert e's rows e*H .. (e+1)*H
 
+Quantized on load (int8, int4, fp8), each stack is one quantized weight (`QuantizedExperts`): rows are
+quantized one by one, so an expert's rows of the storage are that expert quantized; the GPU kernels read
+the chosen experts' rows as they lie, the plain path dequantizes each chosen expert's rows as it runs it.
+
 How the experts compute is chosen once from the layer ops (`ExpertsMethod`):
 
     plain     (the CPU, any device without Triton) the step's tokens grouped by expert in PyTorch, each
@@ -31,11 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.config import MoeConfig
 from ferrum.models.layers.linear import LinearFactory
 from ferrum.models.layers.mlp import GatedMLP
 from ferrum.models.layers.ops import LayerOps
 from ferrum.models.layers.parallel import TensorParallel
+from ferrum.models.layers.quantized_linear import QuantizedExperts
 
 
 class ExpertsMethod(Protocol):
@@ -60,12 +66,23 @@ def triton_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
     config = moe.moe
     chosen, weights = kernels.route(x, moe.gate.weight, config.top_k, config.normalize)
-    return kernels.experts(x, chosen, weights, moe.experts_gate_up, moe.experts_down, config.num_experts)
+    return kernels.experts(x, chosen, weights, _kernel_stack(moe.experts_gate_up), _kernel_stack(moe.experts_down),
+                           config.num_experts)
+
+
+def _kernel_stack(stack: torch.Tensor | QuantizedExperts) -> torch.Tensor | QuantWeight:
+    return stack.kernel_weight() if isinstance(stack, QuantizedExperts) else stack
 
 
 def experts_method(ops: LayerOps) -> ExpertsMethod:
     """The Triton kernels where the layer ops are Triton's (the device compiles them), else the plain path."""
     return triton_experts if ops.name == "triton" else plain_experts
+
+
+def _rows(stack: torch.Tensor | QuantizedExperts, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(stack, QuantizedExperts):
+        return stack.rows_dequantized(start, end, dtype)
+    return stack[start:end]
 
 
 class MoE(nn.Module):
@@ -78,8 +95,14 @@ class MoE(nn.Module):
         self.tp = tp or TensorParallel.single()
         e, i = moe.num_experts, moe.intermediate_size
         self.gate = nn.Linear(hidden, e, bias=False)  # the router (its checkpoint name)
-        self.experts_gate_up = nn.Parameter(torch.empty(e * 2 * i, hidden), requires_grad=False)
-        self.experts_down = nn.Parameter(torch.empty(e * hidden, i), requires_grad=False)
+        # the stacks: quantized where the served model's quantization says (their paths name them, e.g.
+        # "layers.3.mlp.experts_down", which `skip` may list), else parameters in the serving dtype
+        self.experts_gate_up: nn.Parameter | QuantizedExperts = linears.experts(
+            f"{prefix}.experts_gate_up", hidden, e * 2 * i) or nn.Parameter(torch.empty(e * 2 * i, hidden),
+                                                                            requires_grad=False)
+        self.experts_down: nn.Parameter | QuantizedExperts = linears.experts(
+            f"{prefix}.experts_down", i, e * hidden, self.tp) or nn.Parameter(torch.empty(e * hidden, i),
+                                                                              requires_grad=False)
         self.compute: ExpertsMethod = experts_method(ops)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
@@ -97,11 +120,22 @@ class MoE(nn.Module):
         return chosen, weights.to(x.dtype)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e's gated MLP of x [T, H]."""
+        """Expert e's gated MLP of x [T, H] (a quantized stack's rows dequantized for it)."""
         i, h = self.moe.intermediate_size, self.hidden
-        gate_up = self.experts_gate_up.view(self.moe.num_experts, 2 * i, h)[e]
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.experts_down.view(self.moe.num_experts, h, i)[e])
+        gate, up = F.linear(x, _rows(self.experts_gate_up, e * 2 * i, (e + 1) * 2 * i, x.dtype)).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, _rows(self.experts_down, e * h, (e + 1) * h, x.dtype))
+
+    @property
+    def stack_bytes(self) -> int:
+        """The bytes both expert stacks take as stored (this rank's)."""
+        stacks = (self.experts_gate_up, self.experts_down)
+        return sum(s.storage().nbytes if isinstance(s, QuantizedExperts) else s.numel() * s.element_size()
+                   for s in stacks)
+
+    def destination(self, stack: str) -> str:
+        """Where the loader writes stack `stack` ("experts_gate_up", "experts_down"), below this module: the
+        parameter itself, or a quantized stack's storage ("experts_down.weight")."""
+        return f"{stack}.weight" if isinstance(getattr(self, stack), QuantizedExperts) else stack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.compute(self, x)

@@ -330,3 +330,22 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.scheme.describe()}, {type(self.method).__name__}")
+
+
+class QuantizedExperts(QuantizedLinear):
+    """A mixture of experts' stacked projections, [E * rows, K] (ferrum.models.layers.moe), stored quantized
+    as one weight: every part's rows are the experts' rows, and a row is quantized on its own, so expert
+    e's rows of the storage are its weight quantized. It keeps the loader's layout (prepare() repacks
+    nothing: the GPU's per-pair expert kernels read it as it lies) and gives one expert's rows dequantized
+    to the plain path (`rows_dequantized`)."""
+
+    def prepare(self) -> None:
+        """Nothing: the stack stays in the loader's layout."""
+
+    def rows_dequantized(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, end) of the weight, dequantized to `dtype`."""
+        return dequantize(self.storage().rows(start, end), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a stack of experts is read expert by expert (ferrum.models.layers.moe), not as one layer")
+
