@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -19,7 +20,7 @@ from tests.tiny_model import save_hf_model, tiny_config
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen3-moe"
-TOOL = {"type": "function", "function": {
+TOOL: Any = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
                    "required": ["city"], "additionalProperties": False}}}
@@ -56,7 +57,7 @@ def test_structured_outputs_hold(client: openai.OpenAI) -> None:
 def test_a_required_tool_call_parses(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=60, temperature=0,
-        tools=[TOOL], tool_choice="required")  # type: ignore[list-item]
+        tools=[TOOL], tool_choice="required")
     calls = reply.choices[0].message.tool_calls or []
     assert calls and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
     assert json.loads(calls[0].function.arguments)["city"] in ("Paris", "Rome")  # type: ignore[union-attr]
