@@ -42,6 +42,12 @@ KV_CACHE_DTYPE_HELP = (
 )
 
 
+SPECULATIVE_HELP = (
+    'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2} (optional: "disable_by_batch_size": N, "adaptive": false); default: off'
+)
+
+
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("--config", help="YAML config file (default: none; flags and defaults only)")
@@ -69,6 +75,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "(default 16)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_const", const=False,
                    help="do not reuse the KV of prompt prefixes shared with earlier requests")
+    p.add_argument("--speculative-config", dest="speculative_config", metavar="JSON", help=SPECULATIVE_HELP)
     p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
                    help="split the model across N devices (one process each; default 1)")
     p.add_argument("--engine-process", dest="engine_process", choices=("auto", "on", "off"),

@@ -17,7 +17,8 @@ from ferrum.bench.workload import LengthRange, WorkloadSpec, load_prompts
 log = logging.getLogger("ferrum.bench")
 
 ENGINE_FLAGS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb",
-                "kv_cache_dtype", "gpu_memory_utilization", "tensor_parallel_size", "num_scheduler_steps")
+                "kv_cache_dtype", "gpu_memory_utilization", "tensor_parallel_size", "num_scheduler_steps",
+                "speculative_config")
 
 
 def _length_range(text: str) -> LengthRange:
@@ -109,6 +110,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--num-scheduler-steps", type=int, metavar="N",
                      help="GPU: greedy decode iterations per host round trip (default 16)")
     off.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    off.add_argument("--speculative-config", metavar="JSON",
+                     help='speculative decoding, as for `ferrum serve`: {"method": "ngram", "num_speculative_tokens": '
+                          '4}; the report gives the acceptance')
     _workload_flags(off)
 
     srv = modes.add_parser("serve", help="stream the workload to a running server at several concurrencies")

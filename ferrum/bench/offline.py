@@ -15,7 +15,7 @@ from ferrum.bench.workload import BenchRequest, WorkloadSpec, make_workload, pro
 from ferrum.dtypes import dtype_name
 from ferrum.engine.builder import create_engine
 from ferrum.engine.config import EngineConfig
-from ferrum.engine.llm_engine import LLMEngine
+from ferrum.engine.llm_engine import EngineStats, LLMEngine
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.models.layers.moe import MoE
 
@@ -26,6 +26,36 @@ class OfflineOptions:
     workload: WorkloadSpec
     backend: str = "auto"
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields other than model/device
+
+
+@dataclass(frozen=True)
+class SpeculationReport:
+    """A run's speculative decoding: drafts verified, their tokens, the tokens kept (all and by position)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+
+    @classmethod
+    def between(cls, before: EngineStats, after: EngineStats) -> SpeculationReport | None:
+        if not after.spec_accepted_per_position:
+            return None
+        per_pos = tuple(b - a for a, b in zip(before.spec_accepted_per_position or (0,) * len(
+            after.spec_accepted_per_position), after.spec_accepted_per_position, strict=True))
+        return cls(after.spec_num_drafts - before.spec_num_drafts,
+                   after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                   after.spec_num_accepted_tokens - before.spec_num_accepted_tokens, per_pos)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The share of draft tokens kept."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verified draft's step gave its sequence on average: 1 + the kept ones (vLLM's)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +78,7 @@ class OfflineResult:
     roofline: RooflineReport | None = None  # the run's per-step roofline (ferrum.bench.roofline)
     kv_cache_tokens: int = 0  # tokens the KV cache holds (its blocks x block size)
     kv_cache_dtype: str = ""
+    speculation: SpeculationReport | None = None  # the run's drafts and acceptance, where it speculated
 
     @property
     def requests_per_s(self) -> float:
@@ -111,6 +142,7 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
         _run(engine, [warmup_request(spec, pool)], spec.ignore_eos, "warmup", None)
         roofline = _roofline(engine)
         stop_observing = engine.add_observer(roofline.add)
+        before = engine.stats()
         with RequestProgress(len(requests), "bench offline") as progress:
             started = time.perf_counter()
             counts = _run(engine, requests, spec.ignore_eos, "run", progress)
@@ -141,6 +173,7 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
         roofline=RooflineReport.of(roofline, elapsed),
         kv_cache_tokens=stats.kv_blocks_total * engine.config.block_size,
         kv_cache_dtype=stats.kv_cache_dtype,
+        speculation=SpeculationReport.between(before, stats),
     )
 
 

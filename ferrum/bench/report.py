@@ -13,7 +13,7 @@ from ferrum.bench.serve import LevelRun, ServeResult
 from ferrum.bench.workload import WorkloadSpec
 
 if TYPE_CHECKING:  # offline pulls in the engine and torch; `bench serve` needs neither
-    from ferrum.bench.offline import OfflineResult
+    from ferrum.bench.offline import OfflineResult, SpeculationReport
 
 _WIDTH = 56
 
@@ -60,7 +60,14 @@ def offline_json(result: OfflineResult) -> dict[str, Any]:
         "roofline": asdict(result.roofline) if result.roofline is not None else None,
         "kv_cache_tokens": result.kv_cache_tokens,
         "kv_cache_dtype": result.kv_cache_dtype,
+        "speculation": _speculation_json(result.speculation),
     }
+
+
+def _speculation_json(s: SpeculationReport | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {**asdict(s), "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length}
 
 
 def _distribution_json(d: Distribution) -> dict[str, float | None]:
@@ -171,6 +178,7 @@ def offline_table(result: OfflineResult) -> str:
         _line("Output token throughput (tok/s)", result.output_tokens_per_s),
         _line("Total token throughput (tok/s)", result.total_tokens_per_s),
         *_roofline_lines(result),
+        *_speculation_lines(result.speculation),
         "=" * _WIDTH,
     ]
     return "\n".join(lines)
@@ -190,6 +198,21 @@ def _roofline_lines(result: OfflineResult) -> list[str]:
         _line("Forward passes", r.passes),
         _line("Compute-bound / memory-bound", f"{r.compute_bound_passes} / {r.passes - r.compute_bound_passes}"),
         _line("Roofline by step kind (s)", kinds or "-"),
+    ]
+
+
+def _speculation_lines(s: SpeculationReport | None) -> list[str]:
+    if s is None:
+        return []
+    drafts = max(s.num_drafts, 1)
+    by_position = ", ".join(f"{n / drafts:.2f}" for n in s.accepted_per_position)
+    return [
+        _title("Speculative decoding"),
+        _line("Drafts verified", s.num_drafts),
+        _line("Draft tokens / accepted", f"{s.num_draft_tokens} / {s.num_accepted_tokens}"),
+        _line("Acceptance rate", f"{s.acceptance_rate:.1%}"),
+        _line("Mean accepted length", s.mean_accepted_length),
+        _line("Accepted by position (per draft)", by_position or "-"),
     ]
 
 

@@ -176,6 +176,17 @@ class BlockManager:
         seq.num_released_blocks = upto
         return released
 
+    # -- speculative decoding ---------------------------------------------------
+    def truncate(self, seq: Sequence) -> int:
+        """Gives back `seq`'s blocks past its tokens (a verified draft's refused tokens had slots there);
+        how many."""
+        keep = max(-(-seq.num_tokens // self.block_size), seq.num_released_blocks)
+        extra = seq.block_table[keep:]
+        for block in extra:
+            self._give_back(block)
+        del seq.block_table[keep:]
+        return len(extra)
+
     # -- registering computed blocks and giving blocks back -------------------
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Registers the blocks of `seq` whose tokens have all been computed since the last call."""

@@ -15,6 +15,7 @@ import torch
 
 from ferrum.backends.device import Device
 from ferrum.dtypes import serving_dtype
+from ferrum.engine.speculative.config import SpeculativeConfig
 from ferrum.kernels.config import KernelConfig
 from ferrum.weights.quantization.scheme import QuantizationConfig
 
@@ -46,6 +47,10 @@ class EngineConfig:
     # fp8 (e4m3 with a scale per layer for k and one for v: half the bytes; GPUs with fp8, and the plain
     # torch attention; "fp8_e4m3" is the same)
     kv_cache_dtype: str = "auto"
+    # speculative decoding (ferrum.engine.speculative): {method: ngram, num_speculative_tokens: k,
+    # prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, adaptive}, as a mapping or its JSON text
+    # (--speculative-config); None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -68,6 +73,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if not isinstance(self.kernels, KernelConfig):
             object.__setattr__(self, "kernels", KernelConfig.from_mapping(self.kernels))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if isinstance(self.quantization, Mapping):  # e.g. create_engine(..., quantization={"method": "int4"})
             object.__setattr__(self, "quantization", QuantizationConfig(**self.quantization))
 

@@ -31,10 +31,13 @@ from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.runner import GreedyBurst
 from ferrum.engine.sampler import SampleResult, sample
 from ferrum.engine.sampling_params import SamplingParams
-from ferrum.engine.scheduler import BurstLimits, Scheduler, SchedulerOutput
+from ferrum.engine.scheduler import BurstLimits, ScheduledSequence, Scheduler, SchedulerOutput
 from ferrum.engine.sequence import Sequence, SequenceStatus
+from ferrum.engine.speculative.proposer import Proposer
+from ferrum.engine.speculative.speculator import Speculator
+from ferrum.engine.speculative.verify import Draft, Verifier
 from ferrum.engine.startup import StartupObserver, StartupProgress
-from ferrum.engine.structured import Guides
+from ferrum.engine.structured import Guides, PendingMasks
 from ferrum.models.config import ModelConfig, load_model_config
 from ferrum.models.loader import run_sync
 from ferrum.tokenizer import Tokenizer
@@ -67,6 +70,11 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens whose KV was reused
     max_num_seqs: int = 0  # the running batch's limit
     kv_cache_dtype: str = ""  # what the KV cache holds (bfloat16, int8, ...)
+    # speculative decoding (vLLM's counters): drafts verified, their tokens, the tokens kept, kept by position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 class LLMEngine:
@@ -111,6 +119,9 @@ class LLMEngine:
         bursts = BurstLimits(min(config.num_scheduler_steps, self.runner.max_burst), self.max_model_len,
                              self.outputs.eos_token_ids)
         self.scheduler = Scheduler(self.block_manager, config.seqs_per_step, config.tokens_per_step, bursts)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.verifier = Verifier(self.outputs, self.guides)
         self.sequences: dict[str, Sequence] = {}
         # greedy decodes queued on the device whose tokens the host has not read yet
         self._burst: tuple[list[Sequence], GreedyBurst] | None = None
@@ -173,6 +184,13 @@ class LLMEngine:
         gc.collect()
         self.device.runtime.empty_cache()
 
+    def use_proposer(self, proposer: Proposer) -> None:
+        """Speculation drafts with `proposer` from now on (the engine must have a speculative_config): a
+        public hook for proposers that are not a config's (benchmarks replaying recorded outputs)."""
+        if self.speculator is None:
+            raise ValueError("this engine does not speculate: give it a speculative_config")
+        self.speculator.proposer = proposer
+
     def add_observer(self, observer: StepObserver) -> Callable[[], None]:
         """Have `observer` called with a StepRecord after every step; returns its removal."""
         self._observers.append(observer)
@@ -217,6 +235,8 @@ class LLMEngine:
         if self._burst is not None:  # greedy decodes already queued on the device
             seqs = self._finish_burst(record)
         else:
+            if self.speculator is not None:
+                self.speculator.prepare(self.scheduler.running)
             plan = self.scheduler.schedule()
             self._preemptions += plan.num_preempted
             if plan.empty:
@@ -238,6 +258,8 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 self.sequences.pop(seq.request_id, None)
                 self._finished += 1
+                if self.speculator is not None:
+                    self.speculator.forget(seq.request_id)
         if self._observers:
             self._notify(StepRecord(num_seqs=len(seqs), num_generated=self._generation_tokens - generated,
                                     started=started, finished=time.perf_counter(), **record))  # type: ignore[arg-type]
@@ -254,16 +276,56 @@ class LLMEngine:
                       attended_keys=sum(s.num_new_tokens * s.seq.num_computed_tokens
                                         + s.num_new_tokens * (s.num_new_tokens + 1) // 2 for s in scheduled))
         # the grammars' masks are computed on the host while the device runs the step
-        masks = self.guides.start_masks([s.seq for s in scheduled if s.completes_pending])
+        masks = self.guides.start_masks([s.seq for s in scheduled if s.completes_pending and not s.draft])
+        started = time.perf_counter()
         logits, seqs = self.runner.execute(scheduled)
+        drafts = [s for s in scheduled if s.draft]
+        for s in drafts:  # of its draft's tokens, the kept ones are counted computed after verification
+            s.seq.num_computed_tokens -= len(s.draft)
         self.scheduler.register_computed(s.seq for s in scheduled)
         self.outputs.decode_prompt_scores(s.seq for s in scheduled if s.seq.prompt_scores)
-        if seqs:
+        if seqs and not drafts:
             self.outputs.append(seqs, sample(logits, seqs, masks.for_rows(seqs) if masks is not None else None))
             self._generation_tokens += len(seqs)
+        elif seqs:
+            self._sample_and_verify(logits, seqs, drafts, masks)
+        if self.speculator is not None:
+            self.speculator.observe_step(sum(s.num_new_tokens for s in scheduled), time.perf_counter() - started)
         if self._observers:
             record.update(logits=logits, request_ids=tuple(seq.request_id for seq in seqs))
         return [s.seq for s in scheduled]
+
+    def _sample_and_verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[ScheduledSequence],
+                           masks: PendingMasks | None) -> None:
+        """A step with drafts: the plain rows sampled as ever, each draft's rows (consecutive in `seqs`)
+        verified (ferrum.engine.speculative.verify); the sequences' computed tokens then end after their
+        kept draft tokens, and the blocks past their tokens go back."""
+        assert self.speculator is not None
+        drafted = {id(s.seq): s.draft for s in drafts}
+        plain_rows: list[int] = []
+        verify: list[Draft] = []
+        row = 0
+        while row < len(seqs):
+            seq = seqs[row]
+            draft = drafted.get(id(seq))
+            if draft is None:
+                plain_rows.append(row)
+                row += 1
+                continue
+            verify.append(Draft(seq, list(draft), logits[row : row + len(draft) + 1]))
+            row += len(draft) + 1
+        if plain_rows:
+            plain = [seqs[r] for r in plain_rows]
+            picked = logits[torch.tensor(plain_rows, device=logits.device)]
+            self.outputs.append(plain, sample(picked, plain, masks.for_rows(plain) if masks is not None else None))
+            self._generation_tokens += len(plain)
+        self.verifier.verify(verify)
+        for d in verify:
+            self.speculator.verified(d)
+            self._generation_tokens += d.appended
+            if not d.seq.is_finished:
+                d.seq.num_computed_tokens = d.seq.num_tokens - 1  # the kept drafts' KV is in the cache
+                self.block_manager.truncate(d.seq)
 
     def _finish_burst(self, record: dict[str, object]) -> list[Sequence]:
         """Takes the queued burst's tokens; when no sequence can have stopped in it (by token,
@@ -279,7 +341,7 @@ class LLMEngine:
         cached = sum(seq.num_computed_tokens for seq in seqs)
         record.update(kind="burst", num_tokens=len(seqs), iterations=max(1, len(chosen)), cached_tokens=cached,
                       attended_keys=cached + len(seqs))
-        if following is None and self.scheduler.burst_continues(seqs, chosen):
+        if following is None and self.speculator is None and self.scheduler.burst_continues(seqs, chosen):
             following = self._continue(seqs, len(chosen))
         if following is not None:
             self._burst = (seqs, following)
@@ -308,7 +370,7 @@ class LLMEngine:
         does stop has the rest of its rows dropped when they are read, as after any stop, and
         the following burst is not queued ahead. Not while a request waits for a free slot (it
         would wait one burst longer), nor for sequences with stop strings."""
-        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending():
+        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending() or self.speculator is not None:
             return None
         if any(seq.is_finished or seq.params.stop for seq in seqs):
             return None
@@ -319,6 +381,7 @@ class LLMEngine:
             observer(record)
 
     def stats(self) -> EngineStats:
+        spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -332,6 +395,10 @@ class LLMEngine:
             prefix_cache_hits=self.block_manager.prefix_cache_hits,
             max_num_seqs=self.scheduler.max_num_seqs,
             kv_cache_dtype=dtype_name(self.layout.dtype),
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
         )
 
     # -- offline use ------------------------------------------------------

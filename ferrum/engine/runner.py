@@ -64,8 +64,9 @@ class ModelRunner(Protocol):
 @dataclass(frozen=True)
 class StepPlan:
     """A step packed for the model: its tokens (decodes first, then prefills; see PackedStep), the rows
-    whose logits are sampled and their sequences (those that finish their pending tokens this step),
-    and the rows that score prompt tokens (only for sequences that ask for prompt logprobs)."""
+    whose logits are sampled and their sequences (those that finish their pending tokens this step; a
+    sequence with a draft once for its last token and once for each draft token, consecutively), and the
+    rows that score prompt tokens (only for sequences that ask for prompt logprobs)."""
 
     step: PackedStep
     sample_rows: list[int]
@@ -94,10 +95,15 @@ def pack_step(
                 top_k = seq.params.prompt_logprobs or 0
                 scored = seq.prompt_token_ids[first + 1 : end + 1]
                 prompt_rows.append((seq, PromptRows(len(ids) + first - past, first + 1, scored, top_k)))
-        ids.extend(seq.tokens(past, past + n))
+        drafted = len(s.draft)
+        ids.extend(seq.tokens(past, past + n - drafted))
+        ids.extend(s.draft)
         positions.extend(range(past, past + n))
         slots.extend(layout.slots(seq.block_table, past, past + n))
-        if past + n == seq.num_tokens:
+        if drafted:  # the last token and each draft token: the rows a verification reads, one each
+            sample_rows.extend(range(len(ids) - drafted - 1, len(ids)))
+            sample_seqs.extend([seq] * (drafted + 1))
+        elif past + n == seq.num_tokens:
             sample_rows.append(len(ids) - 1)
             sample_seqs.append(seq)
     step = PackedStep(ids, positions, slots, tuple(rows), num_decode, max(pad_to, len(ids)), pad_slot)

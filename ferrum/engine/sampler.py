@@ -30,8 +30,54 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], mask: torch.Tensor | None
     want_logprobs = any(p.logprobs is not None for p in params)
     if mask is None and not want_logprobs and all(p.greedy and _no_penalties(p) and not p.logit_bias for p in params):
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    dist = target(logits, seqs, mask)
+    token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+    if dist.greedy_rows:
+        token_ids[dist.greedy_index] = dist.greedy_ids
+    if dist.sampled_rows:
+        token_ids[dist.sampled_index] = draw(dist.probs, [seqs[i].generator for i in dist.sampled_rows])
+    chosen = token_ids.tolist()
+    return SampleResult(chosen, [dist.logprobs(i, chosen[i]) for i in range(len(seqs))])
 
+
+@dataclass(frozen=True)
+class Target:
+    """The distribution a step's rows are sampled from, after penalties, logit bias, the grammars' masks,
+    temperature and top-k / top-p / min-p: greedy rows by their arg-max, sampled rows by their probabilities
+    (ferrum.engine.speculative.verify checks drafts against it), and the raw logprobs where asked."""
+
+    seqs: list[Sequence]
+    greedy_rows: list[int]
+    greedy_ids: torch.Tensor  # [len(greedy_rows)] on the logits' device
+    sampled_rows: list[int]
+    probs: torch.Tensor  # [len(sampled_rows), V]
+    raw_logprobs: torch.Tensor | None  # [B, V] when any row asks for logprobs
+
+    @property
+    def greedy_index(self) -> torch.Tensor:
+        return torch.tensor(self.greedy_rows, device=self.greedy_ids.device)
+
+    @property
+    def sampled_index(self) -> torch.Tensor:
+        return torch.tensor(self.sampled_rows, device=self.probs.device)
+
+    def logprobs(self, row: int, token: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """Row `row`'s logprob of `token` and its top ones (the raw distribution), if the row asks."""
+        n = self.seqs[row].params.logprobs
+        if n is None or self.raw_logprobs is None:
+            return None
+        values = self.raw_logprobs[row]
+        top: list[tuple[int, float]] = []
+        if n > 0:
+            best, ids = values.topk(n)
+            top = list(zip(ids.tolist(), best.tolist(), strict=True))
+        return float(values[token]), top
+
+
+def target(logits: torch.Tensor, seqs: list[Sequence], mask: torch.Tensor | None = None) -> Target:
+    """The distribution of each row of logits [B, V] for its sequence (see Target)."""
+    params = [s.params for s in seqs]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
     device = logits.device
     logits = _apply_logit_bias(_apply_penalties(logits, seqs), params)
     if mask is not None:
@@ -39,29 +85,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], mask: torch.Tensor | None
 
         logits = Guides.apply(logits, mask)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
-    if greedy_rows:
-        idx = torch.tensor(greedy_rows, device=device)
-        token_ids[idx] = logits[idx].argmax(dim=-1)
+    greedy_ids = logits[torch.tensor(greedy_rows, device=device)].argmax(dim=-1) if greedy_rows else \
+        torch.empty(0, dtype=torch.long, device=device)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    probs = torch.empty(0, logits.shape[1], device=device)
     if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=device)
-        probs = _filtered_probs(logits[idx], [params[i] for i in sampled_rows])
-        token_ids[idx] = _draw(probs, [seqs[i].generator for i in sampled_rows])
-
-    chosen = token_ids.tolist()
-    logprob_out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
-    if raw_logprobs is not None:
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            row = raw_logprobs[i]
-            top: list[tuple[int, float]] = []
-            if p.logprobs > 0:
-                values, ids = row.topk(p.logprobs)
-                top = list(zip(ids.tolist(), values.tolist(), strict=True))
-            logprob_out[i] = (float(row[chosen[i]]), top)
-    return SampleResult(chosen, logprob_out)
+        probs = _filtered_probs(logits[torch.tensor(sampled_rows, device=device)], [params[i] for i in sampled_rows])
+    return Target(seqs, greedy_rows, greedy_ids, sampled_rows, probs, raw_logprobs)
 
 
 def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
@@ -133,7 +163,8 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token from each row of probs [R, V], a row with a generator drawn on the host with it."""
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:

@@ -12,6 +12,10 @@ With prefix caching, a sequence being admitted starts after the leading full blo
 already cached (shared with whoever holds them); the blocks a step computes are registered by
 `register_computed` while the device runs that step.
 
+Speculative decoding: a decoding sequence with a draft (Sequence.draft_token_ids) is scheduled with its
+last token and the draft, as many draft tokens as the budget and the free blocks allow (a draft never
+preempts); such a step is an ordinary one, never a burst.
+
 Greedy bursts (runners that can run decode iterations back to back on the device, up to
 `max_burst`): while every scheduled sequence decodes greedily without logprobs, penalties, logit bias or
 a grammar, the
@@ -35,8 +39,12 @@ from ferrum.engine.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class ScheduledSequence:
+    """`draft`: tokens drafted after the sequence's last one (speculative decoding), computed with it this
+    step (num_new_tokens counts them) and verified after it."""
+
     seq: Sequence
     num_new_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -44,8 +52,9 @@ class ScheduledSequence:
 
     @property
     def completes_pending(self) -> bool:
-        """This step computes the sequence's last pending token: it is sampled after the step."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """This step computes the sequence's last pending token: it is sampled (or its draft verified) after
+        the step."""
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            draft = self._draft(seq, budget)
+            n += len(draft)
             while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -136,7 +147,7 @@ class Scheduler:
                     break
             else:
                 self.blocks.grow(seq, seq.num_computed_tokens + n)
-                scheduled.append(ScheduledSequence(seq, n))
+                scheduled.append(ScheduledSequence(seq, n, draft))
                 budget -= n
                 i += 1
                 continue
@@ -160,6 +171,16 @@ class Scheduler:
 
         burst = self._plan_burst(scheduled) if scheduled and not preempted else 0
         return SchedulerOutput(tuple(scheduled), preempted, burst)
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """A decoding sequence's draft (Sequence.draft_token_ids, set by the engine's speculator), as much
+        of it as the step's token budget and the free blocks take: a draft never preempts anyone."""
+        if not seq.draft_token_ids or seq.num_uncomputed_tokens != 1:
+            return ()
+        m = min(len(seq.draft_token_ids), budget - 1)
+        while m > 0 and not self.blocks.can_grow(seq, seq.num_computed_tokens + 1 + m):
+            m -= 1
+        return tuple(seq.draft_token_ids[:m])
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -38,6 +38,8 @@ METRIC_NAMES = frozenset({
     "ferrum_requests_rejected_total", "ferrum_time_to_first_token_seconds", "ferrum_inter_token_latency_seconds",
     "ferrum_e2e_request_latency_seconds", "ferrum_request_queue_time_seconds", "ferrum_request_prompt_tokens",
     "ferrum_request_generation_tokens", "ferrum_weight_load_bytes_total", "ferrum_weight_load_seconds_total",
+    "ferrum_spec_decode_num_drafts_total", "ferrum_spec_decode_num_draft_tokens_total",
+    "ferrum_spec_decode_num_accepted_tokens_total", "ferrum_spec_decode_num_accepted_tokens_per_pos_total",
 })
 
 
@@ -83,6 +85,18 @@ class _EngineCollector(Collector):
                       s.prefix_cache_queries)
         yield counter("ferrum_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.",
                       s.prefix_cache_hits)
+        if s.spec_accepted_per_position:  # speculative decoding on (vLLM's names)
+            yield counter("ferrum_spec_decode_num_drafts", "Drafts verified (one per sequence and step).",
+                          s.spec_num_drafts)
+            yield counter("ferrum_spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
+            yield counter("ferrum_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily("ferrum_spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft (0: the first).",
+                                          labels=["model_name", "position"])
+            for position, accepted in enumerate(s.spec_accepted_per_position):
+                per_pos.add_metric([m.model_name, str(position)], accepted)
+            yield per_pos
         load = engine.weight_load
         if load is not None:
             for name, doc, value in (

@@ -74,7 +74,7 @@ class MirroredRunner:
         self._next_burst = 0
 
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        self.group.send(("execute", [(snapshot(s.seq), s.num_new_tokens) for s in scheduled]))
+        self.group.send(("execute", [(snapshot(s.seq), s.num_new_tokens, s.draft) for s in scheduled]))
         return self.local.execute(scheduled)
 
     def launch_greedy(self, seqs: list[Sequence], steps: int, continue_at: list[int] | None = None) -> GreedyBurst:
@@ -100,7 +100,7 @@ def serve_commands(recv: Callable[[], tuple[Any, ...]], runner: ModelRunner) -> 
         command = recv()
         kind = command[0]
         if kind == "execute":
-            runner.execute([ScheduledSequence(mirror(snap), n) for snap, n in command[1]])
+            runner.execute([ScheduledSequence(mirror(snap), n, draft) for snap, n, draft in command[1]])
         elif kind == "launch":
             _, burst_id, snaps, steps, continue_at = command
             bursts[burst_id] = runner.launch_greedy([mirror(s) for s in snaps], steps, continue_at)

@@ -1,0 +1,124 @@
+"""When to draft and how much, so that speculation is never slower than plain decoding.
+
+A verify step of B decoding sequences with M draft tokens in all processes B + M tokens and yields each
+sequence 1 + (its accepted drafts) tokens. Whether that pays depends on two measured things:
+
+    acceptance   each sequence's per-position acceptance rate a (the chance a draft token is kept given the
+                 one before it was), a running average over its verified drafts, starting from the running
+                 average of every sequence; a draft's j-th token is then kept with chance a^j
+    step cost    t(T), the seconds a step of T tokens takes, measured on every step the engine runs (a
+                 running average per token count, interpolated between counts; `StepCost`)
+
+The rule: with t' = (t(B + M) - t(B)) / M the cost of one more token in the step and G = B + (expected
+accepted) the tokens the step yields, a draft position j of a sequence is worth its cost when
+a^j / G >= t' / t(B + M), i.e. when the throughput it adds is at least the time it adds. Each sequence keeps
+its positions from the first while they pass (a^j falls with j); then the step as a whole must beat a plain
+one, (B + expected kept) / t(B + M kept) >= B / t(B), or nothing is drafted. So a memory-bound step (t' near
+0: large models at small batch) drafts everything the proposer offers, while a compute-bound one (the CPU,
+large batches) drafts only where acceptance is high, and nothing when it is low. Until t(B + M) has been
+measured the policy drafts (that measures it). `disable_by_batch_size` turns drafting off from that many running
+sequences on, whatever the measurements; `adaptive: false` drafts whatever the proposer offers.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from ferrum.engine.sequence import Sequence
+from ferrum.engine.speculative.config import SpeculativeConfig
+
+PRIOR_ACCEPTANCE = 0.5  # before any sequence has been verified
+AVERAGE_WEIGHT = 0.2  # the weight of each new verification in the running averages
+
+
+@dataclass
+class StepCost:
+    """t(T): running averages of a step's seconds by its token count."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        old = self.seconds.get(tokens)
+        self.seconds[tokens] = seconds if old is None else old + AVERAGE_WEIGHT * (seconds - old)
+
+    def estimate(self, tokens: int) -> float | None:
+        """t(tokens), interpolated linearly between the nearest measured counts; None beyond the measured
+        range (or with none measured)."""
+        if tokens in self.seconds:
+            return self.seconds[tokens]
+        counts = sorted(self.seconds)
+        i = bisect.bisect_left(counts, tokens)
+        if i == 0 or i == len(counts):
+            return None
+        lo, hi = counts[i - 1], counts[i]
+        t_lo, t_hi = self.seconds[lo], self.seconds[hi]
+        return t_lo + (t_hi - t_lo) * (tokens - lo) / (hi - lo)
+
+    def curve(self) -> list[tuple[int, float]]:
+        """The measured (tokens, seconds) points, by token count."""
+        return sorted(self.seconds.items())
+
+
+class SpeculationPolicy:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.cost = StepCost()
+        self.acceptance = PRIOR_ACCEPTANCE  # running average over every sequence
+
+    def rate(self, seq: Sequence) -> float:
+        return seq.spec_acceptance if seq.spec_acceptance is not None else self.acceptance
+
+    def allowed(self, running: int) -> bool:
+        """Whether any sequence may draft this step, `running` sequences decoding or prefilling."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or running < limit
+
+    def trim(self, seqs: SequenceOf[Sequence], drafts: list[list[int]]) -> list[list[int]]:
+        """The drafts worth verifying this step (see the module docstring), each a prefix of the proposed."""
+        if not self.config.adaptive or not any(drafts):
+            return drafts
+        batch = len(seqs)
+        extra = sum(len(d) for d in drafts)
+        t0, t1 = self.cost.estimate(batch), self.cost.estimate(batch + extra)
+        if t0 is None or t1 is None:
+            return drafts  # not measured yet: this step measures it
+        expected = batch + sum(_expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, drafts, strict=True))
+        threshold = max(0.0, (t1 - t0) / extra) / t1 * expected
+        kept = []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            a, chance, n = self.rate(seq), 1.0, 0
+            for _ in draft:
+                chance *= a
+                if chance < threshold:
+                    break
+                n += 1
+            kept.append(draft[:n])
+        # the step as a whole: its expected tokens a second against a plain step's
+        extra = sum(len(d) for d in kept)
+        t_kept = self.cost.estimate(batch + extra) if extra else t0
+        gained = batch + sum(_expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, kept, strict=True))
+        if not extra or t_kept is None or gained / t_kept < batch / t0:
+            return [[] for _ in drafts]
+        return kept
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A sequence's draft of `drafted` tokens had its first `accepted` kept: the running averages move
+        by one observation of the per-position rate (the kept positions, and the one refused if any)."""
+        if drafted == 0:
+            return
+        tried = accepted + (1 if accepted < drafted else 0)
+        rate = accepted / tried
+        own = self.rate(seq)
+        seq.spec_acceptance = own + AVERAGE_WEIGHT * (rate - own)
+        self.acceptance += AVERAGE_WEIGHT * (rate - self.acceptance)
+
+
+def _expected_kept(a: float, n: int) -> float:
+    """a + a^2 + ... + a^n: the expected number of a draft's n tokens kept."""
+    total, chance = 0.0, 1.0
+    for _ in range(n):
+        chance *= a
+        total += chance
+    return total

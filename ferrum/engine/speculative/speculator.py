@@ -1,0 +1,73 @@
+"""`Speculator`: the engine's speculation, one per engine: the proposer, the policy, and the counts of
+drafts and accepted tokens (the metrics' source)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from ferrum.engine.sequence import Sequence
+from ferrum.engine.speculative.config import SpeculativeConfig
+from ferrum.engine.speculative.policy import SpeculationPolicy
+from ferrum.engine.speculative.proposer import NgramProposer, Proposer
+from ferrum.engine.speculative.verify import Draft
+
+
+@dataclass
+class SpeculationStats:
+    """Counted as vLLM counts them: drafts verified, their tokens, the tokens kept, and the tokens kept at
+    each draft position (position 0 first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verified draft's step gives its sequence on average: 1 + the accepted ones."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def proposer_for(config: SpeculativeConfig) -> Proposer:
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
+        """`proposer`: one of the caller's (a public hook, e.g. for benchmarks), else the config's."""
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = proposer or proposer_for(config)
+        self.policy = SpeculationPolicy(config)
+        self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def prepare(self, running: SequenceOf[Sequence]) -> None:
+        """Sets every running sequence's draft for the next step (empty for most)."""
+        for seq in running:
+            seq.draft_token_ids = []
+        if not self.policy.allowed(len(running)):
+            return
+        decoding = [s for s in running if s.num_uncomputed_tokens == 1 and not s.is_finished and not s.scores_prompt]
+        # a draft and the token drawn after it never pass the request's max_tokens nor max_model_len
+        limits = [min(self.config.num_speculative_tokens, s.params.max_tokens - len(s.output_token_ids) - 1,
+                      self.max_model_len - s.num_tokens - 1) for s in decoding]
+        drafts = self.policy.trim(decoding, self.proposer.propose(decoding, limits))
+        for seq, draft in zip(decoding, drafts, strict=True):
+            seq.draft_token_ids = draft
+
+    def verified(self, draft: Draft) -> None:
+        drafted = len(draft.tokens)
+        self.policy.verified(draft.seq, drafted, draft.accepted)
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += drafted
+        self.stats.num_accepted_tokens += draft.accepted
+        for position in range(draft.accepted):
+            self.stats.accepted_per_position[position] += 1
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A step of `tokens` tokens took `seconds` (forward pass and sampling): the policy's cost curve."""
+        self.policy.cost.observe(tokens, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self.proposer.forget(request_id)
