@@ -188,8 +188,12 @@ def _serve(args: argparse.Namespace) -> int:
     result = asyncio.run(run_serve(options))
     levels = [run.result for run in result.levels]
     print(serve_header(result), flush=True)
-    for level in levels:
-        print(level_table(level), flush=True)
+    for run in result.levels:
+        print(level_table(run.result), flush=True)
+        if run.speculation is not None:
+            print(f"Speculative decoding: {run.speculation.num_drafts:.0f} drafts, acceptance "
+                  f"{run.speculation.acceptance_rate:.1%}, mean accepted length "
+                  f"{run.speculation.mean_accepted_length:.2f}", flush=True)
     print(summary_table(levels), flush=True)
     if args.output_json:
         document = serve_json(result, args.save_requests)

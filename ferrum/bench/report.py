@@ -117,6 +117,9 @@ def level_json(run: LevelRun, with_requests: bool) -> dict[str, Any]:
         "output_token_sources": r.token_sources,
         "finish_reasons": r.finish_reasons,
     }
+    if run.speculation is not None:
+        out["speculation"] = {**asdict(run.speculation), "acceptance_rate": run.speculation.acceptance_rate,
+                              "mean_accepted_length": run.speculation.mean_accepted_length}
     if with_requests:
         out["requests"] = [request_json(record) for record in run.records]
     return out

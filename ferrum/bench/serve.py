@@ -69,9 +69,59 @@ class ServeOptions:
 
 
 @dataclass(frozen=True)
+class Acceptance:
+    """A level's speculative decoding, from the server's /metrics counters before and after it (Ferrum's
+    and vLLM's names): drafts verified, their tokens, the tokens kept."""
+
+    num_drafts: float
+    num_draft_tokens: float
+    num_accepted_tokens: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total")
+
+
+def spec_counters(metrics_text: str) -> tuple[float, float, float] | None:
+    """The three counters from a Prometheus text page (ferrum_ or vllm: names, labels summed); None when
+    the server does not speculate."""
+    found: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, rest = line.partition(" ")
+        base = name.split("{")[0].removeprefix("ferrum_").removeprefix("vllm:")
+        if base in SPEC_COUNTERS:
+            try:
+                found[base] = found.get(base, 0.0) + float(rest.split()[0])
+            except (ValueError, IndexError):
+                continue
+    if len(found) < len(SPEC_COUNTERS):
+        return None
+    return found[SPEC_COUNTERS[0]], found[SPEC_COUNTERS[1]], found[SPEC_COUNTERS[2]]
+
+
+async def _spec_counters(session: aiohttp.ClientSession, base_url: str) -> tuple[float, float, float] | None:
+    try:
+        async with session.get(f"{base_url}/metrics") as response:
+            return spec_counters(await response.text()) if response.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+
+
+@dataclass(frozen=True)
 class LevelRun:
     result: LevelResult
     records: tuple[RequestRecord, ...]  # in the order of the level's requests
+    speculation: Acceptance | None = None  # where the server speculates (its /metrics say)
 
 
 @dataclass(frozen=True)
@@ -239,8 +289,14 @@ async def run_serve(options: ServeOptions) -> ServeResult:
         levels = []
         for index, concurrency in enumerate(options.concurrency):
             requests = prompts.level(index, options.level_sizes[index])
-            levels.append(await _run_level(session, target, requests, concurrency, options.request_rate,
-                                           options.workload.seed))
+            before = await _spec_counters(session, base_url)
+            run = await _run_level(session, target, requests, concurrency, options.request_rate,
+                                   options.workload.seed)
+            after = await _spec_counters(session, base_url)
+            if before is not None and after is not None:
+                run = LevelRun(run.result, run.records, Acceptance(*(b - a for a, b in zip(before, after,
+                                                                                            strict=True))))
+            levels.append(run)
     tokenizer = None if folder is None else str(folder)
     return ServeResult(base_url, model, max_model_len, tokenizer, options.workload, options.request_rate,
                        tuple(levels), options.endpoint, warmup)

@@ -544,3 +544,14 @@ def test_a_model_the_server_does_not_serve_fails_the_warm_up(server_url: str) ->
                            tokenizer=str(MODEL_DIR))
     with pytest.raises(BenchError, match="warm-up request failed: HTTP 404"):
         asyncio.run(run_serve(options))
+
+
+def test_spec_counters_read_ferrum_and_vllm_pages() -> None:
+    from ferrum.bench.serve import spec_counters
+
+    page = ('# HELP x\nferrum_spec_decode_num_drafts_total{model_name="m"} 10.0\n'
+            'ferrum_spec_decode_num_draft_tokens_total{model_name="m"} 40.0\n'
+            'ferrum_spec_decode_num_accepted_tokens_total{model_name="m"} 25.0\n')
+    assert spec_counters(page) == (10.0, 40.0, 25.0)
+    assert spec_counters(page.replace("ferrum_", "vllm:")) == (10.0, 40.0, 25.0)
+    assert spec_counters("ferrum_generation_tokens_total 5\n") is None
