@@ -260,6 +260,10 @@ class LLMEngine:
                 self._finished += 1
                 if self.speculator is not None:
                     self.speculator.forget(seq.request_id)
+        if self.speculator is not None and "num_tokens" in record:  # the policy's measured step cost
+            iterations = int(record.get("iterations", 1))  # type: ignore[call-overload]
+            self.speculator.observe_step(int(record["num_tokens"]),  # type: ignore[call-overload]
+                                         (time.perf_counter() - started) / max(iterations, 1))
         if self._observers:
             self._notify(StepRecord(num_seqs=len(seqs), num_generated=self._generation_tokens - generated,
                                     started=started, finished=time.perf_counter(), **record))  # type: ignore[arg-type]
@@ -277,7 +281,6 @@ class LLMEngine:
                                         + s.num_new_tokens * (s.num_new_tokens + 1) // 2 for s in scheduled))
         # the grammars' masks are computed on the host while the device runs the step
         masks = self.guides.start_masks([s.seq for s in scheduled if s.completes_pending and not s.draft])
-        started = time.perf_counter()
         logits, seqs = self.runner.execute(scheduled)
         drafts = [s for s in scheduled if s.draft]
         for s in drafts:  # of its draft's tokens, the kept ones are counted computed after verification
@@ -289,8 +292,6 @@ class LLMEngine:
             self._generation_tokens += len(seqs)
         elif seqs:
             self._sample_and_verify(logits, seqs, drafts, masks)
-        if self.speculator is not None:
-            self.speculator.observe_step(sum(s.num_new_tokens for s in scheduled), time.perf_counter() - started)
         if self._observers:
             record.update(logits=logits, request_ids=tuple(seq.request_id for seq in seqs))
         return [s.seq for s in scheduled]

@@ -227,9 +227,10 @@ def test_ngram_proposer_takes_the_most_recent_match_of_the_longest_suffix() -> N
 
 
 def test_the_policy_drafts_where_it_pays() -> None:
-    """Flat step cost (memory-bound): every draft token kept. Cost in proportion to the tokens (compute-bound):
-    nothing, even at 97% acceptance. A fixed cost and a small one a token (the CPU's small batches): all of a
-    well-accepted draft, the first token of a poorly accepted one. disable_by_batch_size: none from there."""
+    """Flat step cost (memory-bound): the draft positions kept at least 1 time in 10. Cost in proportion to the
+    tokens (compute-bound): nothing, even at 97% acceptance. A fixed cost and a small one a token (the CPU's
+    small batches): all of a well-accepted draft, none of a poorly accepted one. disable_by_batch_size: none
+    from there."""
     seqs = [Sequence(str(i), [1], SamplingParams(), 0.0) for i in range(2)]
     drafts = [[1, 2, 3, 4], [5, 6, 7, 8]]
 
@@ -241,11 +242,16 @@ def test_the_policy_drafts_where_it_pays() -> None:
             s.spec_acceptance = acceptance
         return made
 
-    assert SpeculationPolicy(SpeculativeConfig()).trim(seqs, drafts) == drafts  # nothing measured: it measures
-    assert policy(lambda t: 0.010, 0.2).trim(seqs, drafts) == drafts
+    fresh = SpeculationPolicy(SpeculativeConfig())
+    assert fresh.trim(seqs, drafts) == [[], []]  # a plain step first: t(B) is what drafts are weighed against
+    fresh.cost.observe(2, 0.010)
+    assert fresh.trim(seqs, drafts) == drafts  # t(B + M) not measured yet: this step measures it
+    assert policy(lambda t: 0.010, 0.9).trim(seqs, drafts) == drafts
+    assert policy(lambda t: 0.010, 0.2).trim(seqs, drafts) == [[1], [5]]  # 0.2^2 is kept less than 1 time in 10
+    assert policy(lambda t: 0.010, 0.02).trim(seqs, drafts) == [[], []]
     assert policy(lambda t: 0.005 * t, 0.97).trim(seqs, drafts) == [[], []]
     assert policy(lambda t: 0.010 + 0.001 * t, 0.97).trim(seqs, drafts) == drafts
-    assert policy(lambda t: 0.010 + 0.001 * t, 0.2).trim(seqs, drafts) == [[1], [5]]
+    assert policy(lambda t: 0.010 + 0.001 * t, 0.2).trim(seqs, drafts) == [[], []]  # 2.7% more: under the margin
     capped = SpeculationPolicy(SpeculativeConfig(disable_by_batch_size=8))
     assert capped.allowed(7) and not capped.allowed(8)
 

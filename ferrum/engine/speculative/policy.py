@@ -6,17 +6,23 @@ sequence 1 + (its accepted drafts) tokens. Whether that pays depends on two meas
     acceptance   each sequence's per-position acceptance rate a (the chance a draft token is kept given the
                  one before it was), a running average over its verified drafts, starting from the running
                  average of every sequence; a draft's j-th token is then kept with chance a^j
-    step cost    t(T), the seconds a step of T tokens takes, measured on every step the engine runs (a
-                 running average per token count, interpolated between counts; `StepCost`)
+    step cost    t(T), the seconds a step of T tokens takes, measured on every step the engine runs, from
+                 its start to its outputs (drafting and verification included; a greedy burst's
+                 iterations each count as a step of its sequences): a running average per token count,
+                 interpolated between counts (`StepCost`)
 
 The rule: with t' = (t(B + M) - t(B)) / M the cost of one more token in the step and G = B + (expected
 accepted) the tokens the step yields, a draft position j of a sequence is worth its cost when
-a^j / G >= t' / t(B + M), i.e. when the throughput it adds is at least the time it adds. Each sequence keeps
-its positions from the first while they pass (a^j falls with j); then the step as a whole must beat a plain
-one, (B + expected kept) / t(B + M kept) >= B / t(B), or nothing is drafted. So a memory-bound step (t' near
+a^j / G >= t' / t(B + M), i.e. when the throughput it adds is at least the time it adds, and a^j is at least
+0.1 (a position kept less often is not worth the host's and the verification's work however cheap its
+token). Each sequence keeps its positions from the first while they pass (a^j falls with j); then the step as
+a whole must promise 5% more than a plain one, (B + expected kept) / t(B + M kept) >= 1.05 B / t(B), or
+nothing is drafted. So a memory-bound step (t' near
 0: large models at small batch) drafts everything the proposer offers, while a compute-bound one (the CPU,
 large batches) drafts only where acceptance is high, and nothing when it is low. Until t(B + M) has been
-measured the policy drafts (that measures it). `disable_by_batch_size` turns drafting off from that many running
+measured the policy drafts (that measures it); t(B) itself must have been measured on a plain step of B
+sequences (else this step is one), and is measured again after every 32 verify steps of that size, since a
+step's time drifts as the contexts grow. `disable_by_batch_size` turns drafting off from that many running
 sequences on, whatever the measurements; `adaptive: false` drafts whatever the proposer offers.
 """
 
@@ -31,6 +37,9 @@ from ferrum.engine.speculative.config import SpeculativeConfig
 
 PRIOR_ACCEPTANCE = 0.5  # before any sequence has been verified
 AVERAGE_WEIGHT = 0.2  # the weight of each new verification in the running averages
+MIN_KEEP_CHANCE = 0.1  # a draft position kept less often than this is not tried, however cheap its token
+MARGIN = 0.05  # a verify step must promise this much more throughput than a plain one (the measurements' noise)
+REMEASURE_EVERY = 32  # verify steps of one batch size between two plain ones (t(B) drifts as contexts grow)
 
 
 @dataclass
@@ -66,6 +75,7 @@ class SpeculationPolicy:
         self.config = config
         self.cost = StepCost()
         self.acceptance = PRIOR_ACCEPTANCE  # running average over every sequence
+        self._since_plain: dict[int, int] = {}  # batch size -> verify steps since its last plain step
 
     def rate(self, seq: Sequence) -> float:
         return seq.spec_acceptance if seq.spec_acceptance is not None else self.acceptance
@@ -80,9 +90,15 @@ class SpeculationPolicy:
         if not self.config.adaptive or not any(drafts):
             return drafts
         batch = len(seqs)
+        none: list[list[int]] = [[] for _ in drafts]
+        t0 = self.cost.seconds.get(batch)  # a plain step's, measured at this very batch size
+        if t0 is None or self._since_plain.get(batch, 0) >= REMEASURE_EVERY:
+            self._since_plain[batch] = 0
+            return none  # a plain step, which measures (again) what drafting is weighed against
         extra = sum(len(d) for d in drafts)
-        t0, t1 = self.cost.estimate(batch), self.cost.estimate(batch + extra)
-        if t0 is None or t1 is None:
+        t1 = self.cost.estimate(batch + extra)
+        if t1 is None:
+            self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
             return drafts  # not measured yet: this step measures it
         expected = batch + sum(_expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, drafts, strict=True))
         threshold = max(0.0, (t1 - t0) / extra) / t1 * expected
@@ -91,7 +107,7 @@ class SpeculationPolicy:
             a, chance, n = self.rate(seq), 1.0, 0
             for _ in draft:
                 chance *= a
-                if chance < threshold:
+                if chance < max(threshold, MIN_KEEP_CHANCE):
                     break
                 n += 1
             kept.append(draft[:n])
@@ -99,8 +115,9 @@ class SpeculationPolicy:
         extra = sum(len(d) for d in kept)
         t_kept = self.cost.estimate(batch + extra) if extra else t0
         gained = batch + sum(_expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, kept, strict=True))
-        if not extra or t_kept is None or gained / t_kept < batch / t0:
-            return [[] for _ in drafts]
+        if not extra or t_kept is None or gained / t_kept < batch / t0 * (1 + MARGIN):
+            return none
+        self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
         return kept
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:

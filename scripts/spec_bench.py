@@ -1,0 +1,208 @@
+"""Speculative decoding measured: n-gram speculation on a copy-heavy workload (the demo model by default),
+the mechanism with a replaying proposer at set acceptance probabilities, and speculation on and off under
+load. Prints the device (the CPU's model and flags, or the GPU), then a table; JSON with --out.
+
+    python scripts/spec_bench.py --parts copy,replay,load [--model FOLDER] [--backend cpu|cuda] [--out FILE]
+
+copy    batch 1, greedy: prompts asking to rewrite a passage with small edits or to answer by quoting the
+        given context; tokens/s with and without --speculative-config ngram (k 4), the acceptance, and
+        whether the outputs are the same
+replay  batch 1, 128 random prompt ids, 128 greedy tokens: the recorded output replayed as drafts (k 4) kept
+        with probability 0, 0.5, 0.8 and 1.0; time per verify step and tokens/s beside plain decoding
+        (adaptive off: the mechanism itself), and with the policy on at 0 (it should turn drafting off)
+load    the copy workload's prompts at concurrency 1, 8 (and more with --levels), speculation on and off,
+        alternating, --rounds runs each: medians of output tokens/s; the policy's measured step-cost curve
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ferrum.bench.replay_proposer import ReplayProposer  # noqa: E402
+from ferrum.engine.builder import create_engine  # noqa: E402
+from ferrum.engine.sampling_params import SamplingParams  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+PASSAGES = [
+    "The river runs past the old mill, under the stone bridge and through the quiet village, where the baker "
+    "opens his shop at six and the church bell rings twice every morning before the market starts.",
+    "Our return policy allows customers to send back any item within thirty days of delivery, provided that "
+    "the item is unused and in its original packaging, with the receipt or order number attached.",
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
+    "members agreed to increase spending on public transport and to reduce the cost of street lighting.",
+    "To reset the device, hold the power button for ten seconds until the light turns orange, then release "
+    "it and wait for the light to turn green. The device will restart with its factory settings.",
+]
+TASKS = [
+    "Rewrite the following text, changing only the word 'the' to 'that' where it fits:\n\n{p}",
+    "Repeat the following text exactly, word for word:\n\n{p}",
+    "Context:\n{p}\n\nQuote the sentence of the context that answers: what happens first?",
+    "Copy this text and add a title line at the top:\n\n{p}",
+]
+RESULTS: list[dict[str, Any]] = []
+
+
+def record(part: str, name: str, value: Any, unit: str = "", note: str = "") -> None:
+    RESULTS.append(dict(part=part, name=name, value=value, unit=unit, note=note))
+    print(f"[{part}] {name}: {value} {unit} {note}", flush=True)
+
+
+def describe_device(backend: str) -> str:
+    if backend.startswith("cuda"):
+        return f"GPU: {torch.cuda.get_device_name(0)}"
+    model, flags = platform.processor(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx"))]
+                break
+    except OSError:
+        pass
+    return f"CPU: {model}; {' '.join(flags)}; {torch.get_num_threads()} threads"
+
+
+def copy_prompts(engine) -> list[list[int]]:
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": task.format(p=p)}])
+            for task, p in zip(TASKS, PASSAGES, strict=True)]
+
+
+def timed_generate(engine, prompts: list[list[int]], params: SamplingParams, concurrent: bool) -> tuple[float, list]:
+    started = time.perf_counter()
+    if concurrent:
+        outs = engine.generate(prompts, params)
+    else:
+        outs = [engine.generate([p], params)[0] for p in prompts]
+    return time.perf_counter() - started, outs
+
+
+def part_copy(args) -> None:
+    outputs = {}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    for spec in (None, NGRAM):
+        engine = create_engine(args.model, backend=args.backend, speculative_config=spec, **args.engine)
+        prompts = copy_prompts(engine)
+        timed_generate(engine, prompts[:1], SamplingParams(max_tokens=8, temperature=0), False)  # warm-up
+        before = engine.stats()
+        seconds, outs = timed_generate(engine, prompts, params, concurrent=False)
+        tokens = sum(len(o) for o in outs)
+        outputs[spec is not None] = outs
+        name = "ngram k4" if spec else "plain"
+        note = ""
+        if spec:
+            s = engine.stats()
+            drafts = s.spec_num_drafts - before.spec_num_drafts
+            accepted = s.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            drafted = s.spec_num_draft_tokens - before.spec_num_draft_tokens
+            note = (f"acceptance {accepted / max(drafted, 1):.1%}, mean accepted length "
+                    f"{1 + accepted / max(drafts, 1):.2f}, {drafts} drafts")
+        record("copy", f"batch 1, {name}", round(tokens / seconds, 1), "tok/s", note)
+        engine.release()
+    record("copy", "outputs equal", outputs[True] == outputs[False])
+    plain = next(r for r in RESULTS if r["name"] == "batch 1, plain")["value"]
+    spec_rate = next(r for r in RESULTS if r["name"] == "batch 1, ngram k4")["value"]
+    record("copy", "speed-up", round(spec_rate / plain, 2), "x")
+
+
+def part_replay(args) -> None:
+    engine = create_engine(args.model, backend=args.backend,
+                           speculative_config={**NGRAM, "adaptive": False}, **args.engine)
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, min(vocab, 30000) - 2, (128,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=args.replay_tokens, temperature=0, ignore_eos=True)
+    engine.use_proposer(ReplayProposer({}, 0.0, vocab))  # nothing to replay: plain decoding
+    engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    seconds, outs = timed_generate(engine, [prompt], params, concurrent=False)
+    recorded = {tuple(prompt): outs[0]}
+    plain_rate = len(outs[0]) / seconds
+    record("replay", "plain batch 1", round(plain_rate, 1), "tok/s", f"{seconds / len(outs[0]) * 1e3:.2f} ms/token")
+    for acceptance in (0.0, 0.5, 0.8, 1.0):
+        engine.use_proposer(ReplayProposer(recorded, acceptance, vocab, seed=1))
+        before = engine.stats()
+        seconds, got = timed_generate(engine, [prompt], params, concurrent=False)
+        s = engine.stats()
+        steps = s.spec_num_drafts - before.spec_num_drafts
+        record("replay", f"acceptance {acceptance}, k 4", round(len(got[0]) / seconds, 1), "tok/s",
+               f"{len(got[0]) / seconds / plain_rate:.2f}x plain; {seconds / max(steps, 1) * 1e3:.2f} ms a verify "
+               f"step; same tokens: {got[0] == outs[0]}")
+    engine.release()
+    adaptive = create_engine(args.model, backend=args.backend, speculative_config=NGRAM, **args.engine)
+    adaptive.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for _ in range(2):  # alternating, in this engine: plain (nothing proposed), then the policy at acceptance 0
+        adaptive.use_proposer(ReplayProposer({}, 0.0, vocab))
+        seconds, got = timed_generate(adaptive, [prompt], params, concurrent=False)
+        plain_here = len(got[0]) / seconds
+        adaptive.use_proposer(ReplayProposer(recorded, 0.0, vocab, seed=1))
+        before = adaptive.stats().spec_num_drafts
+        seconds, got = timed_generate(adaptive, [prompt], params, concurrent=False)
+        record("replay", "acceptance 0, policy on", round(len(got[0]) / seconds, 1), "tok/s",
+               f"{len(got[0]) / seconds / plain_here:.2f}x plain in the same engine ({plain_here:.1f} tok/s); "
+               f"{adaptive.stats().spec_num_drafts - before} drafts verified")
+    adaptive.release()
+
+
+def part_load(args) -> None:
+    for level in args.levels:
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        curve: list[tuple[int, float]] = []
+        for _ in range(args.rounds):
+            for spec in (None, NGRAM):
+                engine = create_engine(args.model, backend=args.backend, speculative_config=spec, **args.engine)
+                base = copy_prompts(engine)
+                prompts = [base[i % len(base)] for i in range(level * 2)]
+                timed_generate(engine, prompts[:level], SamplingParams(max_tokens=8, temperature=0), True)
+                seconds, outs = timed_generate(engine, prompts, SamplingParams(max_tokens=args.max_tokens,
+                                                                               temperature=0), True)
+                rates[spec is not None].append(sum(len(o) for o in outs) / seconds)
+                if engine.speculator is not None:
+                    curve = engine.speculator.policy.cost.curve()
+                engine.release()
+        off, on = statistics.median(rates[False]), statistics.median(rates[True])
+        record("load", f"concurrency {level}", round(on / off, 3), "x (on / off)",
+               f"medians of {args.rounds}: on {on:.1f}, off {off:.1f} tok/s")
+        record("load", f"concurrency {level}: measured step cost t(T)",
+               " ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in curve[:24]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="copy,replay,load")
+    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto", help="as the server's (default auto, its default)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--replay-tokens", type=int, default=128)
+    parser.add_argument("--levels", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    quantization = None if args.quantization == "none" else {"method": args.quantization}
+    args.engine = dict(dtype=args.dtype, max_model_len=2048, quantization=quantization)
+    print(describe_device(args.backend), flush=True)
+    parts = {"copy": part_copy, "replay": part_replay, "load": part_load}
+    for part in args.parts.split(","):
+        parts[part](args)
+    print("\n| part | name | value | unit | note |\n| --- | --- | --- | --- | --- |")
+    for r in RESULTS:
+        print(f"| {r['part']} | {r['name']} | {r['value']} | {r['unit']} | {r['note']} |")
+    if args.out:
+        args.out.write_text(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()
