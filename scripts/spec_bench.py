@@ -147,11 +147,11 @@ def part_replay(args) -> None:
         seconds, got = timed_generate(adaptive, [prompt], params, concurrent=False)
         plain_here = len(got[0]) / seconds
         adaptive.use_proposer(ReplayProposer(recorded, 0.0, vocab, seed=1))
-        before = adaptive.stats().spec_num_drafts
+        drafts_before = adaptive.stats().spec_num_drafts
         seconds, got = timed_generate(adaptive, [prompt], params, concurrent=False)
         record("replay", "acceptance 0, policy on", round(len(got[0]) / seconds, 1), "tok/s",
                f"{len(got[0]) / seconds / plain_here:.2f}x plain in the same engine ({plain_here:.1f} tok/s); "
-               f"{adaptive.stats().spec_num_drafts - before} drafts verified")
+               f"{adaptive.stats().spec_num_drafts - drafts_before} drafts verified")
     adaptive.release()
 
 
