@@ -42,3 +42,18 @@ def test_gpu_path_engine_gives_the_cpu_path_tokens(tiny: Path) -> None:
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert gpu_path.generate(prompts, params) == cpu.generate(prompts, params)
     assert gpu_path.stats().kv_blocks_used == 0
+
+
+def test_gpu_path_speculates_as_the_cpu_path_decodes(tiny: Path) -> None:
+    """Speculative decoding on the GPU path (its eager steps: the prefill kernel over each last token and its
+    draft): the CPU path's plain greedy tokens, drafts verified and kept."""
+    files = ModelFiles(File(tiny), tiny, local_weights(tiny), complete=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    config = EngineConfig(dtype="float32", max_model_len=128, kv_cache_memory_gb=0.01, max_num_seqs=4,
+                          max_num_batched_tokens=64, block_size=8, speculative_config=spec)
+    gpu_path = LLMEngine(config, gpu_path_device(), files)
+    cpu = _engine(tiny, host_device())
+    prompts = [cpu.tokenizer.encode("one two three four one two three four one two three")]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert gpu_path.generate(prompts, params) == cpu.generate(prompts, params)
+    assert gpu_path.stats().spec_num_drafts > 0 and gpu_path.stats().kv_blocks_used == 0
