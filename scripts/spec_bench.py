@@ -10,8 +10,9 @@ copy    batch 1, greedy: prompts asking to rewrite a passage with small edits or
 replay  batch 1, 128 random prompt ids, 128 greedy tokens: the recorded output replayed as drafts (k 4) kept
         with probability 0, 0.5, 0.8 and 1.0; time per verify step and tokens/s beside plain decoding
         (adaptive off: the mechanism itself), and with the policy on at 0 (it should turn drafting off)
-load    the copy workload's prompts at concurrency 1, 8 (and more with --levels), speculation on and off,
-        alternating, --rounds runs each: medians of output tokens/s; the policy's measured step-cost curve
+load    the copy workload's prompts, `level` requests at once (two waves), at levels 1 and 8 (and more with
+        --levels), speculation on and off, alternating, --rounds runs each: medians of output tokens/s; the
+        policy's measured step-cost curve
 """
 
 from __future__ import annotations
@@ -163,11 +164,14 @@ def part_load(args) -> None:
             for spec in (None, NGRAM):
                 engine = create_engine(args.model, backend=args.backend, speculative_config=spec, **args.engine)
                 base = copy_prompts(engine)
-                prompts = [base[i % len(base)] for i in range(level * 2)]
-                timed_generate(engine, prompts[:level], SamplingParams(max_tokens=8, temperature=0), True)
-                seconds, outs = timed_generate(engine, prompts, SamplingParams(max_tokens=args.max_tokens,
-                                                                               temperature=0), True)
-                rates[spec is not None].append(sum(len(o) for o in outs) / seconds)
+                prompts = [base[i % len(base)] for i in range(level)]
+                timed_generate(engine, prompts, SamplingParams(max_tokens=8, temperature=0), True)
+                tokens, seconds = 0, 0.0
+                for _ in range(2):  # two waves of `level` requests at once
+                    took, outs = timed_generate(engine, prompts, SamplingParams(max_tokens=args.max_tokens,
+                                                                                temperature=0), True)
+                    tokens, seconds = tokens + sum(len(o) for o in outs), seconds + took
+                rates[spec is not None].append(tokens / seconds)
                 if engine.speculator is not None:
                     curve = engine.speculator.policy.cost.curve()
                 engine.release()

@@ -126,6 +126,8 @@ class LLMEngine:
         # greedy decodes queued on the device whose tokens the host has not read yet
         self._burst: tuple[list[Sequence], GreedyBurst] | None = None
         self._observers: list[StepObserver] = []
+        self._decoding = False  # the last step's sequences all decoded (plain, drafts or a burst): its time is
+        # one of the speculation policy's step costs
         self._preemptions = 0
         self._finished = 0
         self._prompt_tokens = 0
@@ -260,7 +262,7 @@ class LLMEngine:
                 self._finished += 1
                 if self.speculator is not None:
                     self.speculator.forget(seq.request_id)
-        if self.speculator is not None and "num_tokens" in record:  # the policy's measured step cost
+        if self.speculator is not None and self._decoding:  # the policy's measured step cost
             iterations = int(record.get("iterations", 1))  # type: ignore[call-overload]
             self.speculator.observe_step(int(record["num_tokens"]),  # type: ignore[call-overload]
                                          (time.perf_counter() - started) / max(iterations, 1))
@@ -275,6 +277,7 @@ class LLMEngine:
         scheduled = list(plan.scheduled)
         decodes = sum(1 for s in scheduled if s.is_decode)
         kind: StepKind = "decode" if decodes == len(scheduled) else ("prefill" if not decodes else "mixed")
+        self._decoding = all(s.is_decode or s.draft for s in scheduled)
         record.update(kind=kind, num_tokens=sum(s.num_new_tokens for s in scheduled),
                       cached_tokens=sum(s.seq.num_computed_tokens for s in scheduled),
                       attended_keys=sum(s.num_new_tokens * s.seq.num_computed_tokens
@@ -335,6 +338,7 @@ class LLMEngine:
         batches queue it even before the host has the tokens (_queue_ahead). Returns the burst's
         sequences; `record` gets what the step ran, for the observers."""
         assert self._burst is not None
+        self._decoding = True
         seqs, burst = self._burst
         self._burst = None
         following = self._queue_ahead(seqs, burst.steps)

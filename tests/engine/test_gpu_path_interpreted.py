@@ -11,6 +11,7 @@ import pytest
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.speculative.config import SpeculativeConfig
 from ferrum.weights.locations.model_files import ModelFiles, local_weights
 from ferrum.weights.spec.sources import File
 from tests.engines import host_device
@@ -48,7 +49,7 @@ def test_gpu_path_speculates_as_the_cpu_path_decodes(tiny: Path) -> None:
     """Speculative decoding on the GPU path (its eager steps: the prefill kernel over each last token and its
     draft): the CPU path's plain greedy tokens, drafts verified and kept."""
     files = ModelFiles(File(tiny), tiny, local_weights(tiny), complete=True)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    spec = SpeculativeConfig(num_speculative_tokens=3, adaptive=False)
     config = EngineConfig(dtype="float32", max_model_len=128, kv_cache_memory_gb=0.01, max_num_seqs=4,
                           max_num_batched_tokens=64, block_size=8, speculative_config=spec)
     gpu_path = LLMEngine(config, gpu_path_device(), files)

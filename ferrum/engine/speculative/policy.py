@@ -6,10 +6,11 @@ sequence 1 + (its accepted drafts) tokens. Whether that pays depends on two meas
     acceptance   each sequence's per-position acceptance rate a (the chance a draft token is kept given the
                  one before it was), a running average over its verified drafts, starting from the running
                  average of every sequence; a draft's j-th token is then kept with chance a^j
-    step cost    t(T), the seconds a step of T tokens takes, measured on every step the engine runs, from
-                 its start to its outputs (drafting and verification included; a greedy burst's
-                 iterations each count as a step of its sequences): a running average per token count,
-                 interpolated between counts (`StepCost`)
+    step cost    t(T), the seconds a step of T tokens takes, measured on every step the engine runs whose
+                 sequences all decode (plain or with drafts: a prefill's tokens cost otherwise), from its
+                 start to its outputs (drafting and verification included; a greedy burst's iterations
+                 each count as a step of its sequences): a running average per token count, made
+                 non-decreasing in T and interpolated between counts (`StepCost`)
 
 The rule: with t' = (t(B + M) - t(B)) / M the cost of one more token in the step and G = B + (expected
 accepted) the tokens the step yields, a draft position j of a sequence is worth its cost when
@@ -53,17 +54,21 @@ class StepCost:
         self.seconds[tokens] = seconds if old is None else old + AVERAGE_WEIGHT * (seconds - old)
 
     def estimate(self, tokens: int) -> float | None:
-        """t(tokens), interpolated linearly between the nearest measured counts; None beyond the measured
-        range (or with none measured)."""
-        if tokens in self.seconds:
-            return self.seconds[tokens]
+        """t(tokens) from the measured counts made non-decreasing (a step of more tokens never takes less:
+        each count's time is at least the largest of the smaller counts'), interpolated linearly between
+        the nearest; None beyond the measured range (or with none measured)."""
         counts = sorted(self.seconds)
+        envelope, highest = [], 0.0
+        for count in counts:
+            highest = max(highest, self.seconds[count])
+            envelope.append(highest)
         i = bisect.bisect_left(counts, tokens)
+        if i < len(counts) and counts[i] == tokens:
+            return envelope[i]
         if i == 0 or i == len(counts):
             return None
         lo, hi = counts[i - 1], counts[i]
-        t_lo, t_hi = self.seconds[lo], self.seconds[hi]
-        return t_lo + (t_hi - t_lo) * (tokens - lo) / (hi - lo)
+        return envelope[i - 1] + (envelope[i] - envelope[i - 1]) * (tokens - lo) / (hi - lo)
 
     def curve(self) -> list[tuple[int, float]]:
         """The measured (tokens, seconds) points, by token count."""
@@ -91,7 +96,7 @@ class SpeculationPolicy:
             return drafts
         batch = len(seqs)
         none: list[list[int]] = [[] for _ in drafts]
-        t0 = self.cost.seconds.get(batch)  # a plain step's, measured at this very batch size
+        t0 = self.cost.estimate(batch) if batch in self.cost.seconds else None  # measured at this very size
         if t0 is None or self._since_plain.get(batch, 0) >= REMEASURE_EVERY:
             self._since_plain[batch] = 0
             return none  # a plain step, which measures (again) what drafting is weighed against
