@@ -213,6 +213,12 @@ def grouped_tiles(pairs: int, num_experts: int) -> GroupedTiles:
     return GroupedTiles(16, 64, 64, 4, 3)
 
 
+def per_pair_fits(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a step of `tokens` tokens takes the per-pair products: while the pairs are few against the
+    experts (few pairs share an expert, whose rows each pair's programs would read again)."""
+    return tokens <= PER_PAIR_MAX_ROWS and 2 * tokens * top_k <= num_experts
+
+
 def _dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -223,7 +229,8 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
     """The experts' weighted sum for each token of x [T, H]: chosen / weights [T, k] from `route`,
     gate_up [E * 2I, H] and down [E * H, I] stacked (tensors in x's dtype, or QuantWeights of the stacks
     for the per-pair products). `per_pair`: force one way (None: per pair while the pairs are few against
-    the experts, or the weights are quantized). Returns [T, H] in x's dtype."""
+    the experts; ferrum.models.layers.moe hands larger steps their quantized stacks dequantized). Returns
+    [T, H] in x's dtype."""
     tokens, hidden = x.shape
     top_k = chosen.shape[1]
     pairs = tokens * top_k
@@ -232,7 +239,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
     assert gu.in_features == hidden and dn.out_rows == num_experts * hidden and dn.in_features == inter
     quantized = isinstance(gate_up, QuantWeight) or isinstance(down, QuantWeight)
     if per_pair is None:
-        per_pair = quantized or (tokens <= PER_PAIR_MAX_ROWS and 2 * pairs <= num_experts)
+        per_pair = quantized or per_pair_fits(tokens, top_k, num_experts)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     if per_pair:

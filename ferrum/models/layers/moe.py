@@ -8,8 +8,9 @@ are stacked, expert after expert, in two parameters that the checkpoint's per-ex
     experts_down      [E * H, I]    expert e's rows e*H .. (e+1)*H
 
 Quantized on load (int8, int4, fp8), each stack is one quantized weight (`QuantizedExperts`): rows are
-quantized one by one, so an expert's rows of the storage are that expert quantized; the GPU kernels read
-the chosen experts' rows as they lie, the plain path dequantizes each chosen expert's rows as it runs it.
+quantized one by one, so an expert's rows of the storage are that expert quantized; the GPU's per-pair
+kernels read the chosen experts' rows as they lie (larger steps dequantize the stacks for the grouped
+products), the plain path dequantizes each chosen expert's rows as it runs it.
 
 How the experts compute is chosen once from the layer ops (`ExpertsMethod`):
 
@@ -66,12 +67,19 @@ def triton_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
     config = moe.moe
     chosen, weights = kernels.route(x, moe.gate.weight, config.top_k, config.normalize)
-    return kernels.experts(x, chosen, weights, _kernel_stack(moe.experts_gate_up), _kernel_stack(moe.experts_down),
-                           config.num_experts)
+    small = kernels.per_pair_fits(x.shape[0], config.top_k, config.num_experts)
+    return kernels.experts(x, chosen, weights, _kernel_stack(moe.experts_gate_up, small, x.dtype),
+                           _kernel_stack(moe.experts_down, small, x.dtype), config.num_experts, per_pair=small)
 
 
-def _kernel_stack(stack: torch.Tensor | QuantizedExperts) -> torch.Tensor | QuantWeight:
-    return stack.kernel_weight() if isinstance(stack, QuantizedExperts) else stack
+def _kernel_stack(stack: torch.Tensor | QuantizedExperts, per_pair: bool,
+                  dtype: torch.dtype) -> torch.Tensor | QuantWeight:
+    """A stack as the kernels take it: a quantized one's storage for the per-pair products, or (larger steps,
+    which take the grouped tensor-core products) dequantized for the call: its bytes are read once a step
+    either way, and the products then run at the tensor cores' rate."""
+    if not isinstance(stack, QuantizedExperts):
+        return stack
+    return stack.kernel_weight() if per_pair else stack.rows_dequantized(0, stack.out_features, dtype)
 
 
 def experts_method(ops: LayerOps) -> ExpertsMethod:
