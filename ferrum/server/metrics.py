@@ -6,8 +6,9 @@ Engine state is read at scrape time (running and waiting requests, KV cache, pre
 preemptions, tokens); request latencies are observed by the API as outputs arrive (time to first
 token, inter-token latency, end-to-end latency, queue time, tokens per request, success by finish
 reason); admission refusals by reason; the weights' load by source. Each app has its own
-registry, so several apps (tests) in one process do not collide. `METRIC_NAMES` lists every family
-(the Grafana dashboard deploy/grafana/ferrum.json reads them; a test checks that it reads no other).
+registry, so several apps (tests) in one process do not collide. `METRIC_NAMES` lists every family,
+`SPEC_METRIC_NAMES` those of speculative decoding, exposed while the engine speculates (the Grafana
+dashboard deploy/grafana/ferrum.json reads them all; a test checks that it reads no other).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ METRIC_NAMES = frozenset({
     "ferrum_requests_rejected_total", "ferrum_time_to_first_token_seconds", "ferrum_inter_token_latency_seconds",
     "ferrum_e2e_request_latency_seconds", "ferrum_request_queue_time_seconds", "ferrum_request_prompt_tokens",
     "ferrum_request_generation_tokens", "ferrum_weight_load_bytes_total", "ferrum_weight_load_seconds_total",
+})
+# exposed while the engine speculates (--speculative-config), as vLLM exposes its own
+SPEC_METRIC_NAMES = frozenset({
     "ferrum_spec_decode_num_drafts_total", "ferrum_spec_decode_num_draft_tokens_total",
     "ferrum_spec_decode_num_accepted_tokens_total", "ferrum_spec_decode_num_accepted_tokens_per_pos_total",
 })

@@ -20,6 +20,7 @@ from ferrum.engine.speculative.config import SpeculativeConfig
 from ferrum.engine.speculative.policy import SpeculationPolicy
 from ferrum.engine.speculative.proposer import NgramProposer
 from ferrum.engine.speculative.verify import Draft, Verifier
+from ferrum.server.metrics import SPEC_METRIC_NAMES
 from tests.engines import local_engine
 from tests.tiny_model import DEMO, save_hf_model, tiny_config
 
@@ -76,8 +77,21 @@ def test_greedy_outputs_equal_plain_decoding_in_a_mixed_batch(tiny: Path, kernel
             assert stats.spec_num_accepted_tokens > 20 and stats.spec_num_drafts > 5
             assert stats.prefix_cache_hits > 0
             assert engine.block_manager.num_used == 0  # every block given back, the refused drafts' too
+            assert _exposed(engine) >= SPEC_METRIC_NAMES
         engine.release()
     assert runs[0] == runs[1]
+
+
+def _exposed(engine) -> set[str]:
+    """The metric families /metrics exposes for this engine."""
+    from prometheus_client import generate_latest
+
+    from ferrum.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.engine = engine
+    text = generate_latest(metrics.registry).decode()
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
 
 
 def test_stops_limits_grammars_bias_penalties_and_n_as_without(tiny: Path) -> None:
