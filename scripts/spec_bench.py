@@ -13,6 +13,8 @@ replay  batch 1, 128 random prompt ids, 128 greedy tokens: the recorded output r
 load    the copy workload's prompts, `level` requests at once (two waves), at levels 1 and 8 (and more with
         --levels), speculation on and off, alternating, --rounds runs each: medians of output tokens/s; the
         policy's measured step-cost curve
+serve   the same through HTTP: `ferrum serve` (the server's defaults) with and without --speculative-config,
+        `ferrum bench serve --endpoint chat` on the copy prompts at each level, alternating, --rounds runs each
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from ferrum.bench.replay_proposer import ReplayProposer  # noqa: E402
 from ferrum.engine.builder import create_engine  # noqa: E402
@@ -182,6 +186,41 @@ def part_load(args) -> None:
                " ".join(f"{t}:{s * 1e3:.1f}ms" for t, s in curve[:24]))
 
 
+def part_serve(args) -> None:
+    """`ferrum serve` with and without --speculative-config, `ferrum bench serve --endpoint chat` on the copy
+    prompts at each level, alternating, --rounds runs each: medians of output tokens/s."""
+    import gpu_suite
+    from gpu_suite import Variant, server
+
+    gpu_suite.BACKEND = args.backend
+    prompts = args.out_dir / "copy-prompts.json"
+    prompts.write_text(json.dumps([task.format(p=p) for task, p in zip(TASKS, PASSAGES, strict=True)]))
+    levels = ",".join(str(n) for n in args.levels)
+    rates: dict[tuple[bool, int], list[float]] = {}
+    accepted: dict[int, list[float]] = {}
+    for round_ in range(args.rounds):
+        for spec in (None, NGRAM):
+            extra = ["--max-model-len", "2048"] + (["--speculative-config", json.dumps(spec)] if spec else [])
+            log = args.out_dir / f"serve-{round_}-{'on' if spec else 'off'}.log"
+            with server(Variant("new", ROOT), Path(args.model), 8123, log, *extra):
+                out = args.out_dir / f"bench-{round_}-{'on' if spec else 'off'}.json"
+                subprocess.run([sys.executable, "-m", "ferrum.cli", "bench", "serve", "--url", "http://127.0.0.1:8123",
+                                "--model", Path(args.model).name, "--tokenizer", args.model, "--endpoint", "chat",
+                                "--prompts-file", str(prompts), "--no-ignore-eos", "--output-len", str(args.max_tokens),
+                                "--concurrency", levels, "--requests-per-level",
+                                ",".join(str(2 * n) for n in args.levels), "--output-json", str(out)],
+                               check=True, cwd=ROOT, capture_output=True)
+            for level in json.loads(out.read_text())["levels"]:
+                rates.setdefault((spec is not None, level["concurrency"]), []).append(level["output_throughput"])
+                if spec is not None and "speculation" in level:
+                    accepted.setdefault(level["concurrency"], []).append(level["speculation"]["acceptance_rate"])
+    for level in args.levels:
+        on, off = statistics.median(rates[(True, level)]), statistics.median(rates[(False, level)])
+        record("serve", f"concurrency {level} (ferrum bench serve, chat)", round(on / off, 3), "x (on / off)",
+               f"medians of {args.rounds}: on {on:.1f}, off {off:.1f} tok/s; acceptance "
+               f"{statistics.median(accepted.get(level, [0.0])):.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="copy,replay,load")
@@ -194,11 +233,13 @@ def main() -> None:
     parser.add_argument("--levels", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/spec-bench"), help="the serve part's files")
     args = parser.parse_args()
     quantization = None if args.quantization == "none" else {"method": args.quantization}
     args.engine = dict(dtype=args.dtype, max_model_len=2048, quantization=quantization)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     print(describe_device(args.backend), flush=True)
-    parts = {"copy": part_copy, "replay": part_replay, "load": part_load}
+    parts = {"copy": part_copy, "replay": part_replay, "load": part_load, "serve": part_serve}
     for part in args.parts.split(","):
         parts[part](args)
     print("\n| part | name | value | unit | note |\n| --- | --- | --- | --- | --- |")
