@@ -115,3 +115,24 @@ def summarize(
         token_sources=dict(sorted(Counter(r.token_source for r in done).items())),
         finish_reasons=dict(sorted(Counter(str(r.finish_reason).lower() for r in done).items())),
     )
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """A run's speculative decoding: drafts verified, their tokens, the tokens kept (and, where the engine
+    says, the tokens kept at each draft position), as vLLM counts them."""
+
+    num_drafts: float
+    num_draft_tokens: float
+    num_accepted_tokens: float
+    accepted_per_position: tuple[float, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The share of draft tokens kept."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verified draft's step gave its sequence on average: 1 + the kept ones."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

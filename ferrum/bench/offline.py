@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ferrum.bench.errors import BenchError
+from ferrum.bench.metrics import Acceptance
 from ferrum.bench.progress import RequestProgress
 from ferrum.bench.roofline import ModelCost, Roofline, RooflineReport, measure_peaks
 from ferrum.bench.workload import BenchRequest, WorkloadSpec, make_workload, prompt_token_pool, warmup_request
@@ -28,34 +29,15 @@ class OfflineOptions:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields other than model/device
 
 
-@dataclass(frozen=True)
-class SpeculationReport:
-    """A run's speculative decoding: drafts verified, their tokens, the tokens kept (all and by position)."""
-
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: tuple[int, ...]
-
-    @classmethod
-    def between(cls, before: EngineStats, after: EngineStats) -> SpeculationReport | None:
-        if not after.spec_accepted_per_position:
-            return None
-        per_pos = tuple(b - a for a, b in zip(before.spec_accepted_per_position or (0,) * len(
-            after.spec_accepted_per_position), after.spec_accepted_per_position, strict=True))
-        return cls(after.spec_num_drafts - before.spec_num_drafts,
-                   after.spec_num_draft_tokens - before.spec_num_draft_tokens,
-                   after.spec_num_accepted_tokens - before.spec_num_accepted_tokens, per_pos)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """The share of draft tokens kept."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verified draft's step gave its sequence on average: 1 + the kept ones (vLLM's)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+def speculation_between(before: EngineStats, after: EngineStats) -> Acceptance | None:
+    """The drafts and acceptance of the steps between two of the engine's stats (None: it does not speculate)."""
+    if not after.spec_accepted_per_position:
+        return None
+    first = before.spec_accepted_per_position or (0,) * len(after.spec_accepted_per_position)
+    return Acceptance(after.spec_num_drafts - before.spec_num_drafts,
+                      after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                      after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+                      tuple(b - a for a, b in zip(first, after.spec_accepted_per_position, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -78,7 +60,7 @@ class OfflineResult:
     roofline: RooflineReport | None = None  # the run's per-step roofline (ferrum.bench.roofline)
     kv_cache_tokens: int = 0  # tokens the KV cache holds (its blocks x block size)
     kv_cache_dtype: str = ""
-    speculation: SpeculationReport | None = None  # the run's drafts and acceptance, where it speculated
+    speculation: Acceptance | None = None  # the run's drafts and acceptance, where it speculated
 
     @property
     def requests_per_s(self) -> float:
@@ -173,7 +155,7 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
         roofline=RooflineReport.of(roofline, elapsed),
         kv_cache_tokens=stats.kv_blocks_total * engine.config.block_size,
         kv_cache_dtype=stats.kv_cache_dtype,
-        speculation=SpeculationReport.between(before, stats),
+        speculation=speculation_between(before, stats),
     )
 
 

@@ -8,12 +8,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferrum.bench.metrics import Distribution, LevelResult, RequestRecord
+from ferrum.bench.metrics import Acceptance, Distribution, LevelResult, RequestRecord
 from ferrum.bench.serve import LevelRun, ServeResult
 from ferrum.bench.workload import WorkloadSpec
 
 if TYPE_CHECKING:  # offline pulls in the engine and torch; `bench serve` needs neither
-    from ferrum.bench.offline import OfflineResult, SpeculationReport
+    from ferrum.bench.offline import OfflineResult
 
 _WIDTH = 56
 
@@ -64,7 +64,7 @@ def offline_json(result: OfflineResult) -> dict[str, Any]:
     }
 
 
-def _speculation_json(s: SpeculationReport | None) -> dict[str, Any] | None:
+def _speculation_json(s: Acceptance | None) -> dict[str, Any] | None:
     if s is None:
         return None
     return {**asdict(s), "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length}
@@ -118,8 +118,7 @@ def level_json(run: LevelRun, with_requests: bool) -> dict[str, Any]:
         "finish_reasons": r.finish_reasons,
     }
     if run.speculation is not None:
-        out["speculation"] = {**asdict(run.speculation), "acceptance_rate": run.speculation.acceptance_rate,
-                              "mean_accepted_length": run.speculation.mean_accepted_length}
+        out["speculation"] = _speculation_json(run.speculation)
     if with_requests:
         out["requests"] = [request_json(record) for record in run.records]
     return out
@@ -204,15 +203,15 @@ def _roofline_lines(result: OfflineResult) -> list[str]:
     ]
 
 
-def _speculation_lines(s: SpeculationReport | None) -> list[str]:
+def _speculation_lines(s: Acceptance | None) -> list[str]:
     if s is None:
         return []
     drafts = max(s.num_drafts, 1)
     by_position = ", ".join(f"{n / drafts:.2f}" for n in s.accepted_per_position)
     return [
         _title("Speculative decoding"),
-        _line("Drafts verified", s.num_drafts),
-        _line("Draft tokens / accepted", f"{s.num_draft_tokens} / {s.num_accepted_tokens}"),
+        _line("Drafts verified", f"{s.num_drafts:.0f}"),
+        _line("Draft tokens / accepted", f"{s.num_draft_tokens:.0f} / {s.num_accepted_tokens:.0f}"),
         _line("Acceptance rate", f"{s.acceptance_rate:.1%}"),
         _line("Mean accepted length", s.mean_accepted_length),
         _line("Accepted by position (per draft)", by_position or "-"),

@@ -17,7 +17,7 @@ import numpy as np
 
 from ferrum.bench.client import ENDPOINTS, Endpoint, Target, send
 from ferrum.bench.errors import BenchError
-from ferrum.bench.metrics import LevelResult, RequestRecord, summarize
+from ferrum.bench.metrics import Acceptance, LevelResult, RequestRecord, summarize
 from ferrum.bench.progress import RequestProgress
 from ferrum.bench.workload import (
     BenchRequest,
@@ -66,24 +66,6 @@ class ServeOptions:
         if self.requests_per_level is not None:
             return self.requests_per_level
         return (self.workload.num_prompts,) * len(self.concurrency)
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """A level's speculative decoding, from the server's /metrics counters before and after it (Ferrum's
-    and vLLM's names): drafts verified, their tokens, the tokens kept."""
-
-    num_drafts: float
-    num_draft_tokens: float
-    num_accepted_tokens: float
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
@@ -294,8 +276,8 @@ async def run_serve(options: ServeOptions) -> ServeResult:
                                    options.workload.seed)
             after = await _spec_counters(session, base_url)
             if before is not None and after is not None:
-                run = LevelRun(run.result, run.records, Acceptance(*(b - a for a, b in zip(before, after,
-                                                                                            strict=True))))
+                drafts, tokens, accepted = (b - a for a, b in zip(before, after, strict=True))
+                run = LevelRun(run.result, run.records, Acceptance(drafts, tokens, accepted))
             levels.append(run)
     tokenizer = None if folder is None else str(folder)
     return ServeResult(base_url, model, max_model_len, tokenizer, options.workload, options.request_rate,

@@ -186,6 +186,20 @@ def test_bench_offline_on_the_demo_model(tmp_path: Path, one_thread: None, token
     assert roofline["fraction"] == pytest.approx(roofline["seconds"] / result["elapsed_s"])
     assert roofline["passes"] >= max(r.output_len for r in expected)  # a pass per generated token at least
     assert 0 <= roofline["compute_bound_passes"] <= roofline["passes"]
+    assert result["speculation"] is None
+
+
+def test_bench_offline_reports_the_acceptance(tmp_path: Path, one_thread: None) -> None:
+    """With --speculative-config the report counts drafts and kept tokens (random prompts: few of either)."""
+    _need_model()
+    out = tmp_path / "offline.json"
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False})
+    assert _run_cli(["bench", "offline", "--model", str(MODEL_DIR), "--backend", "cpu", "--dtype", "float32",
+                     "--kv-cache-memory-gb", "0.05", "--max-model-len", "128", *SHORT, "--speculative-config", spec,
+                     "--output-json", str(out)]) == 0
+    s = json.loads(out.read_text())["speculation"]
+    assert s["num_drafts"] > 0 and 0 <= s["num_accepted_tokens"] <= s["num_draft_tokens"] <= 2 * s["num_drafts"]
+    assert len(s["accepted_per_position"]) == 2 and s["mean_accepted_length"] >= 1
 
 
 @pytest.mark.slow
