@@ -192,6 +192,11 @@ def phase_decode(args, bandwidth: float) -> None:
     record("decode", "qwen3-30b-a3b batch-1 ms/token", round(per_token * 1e3, 3), "ms",
            f"active floor {floor * 1e3:.3f} ms ({active_bytes_per_token(folder) / 1e9:.2f} GB) -> "
            f"{floor / per_token:.1%} of floor")
+    del engine  # released by batch1_per_token: the offline phase's process needs the device's memory
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def phase_offline(args) -> None:

@@ -94,6 +94,16 @@ def timed_generate(engine, prompts: list[list[int]], params: SamplingParams, con
     return time.perf_counter() - started, outs
 
 
+def step_summary(steps: list) -> str:
+    """Decode steps by kind: how many, their mean wall time and the tokens each gave (where the time goes)."""
+    kinds: dict[str, list] = {}
+    for r in steps:
+        name = "single decode" if r.kind == "decode" else r.kind
+        kinds.setdefault(name, []).append(r)
+    return "; ".join(f"{name} x{len(rs)}: {statistics.mean(r.finished - r.started for r in rs) * 1e3:.2f} ms, "
+                     f"{statistics.mean(r.num_generated for r in rs):.2f} tokens" for name, rs in sorted(kinds.items()))
+
+
 def part_copy(args) -> None:
     outputs = {}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
@@ -102,7 +112,11 @@ def part_copy(args) -> None:
         prompts = copy_prompts(engine)
         timed_generate(engine, prompts[:1], SamplingParams(max_tokens=8, temperature=0), False)  # warm-up
         before = engine.stats()
+        steps: list = []
+        stop_watching = engine.add_observer(steps.append)
         seconds, outs = timed_generate(engine, prompts, params, concurrent=False)
+        stop_watching()
+        record("copy", f"steps, {'ngram k4' if spec else 'plain'}", step_summary(steps))
         tokens = sum(len(o) for o in outs)
         outputs[spec is not None] = outs
         name = "ngram k4" if spec else "plain"
@@ -132,18 +146,36 @@ def part_replay(args) -> None:
     engine.use_proposer(ReplayProposer({}, 0.0, vocab))  # nothing to replay: plain decoding
     engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     seconds, outs = timed_generate(engine, [prompt], params, concurrent=False)
-    recorded = {tuple(prompt): outs[0]}
     plain_rate = len(outs[0]) / seconds
     record("replay", "plain batch 1", round(plain_rate, 1), "tok/s", f"{seconds / len(outs[0]) * 1e3:.2f} ms/token")
+    # the plain run's top-2 logit margins (logprobs: one-row decode steps, as plain)
+    engine.add_request("margins", prompt, SamplingParams(max_tokens=args.replay_tokens, temperature=0,
+                                                         ignore_eos=True, logprobs=2))
+    margins: list[float] = []
+    while engine.has_work:
+        for out in engine.step():
+            margins += [lp.top[0].logprob - lp.top[1].logprob for lp in out.new_logprobs or ()]
+    # the recording: every step a verification whose drafts are all refused, so that each token comes from the
+    # verify pass's rows (bf16 rounds those differently from the one-row decode chain: at a near-tie of a
+    # random-weight model the two part, and a plain recording would then be refused from there on)
+    engine.use_proposer(ReplayProposer({tuple(prompt): outs[0]}, 0.0, vocab, seed=1))
+    _, verified = timed_generate(engine, [prompt], params, concurrent=False)
+    parted = next((i for i, (a, b) in enumerate(zip(verified[0], outs[0], strict=True)) if a != b), None)
+    record("replay", "verified greedy tokens = plain", parted is None, "",
+           "" if parted is None else f"parted at token {parted}, where the plain run's top-2 logit margin is "
+           f"{margins[parted]:.2e} (the smallest before it {min(margins[:parted] or [float('inf')]):.2e})")
+    recorded = {tuple(prompt): verified[0]}
     for acceptance in (0.0, 0.5, 0.8, 1.0):
         engine.use_proposer(ReplayProposer(recorded, acceptance, vocab, seed=1))
         before = engine.stats()
         seconds, got = timed_generate(engine, [prompt], params, concurrent=False)
         s = engine.stats()
         steps = s.spec_num_drafts - before.spec_num_drafts
+        kept = (s.spec_num_accepted_tokens - before.spec_num_accepted_tokens) / max(
+            s.spec_num_draft_tokens - before.spec_num_draft_tokens, 1)
         record("replay", f"acceptance {acceptance}, k 4", round(len(got[0]) / seconds, 1), "tok/s",
                f"{len(got[0]) / seconds / plain_rate:.2f}x plain; {seconds / max(steps, 1) * 1e3:.2f} ms a verify "
-               f"step; same tokens: {got[0] == outs[0]}")
+               f"step; draft tokens kept {kept:.1%}; the recording's tokens: {got[0] == verified[0]}")
     engine.release()
     adaptive = create_engine(args.model, backend=args.backend, speculative_config=NGRAM, **args.engine)
     adaptive.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

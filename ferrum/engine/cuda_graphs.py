@@ -154,12 +154,32 @@ class DecodeGraphs:
     # -- one decode ------------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Replays the graph of `seqs`' bucket; their logits [len(seqs), V] on the device."""
-        size = self._load_inputs(seqs)
+        size = self._load_inputs(seqs, [seq.num_computed_tokens for seq in seqs],
+                                 [seq.token_at(seq.num_computed_tokens) for seq in seqs])
         self.graphs[size].replay()
         return self.s_logits[: len(seqs)]
 
-    def _load_inputs(self, seqs: list[Sequence]) -> int:
-        """Fills the static inputs for a decode of `seqs`; returns the bucket size."""
+    def verify(self, rows: list[tuple[Sequence, tuple[int, ...]]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """A speculative step as a decode of more rows: each sequence's last token and each token of its
+        draft is one row, at its own position and with its own context length (the draft's earlier tokens
+        included: a layer writes every row's key and value before it attends), through the graph of the
+        rows' bucket. Returns the rows' logits and their sequences (one per row, consecutive)."""
+        seqs: list[Sequence] = []
+        positions: list[int] = []
+        tokens: list[int] = []
+        for seq, draft in rows:
+            p = seq.num_computed_tokens
+            seqs.extend([seq] * (1 + len(draft)))
+            positions.extend(range(p, p + 1 + len(draft)))
+            tokens.append(seq.token_at(p))
+            tokens.extend(draft)
+        size = self._load_inputs(seqs, positions, tokens)
+        self.graphs[size].replay()
+        return self.s_logits[: len(seqs)], seqs
+
+    def _load_inputs(self, seqs: list[Sequence], positions: list[int], tokens: list[int]) -> int:
+        """Fills the static inputs for one row per entry (a sequence, the position of the token it
+        computes, the token); returns the bucket size."""
         n = len(seqs)
         size = next(s for s in self.sizes if s >= n)
         layout = self.layout
@@ -169,9 +189,8 @@ class DecodeGraphs:
         vec[1] = 0
         vec[2] = self.trash_slot
         vec[3] = 1
-        for i, seq in enumerate(seqs):
-            p = seq.num_computed_tokens
-            vec[0, i] = seq.token_at(p)
+        for i, (seq, p, token) in enumerate(zip(seqs, positions, tokens, strict=True)):
+            vec[0, i] = token
             vec[1, i] = p
             vec[2, i] = layout.slot(seq.block_table, p)
             vec[3, i] = p + 1
@@ -221,7 +240,8 @@ class DecodeGraphs:
             start = self.max_burst - self._burst_start  # the other half of the token rows
             self.s_step.fill_(start)
         else:
-            size = self._load_inputs(seqs)
+            size = self._load_inputs(seqs, [seq.num_computed_tokens for seq in seqs],
+                                     [seq.token_at(seq.num_computed_tokens) for seq in seqs])
             start = 0
         graph = self.graphs[size]
         for _ in range(steps):

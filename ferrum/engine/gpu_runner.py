@@ -1,7 +1,8 @@
 """GPUModelRunner: the model and its paged KV cache on a GPU, attention through the Triton
 kernels that read the paged cache (triton_paged).
 
-Decode steps replay CUDA graphs (ferrum.engine.cuda_graphs), which also run greedy bursts. Other
+Decode steps replay CUDA graphs (ferrum.engine.cuda_graphs), which also run greedy bursts, and so do
+speculative steps whose rows (each sequence's last token and its draft's) fit a graph's batch. Other
 steps (prefills, chunks, mixed batches) run eagerly: their decode rows through the decode kernel,
 their prompts through the prefill kernel, the step padded to a token-count bucket that start-up
 has already run once (a new GEMM shape costs cuBLAS a kernel choice and a module load mid-serving).
@@ -41,6 +42,11 @@ def eager_bucket(num_tokens: int) -> int:
 
 def eager_buckets(max_tokens: int) -> list[int]:
     return sorted({eager_bucket(n) for n in [*range(16, 257, 16), *range(512, max_tokens + 256, 256)]})
+
+
+def _verifies(s: ScheduledSequence) -> bool:
+    """A decode with or without a draft: the last token (and the draft's tokens), no prompt left."""
+    return s.num_new_tokens == 1 + len(s.draft) and s.seq.num_computed_tokens == s.seq.num_tokens - 1
 
 
 class GPUModelRunner:
@@ -97,9 +103,13 @@ class GPUModelRunner:
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        if self.graphs is not None and all(s.is_decode for s in scheduled) and self.graphs.holds(len(scheduled)):
+        graphs = self.graphs
+        if graphs is not None and all(s.is_decode for s in scheduled) and graphs.holds(len(scheduled)):
             seqs = [s.seq for s in scheduled]
-            logits = self.graphs.decode(seqs)
+            logits = graphs.decode(seqs)
+        elif (graphs is not None and all(_verifies(s) for s in scheduled)
+              and graphs.holds(sum(s.num_new_tokens for s in scheduled))):
+            logits, seqs = graphs.verify([(s.seq, s.draft) for s in scheduled])
         else:
             logits, seqs = self._run_eager(scheduled)
         advance(scheduled)

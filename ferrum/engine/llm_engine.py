@@ -277,6 +277,8 @@ class LLMEngine:
         scheduled = list(plan.scheduled)
         decodes = sum(1 for s in scheduled if s.is_decode)
         kind: StepKind = "decode" if decodes == len(scheduled) else ("prefill" if not decodes else "mixed")
+        if all(s.is_decode or s.draft for s in scheduled) and decodes < len(scheduled):
+            kind = "verify"  # every sequence decodes, some with a draft
         self._decoding = all(s.is_decode or s.draft for s in scheduled)
         record.update(kind=kind, num_tokens=sum(s.num_new_tokens for s in scheduled),
                       cached_tokens=sum(s.seq.num_computed_tokens for s in scheduled),

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-StepKind = Literal["prefill", "mixed", "decode", "burst"]
+StepKind = Literal["prefill", "mixed", "decode", "burst", "verify"]  # verify: decodes, some with drafts
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], mask: torch.Tensor | None
     token bitmask [B, ceil(V/32)] int32 on the host (Guides), or None. The work stays on the logits'
     device; the chosen ids come back to the host in one transfer (logprobs add more)."""
     params = [s.params for s in seqs]
-    want_logprobs = any(p.logprobs is not None for p in params)
-    if mask is None and not want_logprobs and all(p.greedy and _no_penalties(p) and not p.logit_bias for p in params):
+    if mask is None and all(plain_greedy(p) for p in params):
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
     dist = target(logits, seqs, mask)
     token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
@@ -104,6 +103,12 @@ def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
         values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
         logits[i].index_add_(0, ids, values)
     return logits
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that changes or reports the logits (no penalties, bias or logprobs): the arg-max
+    of the raw logits is the whole sampling (a grammar's mask aside, which the caller checks)."""
+    return p.greedy and p.logprobs is None and _no_penalties(p) and not p.logit_bias
 
 
 def _no_penalties(p: SamplingParams) -> bool:

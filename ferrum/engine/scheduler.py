@@ -207,7 +207,10 @@ class Scheduler:
     def extend_burst(self, seqs: SequenceOf[Sequence], ahead: int) -> int:
         """Iterations of a burst that would follow the `ahead` ones queued but not yet counted,
         with the block tables grown for them; 0 when the sequences' limits or the free blocks
-        leave no room (nothing grown)."""
+        leave no room (nothing grown). A sliding window's blocks behind the sequences go back first (as
+        at every schedule: bursts queued back to back never pass through it)."""
+        for seq in seqs:
+            self.blocks.release_before_window(seq)
         computed = [seq.num_computed_tokens + ahead for seq in seqs]
         room = self._room(seqs, [len(seq.output_token_ids) + ahead for seq in seqs], computed)
         return self._grow_for(seqs, computed, room)

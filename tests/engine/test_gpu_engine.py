@@ -146,3 +146,60 @@ def test_release_returns_the_device_memory(tiny: Path) -> None:
     del eng
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= before + 2**20
+
+
+def _looping_prompts() -> list[list[int]]:
+    """Prompts whose continuations repeat what came before (random models fall into loops): drafts found."""
+    g = torch.Generator().manual_seed(5)
+    motif = torch.randint(0, 1000, (6,), generator=g).tolist()
+    return [motif * 4, torch.randint(0, 1000, (9,), generator=g).tolist() * 3, motif[:3] * 5 + [7, 8]]
+
+
+def _greedy_with_margins(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
+    """Each prompt's greedy tokens with the target's top-2 logit margin at each (logprobs keep the logits' gaps)."""
+    for i, ids in enumerate(prompts):
+        eng.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2))
+    got: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
+    while eng.has_work:
+        for out in eng.step():
+            for token, lp in zip(out.new_token_ids, out.new_logprobs or (), strict=True):
+                got[out.request_id].append((token, lp.top[0].logprob - lp.top[1].logprob))
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+        "adaptive": False}
+
+
+def test_speculation_gives_plain_greedy_tokens_in_float32(tiny: Path) -> None:
+    """Drafts verified on the GPU path (a mixed batch, prefix caching on): the tokens of plain decoding, exactly."""
+    prompts = _looping_prompts()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = engine(tiny, "cuda")
+    expected = plain.generate(prompts, params)
+    plain.release()
+    spec = engine(tiny, "cuda", speculative_config=SPEC)
+    assert spec.generate(prompts, params) == expected
+    stats = spec.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    assert spec.block_manager.num_used == 0
+    spec.release()
+
+
+def test_speculation_in_bf16_parts_only_at_near_ties(tiny: Path) -> None:
+    """bf16: the verify pass (several rows a sequence) rounds differently from the one-row decode chain, so
+    the outputs are equal up to the first step where the target's top-2 logit margin is below 1e-3."""
+    prompts = _looping_prompts()
+    plain = engine(tiny, "cuda", dtype="bfloat16")
+    expected = _greedy_with_margins(plain, prompts, 40)
+    plain.release()
+    spec = engine(tiny, "cuda", dtype="bfloat16", speculative_config=SPEC)
+    got = _greedy_with_margins(spec, prompts, 40)
+    assert spec.stats().spec_num_accepted_tokens > 0
+    spec.release()
+    for ours, ref in zip(got, expected, strict=True):
+        for step, ((token, _), (ref_token, margin)) in enumerate(zip(ours, ref, strict=True)):
+            if token != ref_token:
+                print(f"parted at step {step}: the target's top-2 margin there {margin:.2e}")
+                assert margin < 1e-3, f"speculation changed a token at step {step} with a top-2 margin of {margin:.2e}"
+                break

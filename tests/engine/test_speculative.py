@@ -243,8 +243,9 @@ def test_ngram_proposer_takes_the_most_recent_match_of_the_longest_suffix() -> N
 def test_the_policy_drafts_where_it_pays() -> None:
     """Flat step cost (memory-bound): the draft positions kept at least 1 time in 10. Cost in proportion to the
     tokens (compute-bound): nothing, even at 97% acceptance. A fixed cost and a small one a token (the CPU's
-    small batches): all of a well-accepted draft, none of a poorly accepted one. disable_by_batch_size: none
-    from there."""
+    small batches): all of a well-accepted draft, none of a poorly accepted one; after 32 refusals one step
+    drafts again, after 64 the next time. A step's time is the median of its last five. disable_by_batch_size:
+    none from there."""
     seqs = [Sequence(str(i), [1], SamplingParams(), 0.0) for i in range(2)]
     drafts = [[1, 2, 3, 4], [5, 6, 7, 8]]
 
@@ -266,6 +267,16 @@ def test_the_policy_drafts_where_it_pays() -> None:
     assert policy(lambda t: 0.005 * t, 0.97).trim(seqs, drafts) == [[], []]
     assert policy(lambda t: 0.010 + 0.001 * t, 0.97).trim(seqs, drafts) == drafts
     assert policy(lambda t: 0.010 + 0.001 * t, 0.2).trim(seqs, drafts) == [[], []]  # 2.7% more: under the margin
+    refusing = policy(lambda t: 0.005 * t, 0.97)
+    assert all(refusing.trim(seqs, drafts) == [[], []] for _ in range(32))
+    assert refusing.trim(seqs, drafts) == drafts  # after 32 refusals one step drafts: t(B + M) measured anew
+    assert all(refusing.trim(seqs, drafts) == [[], []] for _ in range(64))  # then it waits twice as long
+    assert refusing.trim(seqs, drafts) == drafts
+    slow_first = policy(lambda t: 0.010, 0.9)
+    slow_first.cost.samples.clear()
+    for seconds in (0.010, 0.5, 0.011, 0.012):  # one slow step (a first call's set-up) among ordinary ones
+        slow_first.cost.observe(10, seconds)
+    assert slow_first.cost.estimate(10) == pytest.approx(0.0115)  # the median of the last five
     capped = SpeculationPolicy(SpeculativeConfig(disable_by_batch_size=8))
     assert capped.allowed(7) and not capped.allowed(8)
 

@@ -143,17 +143,20 @@ def test_greedy_outputs_match_hf_through_the_engine(model: str, backend: str, re
     for i, p in enumerate(prompts[:2]):
         engine.add_request(str(i), p, params)
     got: dict[str, list[int]] = {"0": [], "1": [], "2": []}
-    most = 0
+    most, added = 0, False
     while engine.has_work:
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
-        if len(got["0"]) == 50 and "2" not in engine.sequences:
+        if len(got["0"]) >= 50 and not added:  # >=: GPU bursts give several tokens a step
             engine.add_request("2", prompts[2], params)
+            added = True
         # after a step that decoded (not one that prefilled: a chunk holds its own tokens' blocks)
         most = max([most] + [BlockManager.held(s) for s in engine.scheduler.running if len(s.output_token_ids) > 1])
     assert engine.stats().prefix_cache_hits > 0
     uniform = load_model_config(folder).uniform_window is not None
-    assert most <= (WINDOW // BLOCK + 1 if uniform else 200 // BLOCK), most
+    # GPU bursts queued back to back hold the blocks grown for up to two bursts ahead of the sequence's count
+    ahead = -(-2 * engine.runner.max_burst // BLOCK)
+    assert most <= (WINDOW // BLOCK + 1 + ahead if uniform else 200 // BLOCK + ahead), most
     for i, prompt in enumerate(prompts):  # HF's greedy choice over the whole sequence at each step (its
         tokens = list(prompt)  # generate() with min_new_tokens would take EOS out of the choice)
         for _ in range(100):

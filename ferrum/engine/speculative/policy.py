@@ -9,8 +9,9 @@ sequence 1 + (its accepted drafts) tokens. Whether that pays depends on two meas
     step cost    t(T), the seconds a step of T tokens takes, measured on every step the engine runs whose
                  sequences all decode (plain or with drafts: a prefill's tokens cost otherwise), from its
                  start to its outputs (drafting and verification included; a greedy burst's iterations
-                 each count as a step of its sequences): a running average per token count, made
-                 non-decreasing in T and interpolated between counts (`StepCost`)
+                 each count as a step of its sequences): the median of the last 5 steps of each token
+                 count (one slow step, a first call's set-up say, does not decide), made non-decreasing in
+                 T and interpolated between counts (`StepCost`)
 
 The rule: with t' = (t(B + M) - t(B)) / M the cost of one more token in the step and G = B + (expected
 accepted) the tokens the step yields, a draft position j of a sequence is worth its cost when
@@ -23,13 +24,19 @@ nothing is drafted. So a memory-bound step (t' near
 large batches) drafts only where acceptance is high, and nothing when it is low. Until t(B + M) has been
 measured the policy drafts (that measures it); t(B) itself must have been measured on a plain step of B
 sequences (else this step is one), and is measured again after every 32 verify steps of that size, since a
-step's time drifts as the contexts grow. `disable_by_batch_size` turns drafting off from that many running
+step's time drifts as the contexts grow; likewise, after 32 steps of one batch size whose offered drafts the
+rule refused, one step drafts them again, so that t(B + M) is measured again too (a refusal must not rest on
+an old measurement for ever); each such retry the rule refuses again doubles the wait before the next (up to
+1024 steps), so that where speculation does not pay (large batches) the retries cost next to nothing.
+`disable_by_batch_size` turns drafting off from that many running
 sequences on, whatever the measurements; `adaptive: false` drafts whatever the proposer offers.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
@@ -37,30 +44,37 @@ from ferrum.engine.sequence import Sequence
 from ferrum.engine.speculative.config import SpeculativeConfig
 
 PRIOR_ACCEPTANCE = 0.5  # before any sequence has been verified
-AVERAGE_WEIGHT = 0.2  # the weight of each new verification in the running averages
+AVERAGE_WEIGHT = 0.2  # the weight of each new verification in the running acceptance averages
+RECENT_STEPS = 5  # a token count's step time: the median of its last this many steps
 MIN_KEEP_CHANCE = 0.1  # a draft position kept less often than this is not tried, however cheap its token
 MARGIN = 0.05  # a verify step must promise this much more throughput than a plain one (the measurements' noise)
-REMEASURE_EVERY = 32  # verify steps of one batch size between two plain ones (t(B) drifts as contexts grow)
+REMEASURE_EVERY = 32  # verify steps of one batch size between two plain ones (t(B) drifts as contexts grow),
+# and refused steps before one that drafts anyway (t(B + M) too), doubled after each refused retry
+MAX_RETRY_WAIT = 1024
 
 
 @dataclass
 class StepCost:
-    """t(T): running averages of a step's seconds by its token count."""
+    """t(T): the median of the last RECENT_STEPS steps' seconds, by the steps' token count."""
 
-    seconds: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, deque[float]] = field(default_factory=dict)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        old = self.seconds.get(tokens)
-        self.seconds[tokens] = seconds if old is None else old + AVERAGE_WEIGHT * (seconds - old)
+        self.samples.setdefault(tokens, deque(maxlen=RECENT_STEPS)).append(seconds)
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        return {count: statistics.median(recent) for count, recent in self.samples.items()}
 
     def estimate(self, tokens: int) -> float | None:
         """t(tokens) from the measured counts made non-decreasing (a step of more tokens never takes less:
         each count's time is at least the largest of the smaller counts'), interpolated linearly between
         the nearest; None beyond the measured range (or with none measured)."""
-        counts = sorted(self.seconds)
+        seconds = self.seconds
+        counts = sorted(seconds)
         envelope, highest = [], 0.0
         for count in counts:
-            highest = max(highest, self.seconds[count])
+            highest = max(highest, seconds[count])
             envelope.append(highest)
         i = bisect.bisect_left(counts, tokens)
         if i < len(counts) and counts[i] == tokens:
@@ -81,6 +95,8 @@ class SpeculationPolicy:
         self.cost = StepCost()
         self.acceptance = PRIOR_ACCEPTANCE  # running average over every sequence
         self._since_plain: dict[int, int] = {}  # batch size -> verify steps since its last plain step
+        self._refused: dict[int, int] = {}  # batch size -> steps whose drafts were refused since one drafted
+        self._retry_after: dict[int, int] = {}  # batch size -> refusals before drafting again (doubling)
 
     def rate(self, seq: Sequence) -> float:
         return seq.spec_acceptance if seq.spec_acceptance is not None else self.acceptance
@@ -121,7 +137,16 @@ class SpeculationPolicy:
         t_kept = self.cost.estimate(batch + extra) if extra else t0
         gained = batch + sum(_expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, kept, strict=True))
         if not extra or t_kept is None or gained / t_kept < batch / t0 * (1 + MARGIN):
-            return none
+            self._refused[batch] = self._refused.get(batch, 0) + 1
+            wait = self._retry_after.get(batch, REMEASURE_EVERY)
+            if self._refused[batch] <= wait:
+                return none
+            self._retry_after[batch] = min(2 * wait, MAX_RETRY_WAIT)
+            self._refused[batch] = 0
+            self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
+            return drafts  # drafted again: t(B + M) measured anew
+        self._refused[batch] = 0
+        self._retry_after.pop(batch, None)
         self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
         return kept
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrum.engine.output_processor import OutputProcessor
-from ferrum.engine.sampler import SampleResult, draw, target
+from ferrum.engine.sampler import SampleResult, draw, plain_greedy, target
 from ferrum.engine.sequence import Sequence
 from ferrum.engine.structured import Guides
 
@@ -51,6 +51,9 @@ class Verifier:
     def verify(self, drafts: list[Draft]) -> None:
         """Appends each sequence's tokens (its kept drafts and one drawn token, fewer where it stops); each
         Draft's `accepted` and `appended` say how many."""
+        if all(plain_greedy(d.seq.params) and d.seq.params.structured is None for d in drafts):
+            self._verify_greedy(drafts)
+            return
         position = 0
         while True:
             live = [d for d in drafts if d.open and not d.seq.is_finished and position < d.logits.shape[0]]
@@ -72,6 +75,25 @@ class Verifier:
                 else:
                     d.open = False
             position += 1
+
+    def _verify_greedy(self, drafts: list[Draft]) -> None:
+        """Every sequence greedy on the raw logits: each row's arg-max, all rows' in one transfer, then the
+        same walk as `verify` on the host."""
+        rows = torch.cat([d.logits for d in drafts]) if len(drafts) > 1 else drafts[0].logits
+        chosen = rows.argmax(dim=-1).tolist()
+        start = 0
+        for d in drafts:
+            for position in range(d.logits.shape[0]):
+                if d.seq.is_finished:
+                    break
+                token = chosen[start + position]
+                self.outputs.append([d.seq], SampleResult([token], [None]))
+                d.appended += 1
+                if position == len(d.tokens) or token != d.tokens[position]:
+                    break
+                d.accepted += 1
+            d.open = False
+            start += d.logits.shape[0]
 
     @staticmethod
     def _choose(seq: Sequence, proposed: int | None, greedy: int | None, probs: torch.Tensor,
