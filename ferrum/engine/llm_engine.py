@@ -348,7 +348,7 @@ class LLMEngine:
         cached = sum(seq.num_computed_tokens for seq in seqs)
         record.update(kind="burst", num_tokens=len(seqs), iterations=max(1, len(chosen)), cached_tokens=cached,
                       attended_keys=cached + len(seqs))
-        if following is None and self.speculator is None and self.scheduler.burst_continues(seqs, chosen):
+        if following is None and not self._drafting(len(seqs)) and self.scheduler.burst_continues(seqs, chosen):
             following = self._continue(seqs, len(chosen))
         if following is not None:
             self._burst = (seqs, following)
@@ -361,6 +361,12 @@ class LLMEngine:
             self.outputs.append([seq for seq, _ in live], SampleResult([t for _, t in live], [None] * len(live)))
             self._generation_tokens += len(live)
         return seqs
+
+    def _drafting(self, batch: int) -> bool:
+        """Whether speculation may draft for a batch of this size at the next step: then a burst ends at its
+        last iteration (the proposer drafts before the next step); where the policy refuses drafts at this
+        size, bursts chain as without speculation (every 32 or more refusals one step drafts again)."""
+        return self.speculator is not None and not self.speculator.policy.refusing(batch)
 
     def _continue(self, seqs: list[Sequence], ahead: int) -> GreedyBurst | None:
         """Queues the next burst of `seqs` on the device, carrying on from the end of the one
@@ -377,7 +383,7 @@ class LLMEngine:
         does stop has the rest of its rows dropped when they are read, as after any stop, and
         the following burst is not queued ahead. Not while a request waits for a free slot (it
         would wait one burst longer), nor for sequences with stop strings."""
-        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending() or self.speculator is not None:
+        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending() or self._drafting(len(seqs)):
             return None
         if any(seq.is_finished or seq.params.stop for seq in seqs):
             return None

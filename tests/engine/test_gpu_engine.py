@@ -171,35 +171,26 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, 
         "adaptive": False}
 
 
-def test_speculation_gives_plain_greedy_tokens_in_float32(tiny: Path) -> None:
-    """Drafts verified on the GPU path (a mixed batch, prefix caching on): the tokens of plain decoding, exactly."""
+@pytest.mark.parametrize(("dtype", "near_tie"), [("float32", 1e-4), ("bfloat16", 1e-3)])
+def test_speculation_gives_plain_greedy_tokens_up_to_near_ties(tiny: Path, dtype: str, near_tie: float) -> None:
+    """Drafts verified through the decode graphs (a mixed batch, prefix caching on): the verify pass's rows go
+    through other kernels than the one-row decode chain (cuBLAS products of several rows), which round
+    differently, so the outputs are plain decoding's up to the first step where the target's top-2 logit margin
+    is below `near_tie` (1e-3 in bf16, as the issue bounds it; 1e-4 in float32), and such a parting is printed."""
     prompts = _looping_prompts()
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    plain = engine(tiny, "cuda")
-    expected = plain.generate(prompts, params)
+    plain = engine(tiny, "cuda", dtype=dtype)
+    expected = _greedy_with_margins(plain, prompts, 40)
     plain.release()
-    spec = engine(tiny, "cuda", speculative_config=SPEC)
-    assert spec.generate(prompts, params) == expected
+    spec = engine(tiny, "cuda", dtype=dtype, speculative_config=SPEC)
+    got = _greedy_with_margins(spec, prompts, 40)
     stats = spec.stats()
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     assert spec.block_manager.num_used == 0
     spec.release()
-
-
-def test_speculation_in_bf16_parts_only_at_near_ties(tiny: Path) -> None:
-    """bf16: the verify pass (several rows a sequence) rounds differently from the one-row decode chain, so
-    the outputs are equal up to the first step where the target's top-2 logit margin is below 1e-3."""
-    prompts = _looping_prompts()
-    plain = engine(tiny, "cuda", dtype="bfloat16")
-    expected = _greedy_with_margins(plain, prompts, 40)
-    plain.release()
-    spec = engine(tiny, "cuda", dtype="bfloat16", speculative_config=SPEC)
-    got = _greedy_with_margins(spec, prompts, 40)
-    assert spec.stats().spec_num_accepted_tokens > 0
-    spec.release()
     for ours, ref in zip(got, expected, strict=True):
+        assert len(ours) == len(ref) == 40
         for step, ((token, _), (ref_token, margin)) in enumerate(zip(ours, ref, strict=True)):
             if token != ref_token:
-                print(f"parted at step {step}: the target's top-2 margin there {margin:.2e}")
-                assert margin < 1e-3, f"speculation changed a token at step {step} with a top-2 margin of {margin:.2e}"
+                print(f"{dtype}: parted at step {step}: the target's top-2 margin there {margin:.2e}")
+                assert margin < near_tie, f"speculation changed a token at step {step} (top-2 margin {margin:.2e})"
                 break

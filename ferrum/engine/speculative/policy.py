@@ -106,6 +106,11 @@ class SpeculationPolicy:
         limit = self.config.disable_by_batch_size
         return limit is None or running < limit
 
+    def refusing(self, batch: int) -> bool:
+        """Whether the rule refused the last drafts offered at this batch size (the engine then chains greedy
+        bursts as without speculation, until a step drafts again)."""
+        return self.config.adaptive and self._refused.get(batch, 0) > 0
+
     def trim(self, seqs: SequenceOf[Sequence], drafts: list[list[int]]) -> list[list[int]]:
         """The drafts worth verifying this step (see the module docstring), each a prefix of the proposed."""
         if not self.config.adaptive or not any(drafts):
