@@ -261,6 +261,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto", help="as the server's (default auto, its default)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--fused-rows", type=int, help="kernels.fused_decode_rows (the GPU's fused chain; default 1)")
     parser.add_argument("--replay-tokens", type=int, default=128)
     parser.add_argument("--levels", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
     parser.add_argument("--rounds", type=int, default=3)
@@ -269,6 +270,10 @@ def main() -> None:
     args = parser.parse_args()
     quantization = None if args.quantization == "none" else {"method": args.quantization}
     args.engine = dict(dtype=args.dtype, max_model_len=2048, quantization=quantization)
+    if args.fused_rows is not None:
+        from ferrum.kernels.config import KernelConfig
+
+        args.engine["kernels"] = KernelConfig(fused_decode_rows=args.fused_rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     print(describe_device(args.backend), flush=True)
     parts = {"copy": part_copy, "replay": part_replay, "load": part_load, "serve": part_serve}

@@ -40,10 +40,12 @@ class Sequence:
     num_cached_blocks: int = 0
     # a sliding window: the leading entries of block_table given back (BlockManager.FREED)
     num_released_blocks: int = 0
-    # speculative decoding: the tokens drafted for the next step, and this sequence's running per-position
-    # acceptance rate (None until a draft of it was verified)
+    # speculative decoding: the tokens drafted for the next step, and this sequence's per-position acceptance
+    # rate (None until a draft of it was verified) from its decayed counts of draft positions kept and tried
     draft_token_ids: list[int] = field(default_factory=list)
     spec_acceptance: float | None = None
+    spec_kept: float = 0.0
+    spec_tried: float = 0.0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # set when the request has a seed
     priority: int = 0  # lower is served first (as vLLM); equal priorities in arrival order

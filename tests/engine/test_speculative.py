@@ -277,6 +277,11 @@ def test_the_policy_drafts_where_it_pays() -> None:
     for seconds in (0.010, 0.5, 0.011, 0.012):  # one slow step (a first call's set-up) among ordinary ones
         slow_first.cost.observe(10, seconds)
     assert slow_first.cost.estimate(10) == pytest.approx(0.0115)  # the median of the last five
+    counting = SpeculationPolicy(SpeculativeConfig())
+    counting.verified(seqs[0], 4, 4)  # four positions tried, four kept: the evidence of four
+    assert counting.acceptance == pytest.approx(5 / 6) and seqs[0].spec_acceptance == pytest.approx((4 + 5 / 3) / 6)
+    counting.verified(seqs[1], 4, 0)  # one position tried, refused
+    assert counting.acceptance == pytest.approx((0.9 * 4 + 1) / (0.9 * 4 + 1 + 2))
     capped = SpeculationPolicy(SpeculativeConfig(disable_by_batch_size=8))
     assert capped.allowed(7) and not capped.allowed(8)
 

@@ -4,8 +4,11 @@ A verify step of B decoding sequences with M draft tokens in all processes B + M
 sequence 1 + (its accepted drafts) tokens. Whether that pays depends on two measured things:
 
     acceptance   each sequence's per-position acceptance rate a (the chance a draft token is kept given the
-                 one before it was), a running average over its verified drafts, starting from the running
-                 average of every sequence; a draft's j-th token is then kept with chance a^j
+                 one before it was): the positions kept over the positions tried in its verified drafts
+                 (each draft's kept ones and the refused one), older drafts' counts decaying by 0.9 a draft,
+                 with the rate of every sequence (likewise counted, from a prior of 0.5) counting as two
+                 positions tried; a draft's j-th token is then kept with chance a^j. (A first draft of 4 kept
+                 in full moves the overall rate from 0.5 to 0.83, and its sequence's to 0.94.)
     step cost    t(T), the seconds a step of T tokens takes, measured on every step the engine runs whose
                  sequences all decode (plain or with drafts: a prefill's tokens cost otherwise), from its
                  start to its outputs (drafting and verification included; a greedy burst's iterations
@@ -44,7 +47,8 @@ from ferrum.engine.sequence import Sequence
 from ferrum.engine.speculative.config import SpeculativeConfig
 
 PRIOR_ACCEPTANCE = 0.5  # before any sequence has been verified
-AVERAGE_WEIGHT = 0.2  # the weight of each new verification in the running acceptance averages
+DECAY = 0.9  # the weight of a verified draft's counts of positions tried and kept, a draft later
+PRIOR_WEIGHT = 2.0  # positions tried that the prior counts as (0.5 overall; every sequence's rate for one)
 RECENT_STEPS = 5  # a token count's step time: the median of its last this many steps
 MIN_KEEP_CHANCE = 0.1  # a draft position kept less often than this is not tried, however cheap its token
 MARGIN = 0.05  # a verify step must promise this much more throughput than a plain one (the measurements' noise)
@@ -93,7 +97,8 @@ class SpeculationPolicy:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.cost = StepCost()
-        self.acceptance = PRIOR_ACCEPTANCE  # running average over every sequence
+        self.acceptance = PRIOR_ACCEPTANCE  # every sequence's rate (see verified)
+        self._kept = self._tried = 0.0
         self._since_plain: dict[int, int] = {}  # batch size -> verify steps since its last plain step
         self._refused: dict[int, int] = {}  # batch size -> steps whose drafts were refused since one drafted
         self._retry_after: dict[int, int] = {}  # batch size -> refusals before drafting again (doubling)
@@ -156,15 +161,17 @@ class SpeculationPolicy:
         return kept
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """A sequence's draft of `drafted` tokens had its first `accepted` kept: the running averages move
-        by one observation of the per-position rate (the kept positions, and the one refused if any)."""
+        """A sequence's draft of `drafted` tokens had its first `accepted` kept: the positions tried (the
+        kept ones, and the refused one if any) and kept are counted, for the sequence and for all."""
         if drafted == 0:
             return
         tried = accepted + (1 if accepted < drafted else 0)
-        rate = accepted / tried
-        own = self.rate(seq)
-        seq.spec_acceptance = own + AVERAGE_WEIGHT * (rate - own)
-        self.acceptance += AVERAGE_WEIGHT * (rate - self.acceptance)
+        self._kept = self._kept * DECAY + accepted
+        self._tried = self._tried * DECAY + tried
+        self.acceptance = (self._kept + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (self._tried + PRIOR_WEIGHT)
+        seq.spec_kept = seq.spec_kept * DECAY + accepted
+        seq.spec_tried = seq.spec_tried * DECAY + tried
+        seq.spec_acceptance = (seq.spec_kept + PRIOR_WEIGHT * self.acceptance) / (seq.spec_tried + PRIOR_WEIGHT)
 
 
 def _expected_kept(a: float, n: int) -> float:
