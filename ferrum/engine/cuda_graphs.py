@@ -154,8 +154,7 @@ class DecodeGraphs:
     # -- one decode ------------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Replays the graph of `seqs`' bucket; their logits [len(seqs), V] on the device."""
-        size = self._load_inputs(seqs, [seq.num_computed_tokens for seq in seqs],
-                                 [seq.token_at(seq.num_computed_tokens) for seq in seqs])
+        size = self._load_decode(seqs)
         self.graphs[size].replay()
         return self.s_logits[: len(seqs)]
 
@@ -176,6 +175,11 @@ class DecodeGraphs:
         size = self._load_inputs(seqs, positions, tokens)
         self.graphs[size].replay()
         return self.s_logits[: len(seqs)], seqs
+
+    def _load_decode(self, seqs: list[Sequence]) -> int:
+        """The static inputs for one decode row a sequence (its last token, at its next position)."""
+        positions = [seq.num_computed_tokens for seq in seqs]
+        return self._load_inputs(seqs, positions, [seq.token_at(p) for seq, p in zip(seqs, positions, strict=True)])
 
     def _load_inputs(self, seqs: list[Sequence], positions: list[int], tokens: list[int]) -> int:
         """Fills the static inputs for one row per entry (a sequence, the position of the token it
@@ -240,8 +244,7 @@ class DecodeGraphs:
             start = self.max_burst - self._burst_start  # the other half of the token rows
             self.s_step.fill_(start)
         else:
-            size = self._load_inputs(seqs, [seq.num_computed_tokens for seq in seqs],
-                                     [seq.token_at(seq.num_computed_tokens) for seq in seqs])
+            size = self._load_decode(seqs)
             start = 0
         graph = self.graphs[size]
         for _ in range(steps):

@@ -122,7 +122,7 @@ class SpeculationPolicy:
             return drafts
         batch = len(seqs)
         none: list[list[int]] = [[] for _ in drafts]
-        t0 = self.cost.estimate(batch) if batch in self.cost.seconds else None  # measured at this very size
+        t0 = self.cost.estimate(batch) if batch in self.cost.samples else None  # measured at this very size
         if t0 is None or self._since_plain.get(batch, 0) >= REMEASURE_EVERY:
             self._since_plain[batch] = 0
             return none  # a plain step, which measures (again) what drafting is weighed against
