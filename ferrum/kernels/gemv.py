@@ -128,8 +128,15 @@ def kernel_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
                              f"multiple of 4, a float32 scale [N, ceil(K/group)] = [{n}, {groups}] with unit stride "
                              f"along the groups and a power-of-two group >= 16; got qweight {q.dtype} "
                              f"{tuple(q.shape)}, scale {scale.dtype} {tuple(scale.shape)} {scale.stride()}")
+        zeros = scale if weight.zero is None else weight.zero
+        if weight.zero is not None:  # int8 with a zero per group too (w = q * scale + zero): the GEMMs take it
+            if weight.kind != "int8" or zeros.dtype != torch.float32 or zeros.shape != scale.shape or (
+                    zeros.stride() != scale.stride()):
+                raise ValueError(f"{weight.kind} weight with zeros per group: expected int8 and a float32 zero of the "
+                                 f"scale's shape and strides {tuple(scale.shape)} {scale.stride()}, got "
+                                 f"{zeros.dtype} {tuple(zeros.shape)} {zeros.stride()}")
         words = q.view(torch.int32)
-        return KernelWeight(words, scale, scale, words.stride(0), scale.stride(0),
+        return KernelWeight(words, scale, zeros, words.stride(0), scale.stride(0),
                             INT8 if weight.kind == "int8" else FP8, g, n, k)
     if weight.kind in ("int8", "fp8"):
         stored = torch.int8 if weight.kind == "int8" else torch.float8_e4m3fn
@@ -570,6 +577,13 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
              mask=rmask[:, None] & nmask[None, :])
 
 
+def _gemv_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
+    """kernel_weight for the GEMV kernels, which read q * scale: int8 with zeros per group is the GEMMs'."""
+    if isinstance(weight, QuantWeight) and weight.kind == "int8" and weight.zero is not None:
+        raise ValueError("GEMV: int8 with zeros per group is taken by the GEMMs (quant_matmul), not the GEMV")
+    return kernel_weight(weight)
+
+
 def slicing(k: int, rows: int, table: GemvTable, norm: bool = False, min_k: int = 1) -> GemvSlicing:
     """The tiling of a projection over K inputs for `rows` rows, by `table` (see GemvTable: at one
     row, the whole of K in one slice up to its limit with or without a fused norm, else k_slice-wide
@@ -606,7 +620,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
     assert x_rows is None or residual_rows is None or x_rows is residual_rows
     m = index.shape[0] if index is not None else x.shape[0]
     k = x.shape[1]
-    kw = kernel_weight(weight)
+    kw = _gemv_weight(weight)
     assert k == kw.in_features, (x.shape, kw.out_rows, kw.in_features)
     assert x.stride(1) == 1 and m <= MAX_ROWS
     n = kw.out_rows // 2 if gated else kw.out_rows
@@ -720,7 +734,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
     scales ([2] float32)."""
     m = x_rows.shape[0] if x_rows is not None else x.shape[0]
     k = x.shape[1]
-    kw = kernel_weight(weight)
+    kw = _gemv_weight(weight)
     assert m <= MAX_ROWS and x.stride(1) == 1 and kw.in_features == k
     assert kw.out_rows == (num_heads + 2 * num_kv_heads) * head_dim, (kw.out_rows, num_heads, num_kv_heads, head_dim)
     rows = triton.next_power_of_2(m)

@@ -45,6 +45,9 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            Triton W8A16 GEMM, each tile's weights times their group's scale before the
                            dot; from there the weight dequantized once by a Triton kernel, then cuBLAS
                            (the W8A16 GEMM ran an 8B offline workload, prefill-heavy, at 0.11x bf16)
+                   int8 with a zero per group too (GGUF's Q5_1 / Q5_K, asymmetric 8-bit GPTQ): as with
+                           group scales, the zero added to each weight with its scale, from one row
+                           (the GEMV reads q * scale only)
 
 Expected error against x @ dequantize(w).T in float32, relative (Frobenius), for activations
 without outliers (tests/kernels/test_quant_kernels.py checks these bounds):
@@ -139,9 +142,10 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if flat.stride(1) != 1:
         flat = flat.contiguous()
     m = flat.shape[0]
+    zeros = w.kind == "int8" and w.zero is not None  # zeros per group: the W8A16 GEMM or dequantize + cuBLAS
     if m == 0:
         y = x.new_empty(0, n)
-    elif m <= GEMV_ROWS:
+    elif m <= GEMV_ROWS and not zeros:
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM and not (n >= WIDE_N and m <= WIDE_GEMM_UP_TO):
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
@@ -234,24 +238,27 @@ def dequantize_grouped(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
     block_n, block_k = 32, min(kw.group, 128)
     _dequantize_grouped_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        w.qweight, kw.scale, out, n, k, w.qweight.stride(0), kw.stride_sn, out.stride(0), GROUP=kw.group,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        w.qweight, kw.scale, kw.zero, out, n, k, w.qweight.stride(0), kw.stride_sn, out.stride(0), GROUP=kw.group,
+        ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
 
 
 @triton.jit
-def _dequantize_grouped_kernel(W: tl.tensor, S: tl.tensor, OUT: tl.tensor, N: tl.tensor, K: tl.tensor,
-                               stride_wn: tl.tensor, stride_sn: tl.tensor, stride_on: tl.tensor, GROUP: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
-    """One [BLOCK_N, BLOCK_K] block (within one group: BLOCK_K divides GROUP) of q * scale."""
+def _dequantize_grouped_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, N: tl.tensor,
+                               K: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_on: tl.tensor,
+                               GROUP: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr) -> None:
+    """One [BLOCK_N, BLOCK_K] block (within one group: BLOCK_K divides GROUP) of q * scale (+ zero)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     kk = k0 + tl.arange(0, BLOCK_K)
     mask = (rn < N)[:, None] & (kk < K)[None, :]
     q = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=rn < N, other=0.0)
-    tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], (q * s[:, None]).to(OUT.dtype.element_ty),
-             mask=mask)
+    w = q * s[:, None]
+    if ZERO:
+        w += tl.load(Z + rn * stride_sn + k0 // GROUP, mask=rn < N, other=0.0)[:, None]
+    tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], w.to(OUT.dtype.element_ty), mask=mask)
 
 
 def dequantize_int4(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -302,11 +309,16 @@ def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = Non
         raise ValueError(f"triton_gemm: the {w.kind} (W8A16) GEMM takes split_k 1, got {cfg}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    zeros = w.kind == "int8" and w.zero is not None
+    # the zeros' float32 tile beside the scales' in every pipelined stage: 4 stages of 64 x 128 ran out of
+    # shared memory on an H100
+    stages = min(cfg.num_stages, 2) if zeros else cfg.num_stages
     _w8a16_kernel[grid](
-        x, w.qweight, kw.scale, bias if bias is not None else x, out, m, n, k,
+        x, w.qweight, kw.scale, kw.zero, bias if bias is not None else x, out, m, n, k,
         x.stride(0), w.qweight.stride(0), kw.stride_sn, out.stride(0), BIAS=bias is not None,
+        ZERO=zeros,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, GROUP=kw.group,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=stages,
     )
     return out
 
@@ -454,14 +466,15 @@ def _sum_splits_kernel(P: tl.tensor, B: tl.tensor, OUT: tl.tensor, MN: tl.tensor
 
 
 @triton.jit
-def _w8a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, B: tl.tensor, OUT: tl.tensor, M: tl.tensor,
-                  N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor,
-                  stride_om: tl.tensor, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GROUP: tl.constexpr) -> None:
+def _w8a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
+                  M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
+                  stride_sn: tl.tensor, stride_om: tl.tensor, BIAS: tl.constexpr, ZERO: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  GROUP: tl.constexpr) -> None:
     """One [BLOCK_M, BLOCK_N] tile of the output from int8 / fp8 [N, K] tiles converted to x's dtype,
     the per-channel scale on the float32 sums (GROUP > 1: each input's group scale on the weight
-    before the product, as dequantizing would); programs in GROUP_M-row bands (the weight's tiles
-    reused from L2 across a band)."""
+    before the product, as dequantizing would, and with ZERO its group's zero added); programs in
+    GROUP_M-row bands (the weight's tiles reused from L2 across a band)."""
     pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -476,7 +489,10 @@ def _w8a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, B: tl.tensor, OUT: t
         wmask = nmask[:, None] & (k < K)[None, :]
         if GROUP > 1:
             s = tl.load(S + rn[:, None] * stride_sn + (k // GROUP)[None, :], mask=wmask, other=0.0)
-            w = (tl.load(w_rows + k[None, :], mask=wmask, other=0.0).to(tl.float32) * s).to(x.dtype)
+            wf = tl.load(w_rows + k[None, :], mask=wmask, other=0.0).to(tl.float32) * s
+            if ZERO:
+                wf += tl.load(Z + rn[:, None] * stride_sn + (k // GROUP)[None, :], mask=wmask, other=0.0)
+            w = wf.to(x.dtype)
         else:
             w = tl.load(w_rows + k[None, :], mask=wmask, other=0.0).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)

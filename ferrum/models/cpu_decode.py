@@ -30,7 +30,8 @@ _NONE = torch.empty(0)
 
 def _chained(linear: object) -> bool:
     return (isinstance(linear, QuantizedLinear) and isinstance(linear.method, CpuKernelsMethod) and linear.repacked
-            and linear.input_order is None and linear.combine is None and linear.scheme.method in ("int4", "int8"))
+            and linear.input_order is None and linear.combine is None and linear.scheme.method in ("int4", "int8")
+            and not linear.scheme.offsets)
 
 
 class CpuDecodeChain:

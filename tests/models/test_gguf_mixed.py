@@ -1,5 +1,5 @@
-"""A llama GGUF mixing block types as llama.cpp's Q4_K_M files do (Q4_K, Q6_K, Q5_K, Q8_0, Q4_0, F16 and
-F32 tensors; attn_q / attn_k rows in llama.cpp's order), written by gguf-py, served by Ferrum in float32
+"""A llama GGUF mixing block types as llama.cpp's Q4_K_M files do (Q4_K, Q6_K, Q5_K, Q5_1, Q8_0, Q4_0, F16
+and F32 tensors; attn_q / attn_k rows in llama.cpp's order), written by gguf-py, served by Ferrum in float32
 on the CPU: the logits equal HF transformers' loading the same file (its own dequantization, float32),
 to float32 rounding; each type is served as said (int4, int8 with group scales, or dequantized)."""
 
@@ -37,6 +37,8 @@ TYPES = [
      "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
     {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q5_K, "attn_output": Q.Q4_0, "ffn_gate": Q.Q5_0,
      "ffn_up": Q.Q5_0, "ffn_down": Q.F16},
+    {"attn_q": Q.Q5_1, "attn_k": Q.Q5_1, "attn_v": Q.Q5_1, "attn_output": Q.Q5_K, "ffn_gate": Q.Q5_K,
+     "ffn_up": Q.Q5_K, "ffn_down": Q.Q5_1},
 ]
 SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * 64, HIDDEN), "attn_v": (KV_HEADS * 64, HIDDEN),
           "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
@@ -104,6 +106,12 @@ def test_mixed_gguf_logits_equal_transformers(mixed: Path, tmp_path: Path) -> No
     assert served["layers.1.self_attn.o_proj"] == "int4 (group 32, symmetric, float16 scales)"  # Q4_0
     assert served["layers.1.mlp.gate_up_proj"] == "int8 (group 32)"  # Q5_0
     assert "layers.1.mlp.down_proj" not in served  # F16
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):  # Q5_1, Q5_K
+        assert served[f"layers.2.{name}"] == "int8 (group 32, with zeros)"
+    from ferrum.kernels.config import KernelConfig
+    from ferrum.models.fused_decode import FusedDecode
+
+    assert FusedDecode(model, KernelConfig(), pdl=False).max_rows == 0  # its kernels read q * scale only
     # q/k and v in different types (Q4_K and Q6_K as Q4_K_M files have them; Q8_0 and Q5_K): the fused
     # projection is served dense, dequantized at load
     assert "layers.0.self_attn.qkv_proj" not in served and "layers.1.self_attn.qkv_proj" not in served

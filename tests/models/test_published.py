@@ -113,6 +113,8 @@ GPTQ_CASES: dict[str, dict[str, Any]] = {
     "v1-asym-per-channel": dict(g=-1, bits=4, sym=False, desc_act=False, v2=False),
     "v1-8bit-per-channel": dict(g=-1, bits=8, sym=True, desc_act=False, v2=False),
     "v2-8bit-g32-desc_act": dict(g=32, bits=8, sym=True, desc_act=True, v2=True),
+    "v1-8bit-asym-g32-desc_act": dict(g=32, bits=8, sym=False, desc_act=True, v2=False),
+    "v2-8bit-asym-per-channel": dict(g=-1, bits=8, sym=False, desc_act=False, v2=True),
 }
 
 
@@ -129,6 +131,7 @@ def test_gptq_repacks_exactly(base: Path, tmp_path: Path, case: str) -> None:
     method = "int8" if c["bits"] == 8 else "int4"
     assert {layer.scheme.method for layer in layers.values()} == {method}
     assert any(layer.input_order is not None for layer in layers.values()) == c["desc_act"]
+    assert all(layer.scheme.offsets == (c["bits"] == 8 and not c["sym"]) for layer in layers.values())
 
 
 def test_awq_and_its_flag(base: Path, tmp_path: Path) -> None:
@@ -204,6 +207,8 @@ def test_published_layers_on_the_gpu(base: Path, tmp_path: Path) -> None:
         "fp8-block": ({"quant_method": "fp8", "weight_block_size": [48, 32]},
                       lambda n, k, gen, m: w.fp8_block(n, k, (48, 32), gen)),
         "gptq-8bit-g32": ({**GPTQ_4, "bits": 8}, lambda n, k, gen, m: w.gptq(n, k, 32, 8, True, False, False, gen)),
+        "gptq-8bit-asym": ({**GPTQ_4, "bits": 8, "sym": False},  # int8 zeros per group: added by the layer
+                           lambda n, k, gen, m: w.gptq(n, k, 32, 8, False, False, False, gen)),
     }
     for name, (config, writer) in cases.items():
         folder = _write(base, tmp_path / name, config, writer)

@@ -1,7 +1,8 @@
-"""GGUF's 4-bit block types repacked into the seam's int4, Q8_0 / Q5_0 / Q6_K into int8 with group scales
-(ferrum.weights.quantization.published.gguf): the repacked weight, dequantized, equals gguf-py's own
-dequantization of the blocks (ggml's reference in Python), exactly for all but Q4_K, and to
-float32 rounding of the zero for Q4_K; llama's attn_q rows put back in HF order."""
+"""GGUF's 4-bit block types repacked into the seam's int4, Q8_0 / Q5_0 / Q6_K into int8 with group scales,
+Q5_1 / Q5_K into int8 with group scales and zeros (ferrum.weights.quantization.published.gguf): the
+repacked weight, dequantized, equals gguf-py's own dequantization of the blocks (ggml's reference in
+Python), exactly for the symmetric types, and to float32 rounding of the zero for the others; llama's
+attn_q rows put back in HF order; a layer holding Q5_K multiplies as the dequantized weight does."""
 
 from __future__ import annotations
 
@@ -22,25 +23,26 @@ CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2}
 
 def _blocks(kind: str, rng: np.random.Generator) -> np.ndarray:
     """Rows [N, bytes] of `kind`: gguf-py's quantizer where it has one, else random codes with sane scales."""
-    if kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
+    if kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"):
         return quants.quantize(rng.standard_normal((N, K)).astype(np.float32), gguf.GGMLQuantizationType[kind])
     per, size = BLOCKS[kind]
     raw = rng.integers(0, 256, (N * K // per, size), dtype=np.uint8)
-    for start in (0, 2) if kind == "Q4_K" else (size - 2,):  # Q4_K's d, dmin; Q6_K's d
+    for start in (0, 2) if kind in ("Q4_K", "Q5_K") else (size - 2,):  # Q4_K's / Q5_K's d, dmin; Q6_K's d
         raw[:, start:start + 2] = (rng.random(len(raw)) * 0.01 + 0.001).astype(np.float16).view(np.uint8).reshape(-1, 2)
     return raw.reshape(N, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K", "Q5_1", "Q5_K"])
 @pytest.mark.parametrize("module", ["model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj"])
 def test_repack_equals_ggml_dequantization(kind: str, module: str) -> None:
     rng = np.random.default_rng(3)
     rows = _blocks(kind, rng)
     fmt = GgufFormat({"architecture": "llama", "tensor_types": {f"{module}.weight": kind}}, CONFIG)
     scheme = fmt.scheme(module, K)
-    int8 = kind in ("Q8_0", "Q5_0", "Q6_K")
+    int8 = kind in ("Q8_0", "Q5_0", "Q6_K", "Q5_1", "Q5_K")
     assert scheme is not None and scheme.group_size == (16 if kind == "Q6_K" else 32) and scheme.grouped
     assert scheme.method == ("int8" if int8 else "int4") and (int8 or scheme.symmetric == (kind == "Q4_0"))
+    assert scheme.offsets == (kind in ("Q5_1", "Q5_K"))
     assert fmt.check(module, N, K, {"blocks": ((N, rows.shape[1]), torch.uint8)}) == []
     repacked = fmt.repack(module, N, K, {"blocks": torch.from_numpy(rows)}, torch.bfloat16).weight
     ref = torch.from_numpy(quants.dequantize(rows, gguf.GGMLQuantizationType[kind]))
@@ -49,7 +51,7 @@ def test_repack_equals_ggml_dequantization(kind: str, module: str) -> None:
     if order is not None:
         ref = ref[order]
     got = dequantize(repacked, torch.float32)
-    if kind == "Q4_K":  # zero = offset + 8 * scale rounded to float32 where they lie far apart
+    if kind in ("Q4_K", "Q5_1", "Q5_K"):  # zero = offset + 8 (16) * scale rounded to float32 where they lie far apart
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
     else:
         assert torch.equal(got, ref)
@@ -61,3 +63,63 @@ def test_blocks_of_the_wrong_size_are_named() -> None:
     problems = fmt.check(module, N, K, {"blocks": ((N, 100), torch.uint8)})
     assert problems == ["tensor 'blk.0.ffn_up.weight' has shape (48, 100), expected (48, 288)"]
     assert fmt.check(module, N, 500, {}) == [f"{module}: 500 inputs do not fill Q4_K blocks of 256"]
+
+
+@pytest.mark.parametrize("kernels", ["cpu_kernels", "dequantize", "kernels"])
+def test_a_layer_with_zeros_per_group_multiplies_as_its_dequantized_weight(kernels: str) -> None:
+    """Q5_K in a QuantizedLinear: the symmetric product plus each group's zero times its inputs' sum (the CPU
+    kernels, repacked; the GPU's, interpreted without one) or the weight dequantized with its zeros, against x @
+    gguf-py's dequantization."""
+    from pathlib import Path
+
+    from ferrum.kernels.cpu.build import compiler, load_cpu_kernels
+    from ferrum.models.layers.quantized_linear import CpuKernelsMethod, QuantizedLinear
+
+    if kernels == "kernels":
+        from tests.triton_interpreter import use_interpreter
+
+        use_interpreter()  # compiled on a GPU, interpreted elsewhere
+    if kernels == "cpu_kernels":
+        if compiler() is None:
+            pytest.skip("the CPU kernels need a C++ compiler")
+        load_cpu_kernels(Path("~/.cache/ferrum/kernels").expanduser())
+    module = "model.layers.0.mlp.up_proj"
+    rows = _blocks("Q5_K", np.random.default_rng(5))
+    fmt = GgufFormat({"architecture": "llama", "tensor_types": {f"{module}.weight": "Q5_K"}}, CONFIG)
+    weight = fmt.repack(module, N, K, {"blocks": torch.from_numpy(rows)}, torch.float32).weight
+    device = "cuda" if kernels == "kernels" and torch.cuda.is_available() else "cpu"
+    # (Triton's interpreter takes bf16 dot operands as their bits: float16 there)
+    dtype = (torch.bfloat16 if device == "cuda" else torch.float16) if kernels == "kernels" else torch.float32
+    layer = QuantizedLinear(K, N, False, weight.scheme, kernels, dtype).to(device)  # type: ignore[arg-type]
+    for name, part in layer.storage().parts.items():
+        part.copy_(weight.parts[name])
+    layer.prepare()
+    assert isinstance(layer.method, CpuKernelsMethod) == (kernels == "cpu_kernels")
+    ref_w = torch.from_numpy(quants.dequantize(rows, gguf.GGMLQuantizationType.Q5_K))
+    if kernels != "kernels":  # (in 16 bits the dequantized weight is rounded)
+        torch.testing.assert_close(layer.dequantized(), ref_w, rtol=0, atol=1e-6 * ref_w.abs().max().item())
+    # the CPU kernels quantize x to int8 in blocks of 32 (two parts): ~1e-4 of the output's scale; the GPU's
+    # W8A16 GEMM and dequantize + cuBLAS round the dequantized weight and the output to 16 bits: ~3e-3
+    bound = {"cpu_kernels": 1e-3, "dequantize": 1e-5, "kernels": 1e-2}[kernels]
+    for t in (1, 5, 40):  # a decode row, a batch, a prefill (dense paths from 32 rows)
+        x = torch.randn(t, K, generator=torch.Generator().manual_seed(t)).to(dtype)
+        ref = x.float() @ ref_w.T
+        got = layer(x.to(device)).float().cpu()
+        assert ((got - ref).norm() / ref.norm()).item() < bound, t
+
+
+def test_zeros_per_group_are_for_int8_with_group_scales_and_the_gemms() -> None:
+    from ferrum.kernels.config import KernelConfig
+    from ferrum.kernels.gemv import gemv
+    from ferrum.kernels.quant_weight import QuantWeight
+    from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantScheme
+
+    with pytest.raises(QuantizationConfigError, match="int8 with a scale per group only"):
+        QuantScheme("int8", 32, offsets=True)  # a scale per row
+    with pytest.raises(QuantizationConfigError, match="int8 with a scale per group only"):
+        QuantScheme("fp8", 32, per_group=True, offsets=True)
+    q = torch.zeros(8, 64, dtype=torch.int8)
+    s = torch.ones(8, 2)
+    weight = QuantWeight("int8", q, s, torch.zeros(8, 2), 32)
+    with pytest.raises(ValueError, match="taken by the GEMMs"):
+        gemv(torch.zeros(1, 64), weight, KernelConfig().gemv_table("int8"))

@@ -15,7 +15,12 @@ dtypes (model.to(dtype) moves them and never casts them). `storage()` is the wei
 destination, `prepare()` runs once after loading (vLLM's process_weights_after_loading),
 `kernel_weight()` is the storage as the GPU kernels read it. A published checkpoint may store the
 inputs reordered (GPTQ's act order: `set_input_order`); the layer then reorders its input to match,
-and the fused decode chain, whose kernels read the input in order, is not used.
+and the fused decode chain, whose kernels read the input in order, is not used. int8 with zeros per
+group (`QuantScheme.offsets`: GGUF's Q5_1 and Q5_K, asymmetric 8-bit GPTQ): the GPU's GEMMs and the
+dequantization take the zeros with the scales; the CPU kernels' GEMV computes the symmetric product
+in float32 and adds each group's zero times the sum of its inputs (a [T, groups] @ [groups, N]
+product) before the one rounding to x's dtype. The fused decode chains (GPU, CPU), whose GEMV
+kernels read only q * scale, are not used for such layers.
 """
 
 from __future__ import annotations
@@ -38,6 +43,21 @@ Combine: TypeAlias = Callable[[torch.Tensor], torch.Tensor]  # the product's col
 _INT4_CPU_ROWS = 16  # the CPU's int4 layout packs rows in blocks of 16 (64 per conversion chunk)
 _INT4_CPU_CHUNK = 4096  # rows repacked at a time: bounds the int32 temporary
 _GEMV_LANES = 8  # the CPU kernels' GEMV computes 8 output rows side by side
+
+
+def _per_input(zero: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """Zeros per group [N, groups] as float32 [N, K] (each group's value repeated over its inputs)."""
+    return zero.float().repeat_interleave(group, dim=1)[:, :k]
+
+
+def zero_term(x: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    """int8 with zeros per group: sum over groups of zero[n, g] * (the sum of x's inputs in group g),
+    [T, N] float32 (a ragged last group's missing inputs count as 0)."""
+    groups = zero.shape[1]
+    xf = x.float()
+    if groups * group != x.shape[1]:
+        xf = F.pad(xf, (0, groups * group - x.shape[1]))
+    return xf.view(x.shape[0], groups, group).sum(dim=2) @ zero.float().t()
 
 
 def cpu_gemv_takes(scheme: QuantScheme, in_features: int) -> bool:
@@ -175,9 +195,16 @@ class CpuKernelsMethod(LinearMethod):
         layer.repacked = True
 
     def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        offsets = layer.scheme.offsets  # int8 zeros per group: added in float32, then one rounding
         if x.shape[0] >= self.DENSE_ROWS:  # prefill: one dense product with the weight dequantized for it
-            weight = self.dense_weight(layer, x.dtype)
-            return F.linear(x, weight if weight.shape[0] == layer.out_features else weight[: layer.out_features])
+            weight = self.dense_weight(layer, torch.float32 if offsets else x.dtype)[: layer.out_features]
+            if offsets:
+                weight = (weight + _per_input(layer.zero, layer.scheme.group_size, layer.in_features)).to(x.dtype)
+            return F.linear(x, weight)
+        if offsets:
+            sym: torch.Tensor = torch.ops.ferrum_cpu.int8_gemv(x.float(), layer.packed, layer.gemv_scale,
+                                                               layer.scheme.group_size)
+            return (sym[..., : layer.out_features] + zero_term(x, layer.zero, layer.scheme.group_size)).to(x.dtype)
         if layer.scheme.method == "int4":
             y: torch.Tensor = torch.ops.ferrum_cpu.int4_gemv(x, layer.packed, layer.gemv_scale, layer.gemv_offset,
                                                              layer.gemv_zero_point, layer.scheme.group_size)
@@ -214,6 +241,8 @@ class CpuKernelsMethod(LinearMethod):
             packed = layer.packed.view(row_groups, blocks, 8, 8, 4).permute(0, 3, 1, 2, 4)
             values = packed.reshape(-1, k)[:n].float() - 128
             weight = values * by_rows(layer.gemv_scale)
+            if layer.scheme.offsets:
+                weight += _per_input(layer.zero, layer.scheme.group_size, k)
         return weight.to(layer.dtype)
 
 
@@ -290,7 +319,7 @@ class QuantizedLinear(nn.Module):
         """The storage as the GPU kernels read it (made on every call: cheap, never stale); with an
         input order, its inputs are the reordered ones (forward reorders x first)."""
         self._check_layout()
-        if self.scheme.method == "int4":
+        if self.scheme.method == "int4" or self.scheme.offsets:
             return QuantWeight(self.scheme.method, self.qweight, self.scale, self.zero, self.scheme.group_size)
         return QuantWeight(self.scheme.method, self.qweight, self.scale,
                            group_size=self.scheme.group_size if self.scheme.per_group else 0)

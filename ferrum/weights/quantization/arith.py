@@ -24,6 +24,9 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedTensor:
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize: needs a floating [N, K] weight, got {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
+    if scheme.offsets:
+        raise ValueError("quantize: int8 with zeros per group is a published format (GGUF's Q5_1 / Q5_K), not "
+                         "quantized on load")
     if scheme.grouped:
         scheme.check_in_features(k, "quantize")  # even K; the last group may be shorter than group_size
     out = QuantizedTensor.empty(scheme, n, k, weight.dtype, device=weight.device)
@@ -155,6 +158,8 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     g, k = qt.scheme.group_size, qt.shape[1]
     if qt.scheme.method in ("int8", "fp8"):
         per = scale.repeat_interleave(g, dim=1)[:, :k] if qt.scheme.per_group else scale[:, None]
+        if qt.scheme.offsets:
+            return (q.float() * per + qt.parts["zero"].float().repeat_interleave(g, dim=1)[:, :k]).to(dtype)
         return (q.float() * per).to(dtype)
     scale = scale.repeat_interleave(g, dim=1)[:, :k]  # input k's group is k // g (the last one may be ragged)
     zero = qt.parts["zero"].float().repeat_interleave(g, dim=1)[:, :k]

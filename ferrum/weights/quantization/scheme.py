@@ -9,7 +9,9 @@ for every layer: `QuantizationConfig` (YAML's `quantization:` section, `--quanti
 
 int8 and fp8 may instead keep a float32 scale per group of `group_size` inputs of a row (`per_group`:
 published checkpoints' block scales, GGUF's Q8_0, 8-bit GPTQ with groups); on-load quantization keeps
-one per row.
+one per row. int8 per group may also keep a float32 zero per group (`offsets`: w = q * scale + zero,
+GGUF's Q5_1 and Q5_K, 5-bit codes with a minimum): the layer adds each group's zero times the sum of
+its inputs to the symmetric product.
 
 int4's scales and zeros are stored in the model's dtype unless the scheme names `params`: a published
 checkpoint's values kept exactly (GPTQ's float16 scales, an integer zero point times its scale in float32).
@@ -91,11 +93,15 @@ class QuantScheme:
     symmetric: bool = False  # int4 only: zero fixed at 0 (int8 and fp8 are always symmetric)
     params: torch.dtype | None = None  # int4 only: the scales' and zeros' dtype; None: the model's
     per_group: bool = False  # int8 / fp8: a scale per group of group_size inputs (int4 always has groups)
+    offsets: bool = False  # int8 per_group: a float32 zero per group too, w = q * scale + zero
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", parse_method(self.method))
         if self.per_group and self.method == "int4":
             object.__setattr__(self, "per_group", False)
+        if self.offsets and not (self.method == "int8" and self.per_group):
+            raise QuantizationConfigError(f"{self.method}: zeros per group (offsets) are for int8 with a scale per "
+                                          "group only")
         if self.params is not None and (self.method != "int4" or self.params not in _PARAM_DTYPES):
             raise QuantizationConfigError(
                 f"{self.method}: params dtype {self.params} is for int4's scales and zeros, one of "
@@ -138,6 +144,8 @@ class QuantScheme:
         if self.method == "int4":
             params = f", {str(self.params).removeprefix('torch.')} scales" if self.params is not None else ""
             return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}{params})"
+        if self.offsets:
+            return f"{self.method} (group {self.group_size}, with zeros)"
         return f"{self.method} (group {self.group_size})" if self.per_group else self.method
 
 

@@ -1,6 +1,6 @@
 """`QuantizedTensor`: the typed bundle one weight [N, K] becomes, its parts by name:
 
-    int8   qweight int8 [N, K]             scale float32 [N] (per_group: [N, ceil(K/g)])
+    int8   qweight int8 [N, K]             scale float32 [N] (per_group: [N, ceil(K/g)]; offsets: zero too)
     fp8    qweight float8_e4m3fn [N, K]    scale float32 [N] (per_group: [N, ceil(K/g)])
     int4   qweight uint8 [N, K/2]          scale, zero [N, ceil(K/g)] (in scheme.params, else the weight's dtype)
            byte j of a row holds input 2j in its low nibble and input 2j + 1 in its high nibble;
@@ -29,6 +29,8 @@ def part_layout(
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The parts (name -> (shape, dtype)) that a [n, k] weight of `dtype` is stored as."""
     scales = (n, scheme.groups(k)) if scheme.per_group else (n,)
+    if scheme.method == "int8" and scheme.offsets:
+        return {"qweight": ((n, k), torch.int8), "scale": (scales, torch.float32), "zero": (scales, torch.float32)}
     if scheme.method == "int8":
         return {"qweight": ((n, k), torch.int8), "scale": (scales, torch.float32)}
     if scheme.method == "fp8":

@@ -15,14 +15,20 @@ uint8 [rows, bytes per row]:
     Q5_0   blocks of 32: d float16, the 32 fifth bits, 16 bytes of low nibbles as Q4_0;  w = d * (q - 16)
     Q6_K   super-blocks of 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales sc, d;
            w = d * sc * (q - 32) in sub-blocks of 16
+    Q5_1   blocks of 32: d, m float16, the 32 fifth bits, 16 bytes of low nibbles as Q4_0;  w = d * q + m
+    Q5_K   super-blocks of 256: d, dmin, 12 bytes of scales and mins as Q4_K, 32 bytes of fifth bits
+           (bit s of byte l: sub-block s's input l), 128 bytes of low nibbles as Q4_K;
+           w = d * sc * q - dmin * m
 
 are repacked at load into the seam's int4 with groups of 32: Q4_0 symmetric with float16 scales (exact),
 Q4_1 and Q4_K with float32 scales and zero = offset + 8 * scale (the scales exact; the zero exact
 unless the offset and 8 * scale lie more than 2^13 apart in magnitude, then rounded to float32: the
 log counts such groups); Q8_0, Q5_0 and Q6_K into int8 with a float32 scale per group of 32 (Q6_K:
-16) (exact; Q6_K's 6.56 bits a weight become 10). Tensors of other types (Q5_1, Q5_K, Q2_K, Q3_K,
-the IQ types...) and the embeddings are dequantized at load to the model's
-dtype (`dense`), said in the log: their block formats have no kernels here yet. llama.cpp stored the
+16) (exact; Q6_K's 6.56 bits a weight become 10); Q5_1 and Q5_K into int8 with a float32 scale and
+zero per group of 32 (`offsets`: codes q - 16, zero = offset + 16 * scale, rounded to float32 where
+float32 does not hold the sum, counted in the log; 5.5-6 bits a weight become 10). Tensors of other
+types (Q2_K, Q3_K, the IQ types...) and the embeddings are dequantized at load to the model's dtype
+(`dense`), said in the log: their block formats have no kernels here yet. llama.cpp stored the
 rows of attn_q / attn_k of llama files in another order; they are put back (`hf_row_order`).
 """
 
@@ -53,9 +59,10 @@ log = logging.getLogger(__name__)
 
 # type -> (inputs per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q5_0": (32, 22),
-          "Q6_K": (256, 210)}
+          "Q6_K": (256, 210), "Q5_1": (32, 24), "Q5_K": (256, 176)}
 REPACKED = tuple(BLOCKS)
 INT8_GROUPS = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16}  # types served as int8 with a scale per group of this many
+OFFSET_GROUPS = {"Q5_1": 32, "Q5_K": 32}  # types served as int8 with a scale and a zero per group of this many
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -88,6 +95,35 @@ def decode_int8_blocks(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tens
     return q.reshape(b, 256).to(torch.int8), _f16(blocks, 208)[:, None] * scales
 
 
+def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the eight 6-bit scales and mins of each super-block (bytes 4-15), int32 [B, 8] each."""
+    b = blocks.shape[0]
+    sm = blocks[:, 4:16].to(torch.int32).reshape(b, 3, 4)
+    low, high, mixed = sm[:, 0], sm[:, 1], sm[:, 2]
+    sc = torch.cat((low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)), dim=1)
+    mn = torch.cat((high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)), dim=1)
+    return sc, mn
+
+
+def decode_offset_blocks(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw blocks [B, bytes] of a 5-bit type with a minimum (Q5_1, Q5_K) -> (codes 0..31 int32 [B, inputs
+    per block] in input order, scale and offset float64 [B, groups of 32]) with w = q * scale + offset."""
+    b = blocks.shape[0]
+    if type_name == "Q5_1":  # d, m, 32 high bits (uint32), 16 bytes of low nibbles
+        high = blocks[:, 4:8].contiguous().view(torch.int32)  # bit i: input i's fifth bit
+        bits = (high >> torch.arange(32, device=blocks.device, dtype=torch.int32)) & 1
+        low = _nibbles(blocks[:, None, 8:24]).reshape(b, 32).to(torch.int32)
+        return low | (bits << 4), _f16(blocks, 0).double()[:, None], _f16(blocks, 2).double()[:, None]
+    # Q5_K: d, dmin, scales and mins, 32 bytes of fifth bits, 128 bytes of low nibbles
+    d, dmin = _f16(blocks, 0).double(), _f16(blocks, 2).double()
+    sc, mn = _k_scales(blocks)
+    low = _nibbles(blocks[:, 48:176].reshape(b, 4, 32)).reshape(b, 8, 32).to(torch.int32)  # sub-block s = 2c + h
+    qh = blocks[:, 16:48].to(torch.int32)
+    bits = (qh[:, None, :] >> torch.arange(8, device=blocks.device, dtype=torch.int32)[None, :, None]) & 1
+    q = (low | (bits << 4)).reshape(b, 256)
+    return q, d[:, None] * sc.double(), -(dmin[:, None] * mn.double())
+
+
 def decode_int4_blocks(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw blocks [B, bytes] of a 4-bit type -> (codes uint8 [B, inputs per block] in input order,
     scale and offset float64 [B, groups of 32]) with w = q * scale + offset."""
@@ -99,10 +135,7 @@ def decode_int4_blocks(type_name: str, blocks: torch.Tensor) -> tuple[torch.Tens
         q = _nibbles(blocks[:, None, start:start + 16]).reshape(b, 32)
         return q, d[:, None], offset[:, None]
     d, dmin = _f16(blocks, 0).double(), _f16(blocks, 2).double()
-    sm = blocks[:, 4:16].to(torch.int32).reshape(b, 3, 4)
-    low, high, mixed = sm[:, 0], sm[:, 1], sm[:, 2]
-    sc = torch.cat((low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)), dim=1)  # [B, 8]
-    mn = torch.cat((high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)), dim=1)
+    sc, mn = _k_scales(blocks)
     q = _nibbles(blocks[:, 16:].reshape(b, 4, 32)).reshape(b, 256)
     return q, d[:, None] * sc.double(), -(dmin[:, None] * mn.double())
 
@@ -139,6 +172,8 @@ class GgufFormat(PublishedFormat):
             return None
         if kind in INT8_GROUPS:
             return QuantScheme("int8", INT8_GROUPS[kind], per_group=True)
+        if kind in OFFSET_GROUPS:
+            return QuantScheme("int8", OFFSET_GROUPS[kind], per_group=True, offsets=True)
         return QuantScheme("int4", 32, kind == "Q4_0", torch.float16 if kind == "Q4_0" else torch.float32)
 
     def stored_name(self, name: str) -> str:
@@ -187,15 +222,26 @@ class GgufFormat(PublishedFormat):
             q8, scale8 = decode_int8_blocks(kind, rows.reshape(n * (k // per), size))
             parts = {"qweight": q8.reshape(n, k), "scale": scale8.reshape(n, k // INT8_GROUPS[kind]).contiguous()}
             return Repacked(QuantizedTensor(scheme, (n, k), dtype, parts))
+        if kind in OFFSET_GROUPS:  # codes q - 16 in int8, zero = offset + 16 * scale
+            q5, scale, offset = decode_offset_blocks(kind, rows.reshape(n * (k // per), size))
+            scale, offset = scale.reshape(n, k // 32), offset.reshape(n, k // 32)
+            parts = {"qweight": (q5 - 16).to(torch.int8).reshape(n, k), "scale": scale.float().contiguous(),
+                     "zero": _zero(module, offset + 16.0 * scale, torch.float32)}
+            return Repacked(QuantizedTensor(scheme, (n, k), dtype, parts))
         q, scale, offset = decode_int4_blocks(kind, rows.reshape(n * (k // per), size))
         scale, offset = scale.reshape(n, k // 32), offset.reshape(n, k // 32)
-        zero = offset + 8.0 * scale
         assert scheme.params is not None
-        stored_zero = zero.to(scheme.params)
-        if scheme.params == torch.float32:
-            rounded = int((stored_zero.double() != zero).sum())
-            if rounded:
-                log.info("%s: %d of %d groups' zeros rounded to float32", module, rounded, zero.numel())
+        stored_zero = _zero(module, offset + 8.0 * scale, scheme.params)
         parts = {"qweight": pack_int4_rows(q.reshape(n, k)), "scale": scale.to(scheme.params).contiguous(),
                  "zero": stored_zero.contiguous()}
         return Repacked(QuantizedTensor(scheme, (n, k), dtype, parts))
+
+
+def _zero(module: str, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 zeros [N, groups] stored in `dtype`; where float32 rounds some, the log counts them."""
+    stored = zero.to(dtype).contiguous()
+    if dtype == torch.float32:
+        rounded = int((stored.double() != zero).sum())
+        if rounded:
+            log.info("%s: %d of %d groups' zeros rounded to float32", module, rounded, zero.numel())
+    return stored

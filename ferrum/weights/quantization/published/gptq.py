@@ -12,7 +12,9 @@ Per quantized module M, with K inputs, N outputs, G groups and b bits (4 or 8):
 
 Served as: 4-bit in the seam's int4 ((q - 8) * scale + zero with zero = (8 - z) * scale: float16 scales
 and zeros when symmetric (z = 8, zero 0), float32 otherwise, exact either way); 8-bit symmetric as
-int8 (q - 128, float32 scales per group, or per row for group_size -1). group_size -1 is one group a row (the
+int8 (q - 128, float32 scales per group, or per row for group_size -1); 8-bit asymmetric as int8 with
+zeros per group (`offsets`: q - 128, zero = (128 - z) * scale in float32, exact; group_size -1 one
+group a row). group_size -1 is one group a row (the
 scheme's group size is K rounded up to a power of two: one ragged group). With desc_act the inputs
 are stored sorted by group, and the layer reorders its input to match (`Repacked.input_order`).
 """
@@ -72,10 +74,6 @@ class GptqFormat(PublishedFormat):
         self.lm_head = bool(config.get("lm_head", False))
         skip = config.get("modules_to_not_convert") or ()
         self.skip: tuple[str, ...] = tuple(skip)
-        if self.bits == 8 and not self.symmetric:
-            raise QuantizationConfigError(
-                f"8-bit GPTQ with sym={self.symmetric}: Ferrum serves symmetric 8-bit GPTQ (as int8, a scale per "
-                "group or row); asymmetric 8-bit runs on vLLM's GPTQ kernels")
 
     def describe(self) -> str:
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
@@ -90,6 +88,8 @@ class GptqFormat(PublishedFormat):
         if matching(module, self.skip) or (module.split(".")[-1] == "lm_head" and not self.lm_head):
             return None
         group = one_group_size(k) if self.group_size == -1 else self.group_size
+        if self.bits == 8 and not self.symmetric:
+            return QuantScheme("int8", group, per_group=True, offsets=True)
         if self.bits == 8:
             return QuantScheme("int8") if self.group_size == -1 else QuantScheme("int8", group, per_group=True)
         if group < 16 or group & (group - 1):
@@ -141,6 +141,8 @@ class GptqFormat(PublishedFormat):
             qweight = (q - mid).to(torch.int8)
             scale = scales.t().float().contiguous() if scheme.per_group else scales[0].float()
             parts = {"qweight": qweight, "scale": scale}
+            if scheme.offsets:  # (q - z) s = (q - 128) s + (128 - z) s
+                parts["zero"] = ((mid - zeros).t().float() * scale).contiguous()
         else:
             assert scheme.params is not None
             scale = scales.t().to(scheme.params)  # [N, G]
