@@ -14,6 +14,7 @@ Phases:
            with --with-8b); HF transformers generate at batch 1 with --with-hf
   offline  `ferrum bench offline` with its defaults (256 requests, 100-1024 in and out) on the 1B
   serve    `ferrum bench serve` at concurrency 64 against `ferrum serve` vs offline at max_num_seqs 64
+           (--serve-concurrency, the 8B with --with-8b, --serve-repeat alternating runs)
   cold     `ferrum serve` to ready for the 8B shape; load rate vs safetensors load_file(device="cuda")
   memory   the 8B server with default settings: the device's memory (NVML, every process) against
            the gpu_memory_utilization budget, after start-up and under load; KV blocks; which
@@ -486,28 +487,44 @@ def phase_budget(args) -> None:
 
 
 def phase_serve(args) -> None:
-    """HTTP at concurrency 64 vs the offline engine at max_num_seqs 64 on the same workload, the
-    offline reference taken before and after the HTTP run and averaged."""
-    folder = checkpoint("llama-3.2-1b", args.ckpt)
+    """HTTP at --serve-concurrency (64) vs the offline engine at max_num_seqs of the same number on the
+    same workload (the 1B; the 8B with --with-8b). --serve-repeat 1: the offline reference taken
+    before and after the HTTP run and averaged; more: offline and HTTP alternating that many times
+    each (a fresh server each time: both hold the device's memory), medians compared."""
+    folder = checkpoint("llama-3.1-8b" if args.with_8b else "llama-3.2-1b", args.ckpt)
+    c = args.serve_concurrency
     common = ["--num-prompts", str(args.num_prompts), "--seed", "0"]
-    flags = ["--max-num-seqs", "64", "--max-model-len", "2048"]
+    flags = ["--max-num-seqs", str(c), "--max-model-len", "2048"]
     for variant in variants(args):
         def offline(tag: str, variant: Variant = variant) -> float:
             res = bench(variant, "offline", "--model", str(folder), *flags, *common,
-                        "--output-json", str(args.out / f"offline-c64-{variant.name}-{tag}.json"))
+                        "--output-json", str(args.out / f"offline-c{c}-{variant.name}-{tag}.json"))
             return res["output_tokens_per_s"]
 
-        before = offline("before")
-        with server(variant, folder, 8011, args.out / f"serve-{variant.name}.log", *flags):
-            res = bench(variant, "serve", "--url", "http://127.0.0.1:8011", "--tokenizer", str(folder),
-                        "--concurrency", "64", *common, "--output-json", str(args.out / f"serve-{variant.name}.json"))
-        reference = (before + offline("after")) / 2 if args.serve_refs > 1 else before
-        lvl = res["levels"][0]
-        record("serve", f"HTTP c=64 ({variant.name})", round(lvl["output_throughput"]), "output tok/s",
-               f"offline c64 {before:.0f} / mean {reference:.0f}: "
-               f"{lvl['output_throughput'] / reference:.0%} of offline; "
-               f"TTFT p50/p99 {lvl['ttft_ms']['median']:.0f}/{lvl['ttft_ms']['p99']:.0f} ms, TPOT p50 "
-               f"{lvl['tpot_ms']['median']:.2f} ms, failed {lvl['failed']}")
+        def http(tag: str, variant: Variant = variant) -> dict:
+            with server(variant, folder, 8011, args.out / f"serve-{variant.name}.log", *flags):
+                res = bench(variant, "serve", "--url", "http://127.0.0.1:8011", "--tokenizer", str(folder),
+                            "--concurrency", str(c), *common,
+                            "--output-json", str(args.out / f"serve-c{c}-{variant.name}-{tag}.json"))
+            return res["levels"][0]
+
+        offlines, levels = [], []
+        for i in range(args.serve_repeat):
+            offlines.append(offline(f"run{i}"))
+            levels.append(http(f"run{i}"))
+            lvl = levels[-1]
+            record("serve", f"run {i + 1}: offline / HTTP c={c} ({variant.name})",
+                   f"{offlines[-1]:.0f} / {lvl['output_throughput']:.0f}", "output tok/s",
+                   f"{lvl['output_throughput'] / offlines[-1]:.0%}; TTFT p50/p99 {lvl['ttft_ms']['median']:.0f}/"
+                   f"{lvl['ttft_ms']['p99']:.0f} ms, TPOT p50 {lvl['tpot_ms']['median']:.2f} ms, "
+                   f"failed {lvl['failed']}")
+        if args.serve_repeat == 1 and args.serve_refs > 1:
+            offlines.append(offline("after"))
+        reference = statistics.median(offlines)
+        got = statistics.median(lvl["output_throughput"] for lvl in levels)
+        record("serve", f"HTTP c={c} ({variant.name}), median of {len(levels)}", round(got), "output tok/s",
+               f"offline max_num_seqs {c} median of {len(offlines)} {reference:.0f}: {got / reference:.0%} of "
+               f"offline; TTFT p99 median {statistics.median(lvl['ttft_ms']['p99'] for lvl in levels):.0f} ms")
 
 
 def phase_cold(args) -> None:
@@ -650,6 +667,8 @@ def main() -> None:
     parser.add_argument("--compare", default="", help="another Ferrum checkout to measure beside this one")
     parser.add_argument("--prefix-len", type=int, default=1536, help="prefix: the shared prefix's tokens")
     parser.add_argument("--serve-refs", type=int, default=2, help="serve: offline references (1: before only)")
+    parser.add_argument("--serve-concurrency", type=int, default=64, help="serve: HTTP concurrency = max_num_seqs")
+    parser.add_argument("--serve-repeat", type=int, default=1, help="serve: offline and HTTP runs alternating")
     parser.add_argument("--cold-starts", default="first start,restart", help="cold: starts to time per variant")
     parser.add_argument("--prefix-requests", type=int, default=64, help="prefix: requests at once")
     parser.add_argument("--backend", default="cuda", help="cpu: a smoke test of the phases (with --model)")
