@@ -31,7 +31,9 @@ once where it can be:
                bytes a thread lined up with that thread's word, so the planes need no data movement;
                a tile is [words, BLOCK_N] with threads along the words (coalesced) and the sums stay
                per word through the K loop. int4: each word's sum times its group's scale, plus the
-               zero times the sum of the word's x; int8: the per-channel scale after the K loop.
+               zero times the sum of the word's x; int8: the per-channel scale after the K loop (with
+               group scales, each word's sum times its group's scale, and with zeros per group
+               (INT8_ZERO) plus the zero times the sum of the word's x, as int4).
                fp8's planes come from the hardware's conversion (e4m3 pairs to half precision, then
                float32: 1.5 instructions an input, exact), its per-channel scale after the K loop;
                K not whole words: [BLOCK_N, BLOCK_K] tiles as for bf16, converted to float32.
@@ -69,7 +71,8 @@ PER_CHANNEL = 1  # fp8 (or int8 with K not a multiple of 4): tiles converted to 
 INT4 = 2  # int32 words of 8 inputs, read as 8 planes; a scale and zero per group
 INT8 = 3  # int32 words of 4 inputs, read as 4 planes; a scale per row
 FP8 = 5  # int32 words of 4 e4m3 inputs, read as 4 planes; a scale per row
-PLANES = {PLAIN: 1, PER_CHANNEL: 1, INT4: 8, INT8: 4, FP8: 4}  # inputs a word
+INT8_ZERO = 6  # as INT8 with a scale and a zero per group (w = q * scale + zero)
+PLANES = {PLAIN: 1, PER_CHANNEL: 1, INT4: 8, INT8: 4, FP8: 4, INT8_ZERO: 4}  # inputs a word
 MAGIC = 0x4B000000  # the float 2^23: a small integer OR-ed into its mantissa is 2^23 + it
 
 
@@ -136,8 +139,8 @@ def kernel_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
                                  f"scale's shape and strides {tuple(scale.shape)} {scale.stride()}, got "
                                  f"{zeros.dtype} {tuple(zeros.shape)} {zeros.stride()}")
         words = q.view(torch.int32)
-        return KernelWeight(words, scale, zeros, words.stride(0), scale.stride(0),
-                            INT8 if weight.kind == "int8" else FP8, g, n, k)
+        quant = FP8 if weight.kind == "fp8" else INT8 if weight.zero is None else INT8_ZERO
+        return KernelWeight(words, scale, zeros, words.stride(0), scale.stride(0), quant, g, n, k)
     if weight.kind in ("int8", "fp8"):
         stored = torch.int8 if weight.kind == "int8" else torch.float8_e4m3fn
         if q.dtype != stored or scale.dtype != torch.float32 or tuple(scale.shape) != (n,) or scale.stride(0) != 1:
@@ -420,8 +423,11 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
         s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
         z = tl.load(z_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
         acc += part * s[None, :, :] + (x_even + x_odd)[:, :, None] * z[None, :, :]
-    elif GROUP > 1:  # int8 with a scale per group
+    elif GROUP > 1:  # int8 with a scale per group (and with INT8_ZERO its zero times the word's x sum)
         acc += part * _word_scales(s_cols, nmask, k0, K, w.shape[0], GROUP, PLANES, WHOLE_K)[None, :, :]
+        if QUANT == 6:
+            acc += (x_even + x_odd)[:, :, None] * _word_scales(z_cols, nmask, k0, K, w.shape[0], GROUP, PLANES,
+                                                                WHOLE_K)[None, :, :]
     else:
         acc += part
     return acc
@@ -546,10 +552,10 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
                  PLANES: tl.constexpr = 1, ASM: tl.constexpr = False) -> None:
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
     (the embedding table, for the first layer: no separate gather kernel; see STEP_START).
-    QUANT: W's storage (PLAIN; PER_CHANNEL, INT8, FP8: S the rows' scales; INT4: S and Z the groups'
-    scales and zeros, GROUP inputs each); PLANES: inputs a word of W (INT4 8, INT8 and FP8 4; 1:
-    tiles); magic: MAGIC (in a register); ASM: fp8's conversion in inline PTX (a GPU; Triton's
-    interpreter, which runs no PTX, takes the bits' arithmetic)."""
+    QUANT: W's storage (PLAIN; PER_CHANNEL, INT8, FP8: S the rows' scales, or the groups' with GROUP >
+    1; INT4, INT8_ZERO: S and Z the groups' scales and zeros, GROUP inputs each); PLANES: inputs a word
+    of W (INT4 8, INT8 and FP8 4; 1: tiles); magic: MAGIC (in a register); ASM: fp8's conversion in
+    inline PTX (a GPU; Triton's interpreter, which runs no PTX, takes the bits' arithmetic)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
@@ -575,13 +581,6 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
     y = y.to(act_ty)
     tl.store(OUT + rows[:, None] * stride_om + n[None, :], y.to(OUT.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
-
-
-def _gemv_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
-    """kernel_weight for the GEMV kernels, which read q * scale: int8 with zeros per group is the GEMMs'."""
-    if isinstance(weight, QuantWeight) and weight.kind == "int8" and weight.zero is not None:
-        raise ValueError("GEMV: int8 with zeros per group is taken by the GEMMs (quant_matmul), not the GEMV")
-    return kernel_weight(weight)
 
 
 def slicing(k: int, rows: int, table: GemvTable, norm: bool = False, min_k: int = 1) -> GemvSlicing:
@@ -620,7 +619,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
     assert x_rows is None or residual_rows is None or x_rows is residual_rows
     m = index.shape[0] if index is not None else x.shape[0]
     k = x.shape[1]
-    kw = _gemv_weight(weight)
+    kw = kernel_weight(weight)
     assert k == kw.in_features, (x.shape, kw.out_rows, kw.in_features)
     assert x.stride(1) == 1 and m <= MAX_ROWS
     n = kw.out_rows // 2 if gated else kw.out_rows
@@ -734,7 +733,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
     scales ([2] float32)."""
     m = x_rows.shape[0] if x_rows is not None else x.shape[0]
     k = x.shape[1]
-    kw = _gemv_weight(weight)
+    kw = kernel_weight(weight)
     assert m <= MAX_ROWS and x.stride(1) == 1 and kw.in_features == k
     assert kw.out_rows == (num_heads + 2 * num_kv_heads) * head_dim, (kw.out_rows, num_heads, num_kv_heads, head_dim)
     rows = triton.next_power_of_2(m)

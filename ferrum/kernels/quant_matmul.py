@@ -46,8 +46,8 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            dot; from there the weight dequantized once by a Triton kernel, then cuBLAS
                            (the W8A16 GEMM ran an 8B offline workload, prefill-heavy, at 0.11x bf16)
                    int8 with a zero per group too (GGUF's Q5_1 / Q5_K, asymmetric 8-bit GPTQ): as with
-                           group scales, the zero added to each weight with its scale, from one row
-                           (the GEMV reads q * scale only)
+                           group scales, the zero added to each weight with its scale (the GEMV: each
+                           word's x sum times its zero)
 
 Expected error against x @ dequantize(w).T in float32, relative (Frobenius), for activations
 without outliers (tests/kernels/test_quant_kernels.py checks these bounds):
@@ -142,10 +142,9 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if flat.stride(1) != 1:
         flat = flat.contiguous()
     m = flat.shape[0]
-    zeros = w.kind == "int8" and w.zero is not None  # zeros per group: the W8A16 GEMM or dequantize + cuBLAS
     if m == 0:
         y = x.new_empty(0, n)
-    elif m <= GEMV_ROWS and not zeros:
+    elif m <= GEMV_ROWS:
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM and not (n >= WIDE_N and m <= WIDE_GEMM_UP_TO):
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)

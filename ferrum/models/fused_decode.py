@@ -47,12 +47,10 @@ class FusedDecode:
         """The most rows a step runs through the chain: KernelConfig.fused_decode_rows, or 1 when a
         projection is quantized (the planes' instructions repeat a row: on an H100 the int4 chain at
         4 rows took 4x its 1-row time, where the W4A16 GEMM at 16 rows runs near bf16 cuBLAS); 0 (the
-        chain unused) when a layer stores its inputs reordered or keeps int8 zeros per group."""
+        chain unused) when a layer stores its inputs reordered."""
         quantized = [m for m in self.model.modules() if isinstance(m, QuantizedLinear)]
         if any(m.input_order is not None for m in quantized):
             return 0  # act-order storage: its input is reordered first (QuantizedLinear.forward)
-        if any(m.scheme.offsets for m in quantized):
-            return 0  # the kernels read q * scale; the layer adds the zeros (QuantizedLinear.forward)
         return min(self.kernels.fused_decode_rows, 1) if quantized else self.kernels.fused_decode_rows
 
     def weight(self, linear: nn.Module) -> tuple[torch.Tensor | QuantWeight, GemvTable]:

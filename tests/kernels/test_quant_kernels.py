@@ -21,6 +21,7 @@ from ferrum.kernels.config import GemvTable, KernelConfig
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.weights.quantization.arith import dequantize, quantize
 from ferrum.weights.quantization.scheme import QuantScheme
+from ferrum.weights.quantization.tensor import QuantizedTensor
 from tests.triton_interpreter import ON_GPU, use_interpreter
 
 use_interpreter()
@@ -46,10 +47,17 @@ def rms_normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def quantized(w: torch.Tensor, kind: str, group: int = GROUP) -> tuple[QuantWeight, torch.Tensor]:
-    """w [N, K] in `kind` ("int8-g" / "fp8-g": a scale per group), as the kernels take it, and the
-    weight it stands for (float64, on the CPU)."""
+    """w [N, K] in `kind` ("int8-g" / "fp8-g": a scale per group; "int8-gz": and a zero per group, as
+    GGUF's Q5_K has: random, about the size of the weights), as the kernels take it, and the weight it
+    stands for (float64, on the CPU)."""
+    zeros = kind == "int8-gz"
+    kind = kind.removesuffix("z")
     method, per_group = kind.removesuffix("-g"), kind.endswith("-g")
     qt = quantize(w, QuantScheme(method, group, per_group=per_group))  # type: ignore[arg-type]
+    if zeros:
+        zero = torch.randn(qt.parts["scale"].shape, generator=torch.Generator().manual_seed(9)) / 8
+        qt = QuantizedTensor(QuantScheme("int8", group, per_group=True, offsets=True), qt.shape, qt.dtype,
+                             {**qt.parts, "zero": zero})
     parts = {name: part.to(DEVICE) for name, part in qt.parts.items()}
     kernel = QuantWeight(method, parts["qweight"], parts["scale"], parts.get("zero"),  # type: ignore[arg-type]
                          group if method == "int4" or per_group else 0)
@@ -62,7 +70,7 @@ TABLES = [  # K = 128, int4 groups of 32
     GemvTable(features_per_program=8, whole_k_with_norm=16, whole_k_without_norm=16, k_slice=16),  # half a group
 ]
 CASES = [(kind, table) for kind in KINDS for table in TABLES if kind == "int4" or table.k_slice != 16]
-CASES += [(kind, table) for kind in ("int8-g", "fp8-g") for table in TABLES]  # block scales: groups of 32
+CASES += [(kind, table) for kind in ("int8-g", "fp8-g", "int8-gz") for table in TABLES]  # groups of 32
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -115,7 +123,7 @@ def test_quantized_gemv_reads_its_rows_from_a_table(kind: str) -> None:
     assert torch.equal(gathered, tg.gemv(table[rows], qw, t, norm_weight=norm))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8-gz"])
 @pytest.mark.parametrize("table", [GemvTable(), GemvTable(k_slice=32, qkv_two_slices_from=64)], ids=["whole", "sliced"])
 def test_quantized_qkv_projection_with_rope_and_cache_write(kind: str, table: GemvTable) -> None:
     """Against the same kernel on the dequantized weight: same q, same cache contents."""
@@ -166,7 +174,7 @@ def test_each_kind_has_its_table() -> None:
         KernelConfig.from_mapping({"gemv_int8": {"slices": 2}})
 
 
-@pytest.mark.parametrize("kind", ["int8-g", "fp8-g"])
+@pytest.mark.parametrize("kind", ["int8-g", "fp8-g", "int8-gz"])
 def test_grouped_dequantized_by_the_kernel_as_by_the_loader(kind: str) -> None:
     gen = torch.Generator().manual_seed(6)
     qw, ref_w = quantized((torch.randn(40, 160, generator=gen) / 8).to(DTYPE), kind)  # a ragged last group
@@ -182,6 +190,7 @@ def test_int4_dequantized_by_the_kernel_as_by_the_loader() -> None:
 GEMMS = [  # W8A16: K = 96, a partial tile; W4A16: K = 256, two tiles of four groups of 32 (a scale a word)
     ("int8", qm.GemmConfig(16, 16, 64, 4, 2)), ("fp8", qm.GemmConfig(16, 16, 64, 4, 2)),
     ("int8-g", qm.GemmConfig(16, 16, 64, 4, 2)), ("fp8-g", qm.GemmConfig(16, 16, 64, 4, 2)),  # groups of 32
+    ("int8-gz", qm.GemmConfig(16, 16, 64, 4, 2)),  # and zeros
     ("int4", qm.GemmConfig(16, 16, 128, 4, 2)),
     ("int4", qm.GemmConfig(16, 16, 128, 4, 2, split_k=3, permute_x=True)),  # the third split has no tile
 ]
@@ -238,7 +247,7 @@ def test_rows_quantized_per_token(dtype: torch.dtype) -> None:
 @gpu_only
 @pytest.mark.parametrize("m", [1, 8, 17, 300])
 @pytest.mark.parametrize(("kind", "bound"), [("int4", 1e-2), ("int8", 2e-2), ("fp8", 5e-2), ("int8-g", 1e-2),
-                                             ("fp8-g", 5e-2)])
+                                             ("fp8-g", 5e-2), ("int8-gz", 1e-2)])
 def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
     """Each method's paths (quant_matmul.py's table): the GEMV at 1 row, the Triton GEMM at 8, W8A8 or
     the W4A16 GEMM at 17, W8A8 or dequantize + cuBLAS at 300; the bounds are the module's."""

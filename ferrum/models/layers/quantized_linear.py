@@ -16,11 +16,11 @@ destination, `prepare()` runs once after loading (vLLM's process_weights_after_l
 `kernel_weight()` is the storage as the GPU kernels read it. A published checkpoint may store the
 inputs reordered (GPTQ's act order: `set_input_order`); the layer then reorders its input to match,
 and the fused decode chain, whose kernels read the input in order, is not used. int8 with zeros per
-group (`QuantScheme.offsets`: GGUF's Q5_1 and Q5_K, asymmetric 8-bit GPTQ): the GPU's GEMMs and the
-dequantization take the zeros with the scales; the CPU kernels' GEMV computes the symmetric product
-in float32 and adds each group's zero times the sum of its inputs (a [T, groups] @ [groups, N]
-product) before the one rounding to x's dtype. The fused decode chains (GPU, CPU), whose GEMV
-kernels read only q * scale, are not used for such layers.
+group (`QuantScheme.offsets`: GGUF's Q5_1 and Q5_K, asymmetric 8-bit GPTQ): the GPU's kernels (the
+GEMV too) take the zeros with the scales; the CPU kernels' GEMV computes the symmetric product in
+float32 and adds each group's zero times the sum of its inputs (a [T, groups] @ [groups, N] product)
+before the one rounding to x's dtype, and the CPU's decode chain, whose C++ GEMV reads only
+q * scale, is not used for such layers.
 """
 
 from __future__ import annotations
