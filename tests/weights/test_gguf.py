@@ -318,7 +318,7 @@ async def test_tied_embeddings_bias_and_qwen3_head_dim(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("arch, kv, fragment", [
     ("phi3", {}, "GGUF architecture 'phi3' is not served"),
-    ("llama", {"tokenizer.ggml.model": "llama"}, "'llama' is SentencePiece"),
+    ("llama", {"tokenizer.ggml.model": "t5"}, "'t5' is a tokenizer model Ferrum does not build"),
 ])
 async def test_unsupported_models_are_refused_by_name(tmp_path: Path, arch: str, kv: dict[str, Any],
                                                       fragment: str) -> None:

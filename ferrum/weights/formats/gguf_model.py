@@ -16,7 +16,12 @@ file against it):
     tokenizer      tokenizer.ggml.model "gpt2" (byte-level BPE: Llama 3, Qwen, SmolLM): tokens, merges,
                    the split of tokenizer.ggml.pre, CONTROL tokens special, USER_DEFINED ones added,
                    BOS/EOS added per tokenizer.ggml.add_bos/eos_token. "llama" (SentencePiece: Llama
-                   2, Mistral) and other tokenizer models are refused by name.
+                   2, Mistral, TinyLlama): the tokens as they are spelled ("▁" for a space), merges
+                   from the file or else derived from tokenizer.ggml.scores (every split of a token
+                   into two tokens, ranked by the whole token's score: llama.cpp's highest-score-first
+                   merging, as transformers rebuilds it), bytes no token covers as <0xXX> tokens, "▁"
+                   before the first word unless tokenizer.ggml.add_space_prefix is false, BOS added
+                   unless add_bos_token says otherwise. Other tokenizer models are refused by name.
     tokenizer_config.json   bos/eos/unk/pad tokens, add_bos/eos_token, chat template(s) (tokenizer.chat_template,
                    and tokenizer.chat_template.<name> as named templates)
     generation_config.json  bos/eos/pad ids
@@ -264,15 +269,35 @@ def _string_list(header: GGUFHeader, key: str) -> list[str]:
 
 
 def gguf_tokenizer(header: GGUFHeader) -> Tokenizer:
-    """The tokenizer that tokenizer.ggml.* describe (byte-level BPE; see the module docstring)."""
+    """The tokenizer that tokenizer.ggml.* describe (byte-level BPE or SentencePiece; see the module docstring)."""
     model = header.kv.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        what = "SentencePiece (Llama 2, Mistral)" if model == "llama" else "a tokenizer model Ferrum does not build"
+    if model not in ("gpt2", "llama"):
         raise UnsupportedError(
-            header.name, f"tokenizer.ggml.model {model!r} is {what}: only byte-level BPE ('gpt2': Llama 3, Qwen, "
-            "SmolLM) is built from a GGUF; serve the model's folder with its tokenizer.json instead"
+            header.name, f"tokenizer.ggml.model {model!r} is a tokenizer model Ferrum does not build: byte-level "
+            "BPE ('gpt2': Llama 3, Qwen, SmolLM) and SentencePiece ('llama': Llama 2, Mistral) are built from a "
+            "GGUF; serve the model's folder with its tokenizer.json instead"
         )
     tokens = _string_list(header, "tokenizer.ggml.tokens")
+    if model == "llama":
+        tokenizer, vocab = _sentencepiece(header, tokens), set(tokens)
+        alphabet = None
+    else:
+        tokenizer, vocab, alphabet = _byte_level(header, tokens)
+    types = header.kv.get("tokenizer.ggml.token_type") or []
+    # a CONTROL token spelled outside the byte alphabet is a llama.cpp mislabel (transformers skips it too)
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                  for t, kind in zip(tokens, types, strict=False)
+                                  if kind == _CONTROL and (alphabet is None or set(t) <= alphabet)])
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False)
+                          for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED and t in vocab])
+    named = _named_tokens(header, tokens)
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named.values()])
+    tokenizer.post_processor = _post_processor(header, tokenizer, named)
+    return tokenizer
+
+
+def _byte_level(header: GGUFHeader, tokens: list[str]) -> tuple[Tokenizer, set[str], set[str]]:
+    """Byte-level BPE: the tokenizer, its vocabulary as spelled, and the byte alphabet."""
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
     vocab = {
@@ -296,17 +321,46 @@ def gguf_tokenizer(header: GGUFHeader) -> Tokenizer:
              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
     tokenizer.decoder = decoders.ByteLevel()
-    types = header.kv.get("tokenizer.ggml.token_type") or []
-    # a CONTROL token spelled outside the byte alphabet is a llama.cpp mislabel (transformers skips it too)
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                  for t, kind in zip(tokens, types, strict=False)
-                                  if kind == _CONTROL and set(t) <= alphabet])
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False)
-                          for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED and t in vocab])
-    named = _named_tokens(header, tokens)
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named.values()])
-    tokenizer.post_processor = _post_processor(header, tokenizer, named)
+    return tokenizer, set(vocab), alphabet
+
+
+def _sentencepiece(header: GGUFHeader, tokens: list[str]) -> Tokenizer:
+    """SentencePiece as llama.cpp runs it ("llama"): BPE over the tokens as spelled, with byte fallback."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges: list[tuple[str, str]] = []
+    if "tokenizer.ggml.merges" in header.kv:
+        for merge in _string_list(header, "tokenizer.ggml.merges"):
+            pair = merge.split(" ")
+            if len(pair) != 2:
+                raise CorruptWeightsError(header.name, f"tokenizer.ggml.merges: {merge!r} is not two tokens")
+            merges.append((pair[0], pair[1]))
+    else:
+        scores = header.kv.get("tokenizer.ggml.scores")
+        if not isinstance(scores, list) or len(scores) != len(tokens) or not all(
+                isinstance(v, (int, float)) for v in scores):
+            raise CorruptWeightsError(header.name, f"tokenizer.ggml.scores is missing or not {len(tokens)} numbers "
+                                      "(a SentencePiece vocabulary without merges needs them)")
+        merges = _merges_by_score(vocab, dict(zip(tokens, (float(v) for v in scores), strict=True)))
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=True, byte_fallback=True))
+    prefix = bool(header.kv.get("tokenizer.ggml.add_space_prefix", True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                       prepend_scheme="first" if prefix else "never")
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     return tokenizer
+
+
+def _merges_by_score(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens of the vocabulary, best first: by the whole token's score,
+    then the longer left and right parts; one token's splits by their parts' ids (the order transformers
+    gives them)."""
+    ranked: list[tuple[str, str, float]] = []
+    for token, score in scores.items():
+        splits = [(token[:i], token[i:], score) for i in range(1, len(token))
+                  if token[:i] in vocab and token[i:] in vocab]
+        ranked.extend(sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in ranked]
 
 
 def _named_tokens(header: GGUFHeader, tokens: Sequence[str]) -> dict[str, str]:
@@ -322,8 +376,11 @@ def _named_tokens(header: GGUFHeader, tokens: Sequence[str]) -> dict[str, str]:
 
 
 def _add_flags(header: GGUFHeader) -> dict[str, bool]:
-    return {f"add_{which}_token": bool(header.kv[f"tokenizer.ggml.add_{which}_token"])
-            for which in ("bos", "eos") if f"tokenizer.ggml.add_{which}_token" in header.kv}
+    flags = {f"add_{which}_token": bool(header.kv[f"tokenizer.ggml.add_{which}_token"])
+             for which in ("bos", "eos") if f"tokenizer.ggml.add_{which}_token" in header.kv}
+    if header.kv.get("tokenizer.ggml.model") == "llama":  # llama.cpp adds BOS to a SentencePiece vocabulary
+        flags.setdefault("add_bos_token", True)  # that does not say otherwise (older files have no flag)
+    return flags
 
 
 def _post_processor(header: GGUFHeader, tokenizer: Tokenizer, named: Mapping[str, str]) -> processors.PostProcessor:
