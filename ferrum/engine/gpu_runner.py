@@ -27,6 +27,7 @@ from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.attention.packed_step import host_ints
 from ferrum.models.attention.triton_paged import TritonPagedAttention
 from ferrum.models.fused_decode import FusedDecode
 from ferrum.models.llama import LlamaForCausalLM
@@ -126,7 +127,7 @@ class GPUModelRunner:
         step, dev = plan.step, self.device
         batch = self.attention.step_inputs(step, self.model.rotary)
         ids = step.input_ids + [0] * (step.num_rows - len(step.input_ids))
-        hidden = self.model(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), self.kv_caches, batch)
+        hidden = self.model(host_ints(ids).to(dev, non_blocking=True), self.kv_caches, batch)
         logits = torch.empty(0, self.model.config.vocab_size, device=dev)
         if plan.sample_rows:
             rows = torch.tensor(plan.sample_rows, dtype=torch.long).to(dev, non_blocking=True)

@@ -13,6 +13,7 @@ from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.models.attention.cpu_paged import CpuAttentionBatch, CpuPagedAttention
 from ferrum.models.attention.layout import KVCacheLayout
+from ferrum.models.attention.packed_step import host_ints
 from ferrum.models.attention.torch_paged import TorchPagedAttention
 from ferrum.models.cpu_decode import CpuDecodeChain
 from ferrum.models.llama import LlamaForCausalLM
@@ -43,7 +44,7 @@ class TorchModelRunner:
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
         plan = pack_step(scheduled, self.layout)
         batch = self.attention.step_inputs(plan.step, self.model.rotary)
-        ids = torch.tensor(plan.step.input_ids, dtype=torch.long, device=self.device)
+        ids = host_ints(plan.step.input_ids).to(self.device)
         if self.chain is not None and len(ids) <= self.chain.max_rows:
             assert isinstance(batch, CpuAttentionBatch)
             hidden = self.chain.hidden(ids, self.kv_caches, batch)

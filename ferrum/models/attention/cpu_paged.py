@@ -19,7 +19,7 @@ import torch
 
 from ferrum.backends.device import Device
 from ferrum.models.attention.layout import KVCache, KVCacheLayout
-from ferrum.models.attention.packed_step import PackedStep
+from ferrum.models.attention.packed_step import PackedStep, host_ints
 from ferrum.models.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -71,8 +71,8 @@ class CpuPagedAttention:
         lens = [s.past + s.length for s in seqs]
         starts = [s.start for s in seqs] + [seqs[-1].start + seqs[-1].length]
         return CpuAttentionBatch(
-            positions=torch.tensor(step.positions, dtype=torch.long),
-            slot_mapping=torch.tensor(step.slots, dtype=torch.long),
+            positions=host_ints(step.positions),
+            slot_mapping=host_ints(step.slots),
             block_tables=torch.from_numpy(tables),
             seq_lens=torch.tensor(lens, dtype=torch.int32),
             query_starts=torch.tensor(starts, dtype=torch.int32),

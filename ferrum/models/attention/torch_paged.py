@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ferrum.backends.device import Device
 from ferrum.models.attention.layout import FP8_MAX, KVCache, KVCacheLayout
-from ferrum.models.attention.packed_step import PackedStep
+from ferrum.models.attention.packed_step import PackedStep, host_ints
 from ferrum.models.layers.rotary import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -182,10 +182,10 @@ class TorchPagedAttention:
 
     def step_inputs(self, step: PackedStep, rotary: RotaryEmbedding) -> AttentionBatch:
         dev = self.device
-        positions = torch.tensor(step.positions, dtype=torch.long, device=dev)
+        positions = host_ints(step.positions).to(dev)
         return AttentionBatch(
             rope=rotary(positions, self.dtype),
-            slot_mapping=torch.tensor(step.slots, dtype=torch.long, device=dev),
+            slot_mapping=host_ints(step.slots).to(dev),
             num_decode=step.num_decode,
             step=step,
             layout=self.layout,

@@ -20,7 +20,7 @@ from ferrum.kernels.config import KernelConfig
 from ferrum.kernels.paged_attention import PREFILL_BLOCK_M, decode_splits, paged_decode, paged_prefill
 from ferrum.kernels.rope import rope_and_store
 from ferrum.models.attention.layout import KVCache, KVCacheLayout
-from ferrum.models.attention.packed_step import PackedStep
+from ferrum.models.attention.packed_step import PackedStep, host_ints
 
 if TYPE_CHECKING:
     from ferrum.models.attention.layer import Attention
@@ -127,10 +127,10 @@ class TritonPagedAttention:
             tiles = PrefillTiles(ints(tile_seq), ints(tile_m), ints([s.start for s in seqs]),
                                  ints([s.length for s in seqs]), ints([s.past for s in seqs]))
         return TritonAttentionBatch(
-            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            positions=host_ints(positions).to(dev, non_blocking=True),
             cos_table=rotary.cos_table,
             sin_table=rotary.sin_table,
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=host_ints(slots).to(dev, non_blocking=True),
             block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             page=self.layout.block_size,
             context_lens=ints([s.past + 1 for s in seqs[: step.num_decode]]) if step.num_decode else None,
