@@ -122,7 +122,7 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
         pool = prompt_token_pool(engine.tokenizer, engine.model_config.vocab_size)
         requests = make_workload(spec, pool)
         _run(engine, [warmup_request(spec, pool)], spec.ignore_eos, "warmup", None)
-        roofline = _roofline(engine)
+        roofline = engine_roofline(engine)
         stop_observing = engine.add_observer(roofline.add)
         before = engine.stats()
         with RequestProgress(len(requests), "bench offline") as progress:
@@ -159,7 +159,7 @@ def run_offline(options: OfflineOptions) -> OfflineResult:
     )
 
 
-def _roofline(engine: LLMEngine) -> Roofline:
+def engine_roofline(engine: LLMEngine) -> Roofline:
     """The run's roofline, the device's peaks measured now (after the warm-up, before the run)."""
     ranks = engine.config.tensor_parallel_size
     peaks = measure_peaks(engine.device.torch_device, engine.dtype)

@@ -54,6 +54,12 @@ log = logging.getLogger(__name__)
 # decode steps are short (about 1 ms at batch 1 on an H100), so the host's turn-around between
 # bursts (waking, reading, launching: ~0.13 ms) would leave the GPU idle for a visible share.
 QUEUE_AHEAD_MAX_SEQS = 4
+# Batches of at least this many sequences run each greedy burst to its full length, past a sequence's
+# max_tokens (Scheduler: BurstLimits.full_from). On an H100 the host's turn-around between bursts is
+# about 30 us a sequence; a finished row rides along for half a burst on average. At 32 sequences
+# and more the ride costs less device time than the device's wait (scripts/throughput_breakdown.py:
+# 1.98 of 20.8 s and 1.66 of 6.7 s idle at 256 sequences for the 8B and 1B shapes, bursts cut short).
+FULL_BURSTS_FROM = 32
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer, model_config.vocab_size)
         bursts = BurstLimits(min(config.num_scheduler_steps, self.runner.max_burst), self.max_model_len,
-                             self.outputs.eos_token_ids)
+                             self.outputs.eos_token_ids, FULL_BURSTS_FROM)
         self.scheduler = Scheduler(self.block_manager, config.seqs_per_step, config.tokens_per_step, bursts)
         spec = config.speculative_config
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None

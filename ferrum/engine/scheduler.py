@@ -20,8 +20,13 @@ Greedy bursts (runners that can run decode iterations back to back on the device
 `max_burst`): while every scheduled sequence decodes greedily without logprobs, penalties, logit bias or
 a grammar, the
 plan may say to run several iterations at once, the block tables already grown for them. Only
-one iteration while a request waits for a free slot (it is admitted next step), and never past a
-sequence's length limits. While a burst runs, the engine may have the next one queued behind it
+one iteration while a request waits for a free slot (it is admitted next step), and never past
+max_model_len. A small batch's burst also ends at the first sequence's max_tokens; a batch of at
+least `BurstLimits.full_from` sequences runs the burst's whole length, a sequence that reached its
+max_tokens riding along (its rows past it dropped when read): at such a batch the host's turn-around
+at a burst's end (reading, detokenizing, scheduling and launching a few hundred sequences: 7-9 ms on
+an H100's host) costs more device time than a few finished rows, and with every sequence's end a
+turn-around the device waited at most of them. While a burst runs, the engine may have the next one queued behind it
 (`extend_burst`) when no sequence can have stopped in it (`burst_continues`).
 """
 
@@ -71,11 +76,13 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class BurstLimits:
     """What bounds a greedy burst: the runner's most iterations per burst (0: no bursts), the
-    sequence length limit, and the tokens that stop a sequence unless it ignores EOS."""
+    sequence length limit, the tokens that stop a sequence unless it ignores EOS, and the batch size
+    from which a burst is not cut short at a sequence's max_tokens (0: it always is)."""
 
     max_steps: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    full_from: int = 0
 
 
 class Scheduler:
@@ -229,9 +236,12 @@ class Scheduler:
         return bool(self.waiting) and len(self.running) < self.max_num_seqs
 
     def _room(self, seqs: SequenceOf[Sequence], outputs: list[int], computed: list[int]) -> int:
-        steps = self.bursts.max_steps
+        limits = self.bursts
+        steps = limits.max_steps
+        full = 0 < limits.full_from <= len(seqs)  # finished sequences ride along to the burst's end
         for seq, out, done in zip(seqs, outputs, computed, strict=True):
-            steps = min(steps, seq.params.max_tokens - out, self.bursts.max_model_len - done)
+            steps = min(steps, limits.max_model_len - done if full else min(seq.params.max_tokens - out,
+                                                                              limits.max_model_len - done))
         return steps
 
     def _grow_for(self, seqs: SequenceOf[Sequence], computed: list[int], steps: int) -> int:

@@ -106,6 +106,34 @@ def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
     burst.release()
 
 
+def test_a_large_batch_s_whole_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
+    """From FULL_BURSTS_FROM sequences a burst runs past sequences' max_tokens (the finished rows ride
+    along and are dropped): each request still gets exactly its tokens, and every block comes back."""
+    from ferrum.engine.llm_engine import FULL_BURSTS_FROM
+
+    g = torch.Generator().manual_seed(5)
+    n = FULL_BURSTS_FROM + 8
+    prompts = [torch.randint(0, 1000, (int(k),), generator=g).tolist() for k in torch.randint(3, 60, (n,), generator=g)]
+    lengths = torch.randint(1, 30, (n,), generator=g).tolist()
+    params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in lengths]
+    settings = dict(max_num_seqs=n, max_num_batched_tokens=4096, max_model_len=256)
+
+    def run(e: LLMEngine) -> list[list[int]]:
+        for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
+            e.add_request(f"r{i}", p, q)
+        got: dict[str, list[int]] = {}
+        while e.has_work:
+            for out in e.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert e.block_manager.num_used == 0
+        e.release()
+        return [got[f"r{i}"] for i in range(n)]
+
+    expected = run(engine(tiny, "cuda", num_scheduler_steps=1, **settings))
+    assert [len(t) for t in expected] == lengths
+    assert run(engine(tiny, "cuda", num_scheduler_steps=8, **settings)) == expected
+
+
 def test_prefix_caching_and_chunked_prefill_give_the_same_tokens(tiny: Path) -> None:
     g = torch.Generator().manual_seed(2)
     shared = torch.randint(0, 1000, (100,), generator=g).tolist()

@@ -19,9 +19,10 @@ def _decoding(rid: str, prompt: int = 5, params: SamplingParams = GREEDY) -> Seq
     return Sequence(rid, list(range(1, prompt + 1)), params, 0.0)
 
 
-def _scheduler(num_blocks: int = 64, max_steps: int = 8, max_num_seqs: int = 4, max_model_len: int = 200) -> Scheduler:
+def _scheduler(num_blocks: int = 64, max_steps: int = 8, max_num_seqs: int = 4, max_model_len: int = 200,
+               full_from: int = 0) -> Scheduler:
     bm = BlockManager(num_blocks, 4, enable_prefix_caching=False)
-    return Scheduler(bm, max_num_seqs, 256, BurstLimits(max_steps, max_model_len, frozenset({EOS})))
+    return Scheduler(bm, max_num_seqs, 256, BurstLimits(max_steps, max_model_len, frozenset({EOS}), full_from))
 
 
 def _running(sched: Scheduler, *seqs: Sequence) -> None:
@@ -93,6 +94,20 @@ def test_bursts_stop_at_length_limits_and_at_the_free_blocks() -> None:
     starved = _scheduler(num_blocks=2)  # the prompt's two blocks are all there is
     _running(starved, _decoding("c", prompt=6))
     assert starved.schedule().burst == 1 and starved.extend_burst(starved.running, ahead=1) == 0
+
+
+def test_a_large_batch_runs_whole_bursts_past_a_sequence_s_max_tokens() -> None:
+    """From `full_from` sequences a burst is not cut short at max_tokens (the finished rows ride along),
+    still never past max_model_len; a smaller batch's is."""
+    short = SamplingParams(max_tokens=4, temperature=0.0)  # one output so far: 3 to go
+    sched = _scheduler(full_from=2, max_model_len=12)
+    a, b = _decoding("a", params=short), _decoding("b")
+    _running(sched, a, b)
+    assert sched.schedule().burst == 7  # 5 positions computed: 5..11 are below max_model_len 12
+    assert len(a.block_table) * 4 >= a.num_computed_tokens + 7  # grown for the rows it rides along
+    alone = _scheduler(full_from=2)
+    _running(alone, _decoding("c", params=short))
+    assert alone.schedule().burst == 3  # one sequence: below full_from
 
 
 def test_a_burst_is_followed_only_when_no_sequence_can_have_stopped() -> None:
