@@ -358,15 +358,44 @@ class LLMEngine:
             following = self._continue(seqs, len(chosen))
         if following is not None:
             self._burst = (seqs, following)
+        ahead = self._relaunch(seqs, chosen) if following is None else {}
         for row in chosen:
-            live = [(seq, token) for seq, token in zip(seqs, row, strict=True) if not seq.is_finished]
+            live = [(seq, token) for seq, token in zip(seqs, row, strict=True)
+                    if not seq.is_finished and id(seq) not in ahead]
             if not live:
                 break
             for seq, _ in live:
                 seq.num_computed_tokens += 1
             self.outputs.append([seq for seq, _ in live], SampleResult([t for _, t in live], [None] * len(live)))
             self._generation_tokens += len(live)
+        for seq, tokens in ahead.values():  # their ids went in before the next burst was launched
+            self.outputs.catch_up(seq, tokens)
+            self._generation_tokens += len(tokens)
         return seqs
+
+    def _relaunch(self, seqs: list[Sequence], chosen: list[list[int]]) -> dict[int, tuple[Sequence, list[int]]]:
+        """A large batch whose burst chain ends only because some sequences stopped: the sequences sure to
+        run on (Scheduler.keeps_going, from the ids) get this burst's ids and the next burst is launched
+        for them before the host detokenizes anyone's tokens (at 256 sequences and 16 iterations that
+        text took the device's 7-12 ms turn-around at each such end). Not while a request waits (the
+        scheduler admits it), with stop strings (they need the text) or drafts. Returns the sequences
+        moved on, by id, with their ids, whose text is still to come (OutputProcessor.catch_up)."""
+        if (len(seqs) < FULL_BURSTS_FROM or self.scheduler.waiting or self._drafting(len(seqs))
+                or any(seq.params.stop for seq in seqs)):
+            return {}
+        survivors = [(seq, [row[i] for row in chosen]) for i, seq in enumerate(seqs)
+                     if self.scheduler.keeps_going(seq, [row[i] for row in chosen])]
+        if not survivors or len(survivors) == len(seqs):  # every one runs on: what stopped the chain was room
+            return {}
+        steps = self.scheduler.extend_burst([seq for seq, _ in survivors], len(chosen))
+        if not steps:
+            return {}
+        for seq, tokens in survivors:
+            seq.output_token_ids.extend(tokens)
+            seq.num_computed_tokens += len(tokens)
+        moved = [seq for seq, _ in survivors]
+        self._burst = (moved, self.runner.launch_greedy(moved, steps))
+        return {id(seq): (seq, tokens) for seq, tokens in survivors}
 
     def _drafting(self, batch: int) -> bool:
         """Whether speculation may draft for a batch of this size at the next step: then a burst ends at its

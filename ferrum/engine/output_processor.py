@@ -43,9 +43,18 @@ class OutputProcessor:
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
             self._append_token(seq, token, lp)
 
+    def catch_up(self, seq: Sequence, tokens: list[int]) -> None:
+        """The text of `tokens`, already the last of `seq.output_token_ids` (appended ahead by the engine
+        so that the device could go on), for a sequence they cannot stop (Scheduler.keeps_going)."""
+        for token in tokens:
+            self._after_token(seq, token, None)
+
     def _append_token(self, seq: Sequence, token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> None:
-        p = seq.params
         seq.output_token_ids.append(token)
+        self._after_token(seq, token, lp)
+
+    def _after_token(self, seq: Sequence, token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> None:
+        p = seq.params
         if lp is not None:
             top = tuple(TopLogprob(i, self.tokenizer.id_to_token_text(i), v) for i, v in lp[1])
             seq.pending_logprobs.append(TokenLogprob(token, self.tokenizer.id_to_token_text(token), lp[0], top))

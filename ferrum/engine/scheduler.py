@@ -228,7 +228,7 @@ class Scheduler:
         its length limits, no stop strings), and no request waits for a free slot."""
         if self.admission_pending():
             return False
-        return all(self._keeps_going(seq, [row[i] for row in rows]) for i, seq in enumerate(seqs))
+        return all(self.keeps_going(seq, [row[i] for row in rows]) for i, seq in enumerate(seqs))
 
     def admission_pending(self) -> bool:
         """A request waits and a running slot is free for it (with every slot taken, it waits for a
@@ -254,7 +254,9 @@ class Scheduler:
             blocks.grow(q, c + steps)
         return steps
 
-    def _keeps_going(self, seq: Sequence, tokens: list[int]) -> bool:
+    def keeps_going(self, seq: Sequence, tokens: list[int]) -> bool:
+        """Whether `seq` is sure to run on after `tokens` (judged from the ids: no stop token, below its
+        length limits; False for a finished sequence or one with stop strings, which need the text)."""
         p = seq.params
         if seq.is_finished or p.stop:
             return False

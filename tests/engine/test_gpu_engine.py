@@ -108,7 +108,8 @@ def test_greedy_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
 
 def test_a_large_batch_s_whole_bursts_give_the_tokens_of_single_steps(tiny: Path) -> None:
     """From FULL_BURSTS_FROM sequences a burst runs past sequences' max_tokens (the finished rows ride
-    along and are dropped): each request still gets exactly its tokens, and every block comes back."""
+    along and are dropped), and where some stop the rest go on in a burst launched before their text
+    is made: each request still gets exactly its tokens and text, and every block comes back."""
     from ferrum.engine.llm_engine import FULL_BURSTS_FROM
 
     g = torch.Generator().manual_seed(5)
@@ -118,19 +119,22 @@ def test_a_large_batch_s_whole_bursts_give_the_tokens_of_single_steps(tiny: Path
     params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in lengths]
     settings = dict(max_num_seqs=n, max_num_batched_tokens=4096, max_model_len=256)
 
-    def run(e: LLMEngine) -> list[list[int]]:
+    def run(e: LLMEngine) -> list[tuple[list[int], str]]:
         for i, (p, q) in enumerate(zip(prompts, params, strict=True)):
             e.add_request(f"r{i}", p, q)
-        got: dict[str, list[int]] = {}
+        got: dict[str, tuple[list[int], list[str]]] = {}
         while e.has_work:
             for out in e.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                ids, text = got.setdefault(out.request_id, ([], []))
+                ids.extend(out.new_token_ids)
+                text.append(out.new_text)
         assert e.block_manager.num_used == 0
+        assert e.stats().generation_tokens_total == sum(lengths)
         e.release()
-        return [got[f"r{i}"] for i in range(n)]
+        return [(got[f"r{i}"][0], "".join(got[f"r{i}"][1])) for i in range(n)]
 
     expected = run(engine(tiny, "cuda", num_scheduler_steps=1, **settings))
-    assert [len(t) for t in expected] == lengths
+    assert [len(ids) for ids, _ in expected] == lengths and all(text for _, text in expected)
     assert run(engine(tiny, "cuda", num_scheduler_steps=8, **settings)) == expected
 
 
