@@ -33,6 +33,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -141,7 +142,8 @@ class Timeline:
 
 def gpu_events(prof: profile) -> list[tuple[int, int, str]]:
     """The device's activities (with --backend cpu, a smoke test: the host's operators)."""
-    results = prof.profiler.kineto_results  # type: ignore[union-attr]
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None
+    results = prof.profiler.kineto_results
     device = torch.autograd.DeviceType.CUDA if BACKEND == "cuda" else torch.autograd.DeviceType.CPU
     out = []
     for e in results.events():
@@ -201,7 +203,7 @@ def run(engine, spec: WorkloadSpec, pool, round_index: int, profiled: bool, chun
         timeline.segments.append((int(s.started * 1e9) + offset, int(s.finished * 1e9) + offset, s.kind))
     windows, outside = timeline.windows(t0, t1)
     elapsed = (t1 - t0) / 1e9
-    by_kind = defaultdict(lambda: [0, 0.0, 0])
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
     for s in steps:
         k = by_kind[s.kind]
         k[0] += 1
@@ -228,7 +230,7 @@ def print_table(result: dict, plain: dict) -> None:
     short = {c: c.split(" (")[0] for c in COLUMNS}
     print("\n| part | count | wall s | roofline s | " + " | ".join(short[c] for c in COLUMNS) + " |")
     print("|---" * (len(COLUMNS) + 4) + "|")
-    totals = defaultdict(float)
+    totals: dict[str, float] = defaultdict(float)
     for label in order:
         r = rows[label]
         roof = result["roofline_by_kind_s"].get(label)
@@ -280,7 +282,7 @@ def main() -> None:
     BACKEND = args.backend
     if BACKEND == "cuda" and not torch.cuda.is_available():
         sys.exit("throughput_breakdown.py times GPU kernels: it needs CUDA (--backend cpu for a smoke test)")
-    extra = {} if BACKEND == "cuda" else {"dtype": "float32", "kv_cache_memory_gb": 0.2}
+    extra: dict[str, Any] = {} if BACKEND == "cuda" else {"dtype": "float32", "kv_cache_memory_gb": 0.2}
     engine = create_engine(args.model, backend=BACKEND, max_model_len=args.max_model_len,
                            kv_cache_dtype=args.kv_cache_dtype, **extra)
     try:
