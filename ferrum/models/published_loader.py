@@ -22,7 +22,7 @@ from ferrum.models.layers.quantized_linear import QuantizedLinear
 from ferrum.models.llama import LlamaForCausalLM, WeightBinding
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
-from ferrum.weights.quantization.published.base import PublishedFormat, Repacked, RepackError
+from ferrum.weights.quantization.published.base import PublishedFormat, Repacked, RepackError, widen
 from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.sources import WeightSource
 from ferrum.weights.spec.tensors import TensorSpec, WeightMetadata
@@ -102,6 +102,8 @@ async def repack_published(layers: list[PublishedLayer], fmt: PublishedFormat, l
             nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
             try:
                 repacked = fmt.repack(item.module, *item.shape, tensors, item.layer.dtype)
+                if repacked.weight.scheme != item.target.scheme:  # a fused layer's parts stored differently
+                    repacked = Repacked(widen(repacked.weight, item.target.scheme), repacked.input_order)
             except RepackError as exc:
                 raise PublishedWeightsError(where, f"{fmt.describe()}: {exc}") from None
             _fill(item, _sharded(repacked, item, where), orders, where)

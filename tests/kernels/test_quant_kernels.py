@@ -302,3 +302,21 @@ def test_w4a16_tiles_past_64_rows_only_for_wide_projections() -> None:
     narrow = qm.w4a16_config(100, 4096, 14336)
     assert (wide.block_m, wide.block_n, wide.split_k) == (128, 128, 1)
     assert narrow.block_m == 64 and narrow.split_k > 1
+
+
+def test_int8_with_zeros_in_groups_of_16() -> None:
+    """The layout a GGUF layer fusing Q4_K and Q6_K parts takes (int8, a scale and a zero per 16 inputs):
+    the GEMV (whole K, and slices of 16 and 64), the W8A16 GEMM and the dequantize kernel."""
+    gen = torch.Generator().manual_seed(16)
+    n, k = 20, 128
+    qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int8-gz", 16)
+    assert qw.scale.shape == qw.zero.shape == (n, k // 16)  # type: ignore[union-attr]
+    for rows, table in ((1, GemvTable()), (3, GemvTable(features_per_program=8, whole_k_with_norm=16,
+                                                        whole_k_without_norm=16, k_slice=16)),
+                        (1, GemvTable.sliced(4, 64))):
+        x = torch.randn(rows, k, generator=gen).to(DTYPE)
+        assert rel_err(tg.gemv(x.to(DEVICE), qw, table), x.double() @ ref_w.T) < 1e-2
+    x = torch.randn(17, k, generator=gen).to(DTYPE)
+    y = qm.triton_gemm(x.to(DEVICE), qw, None, qm.GemmConfig(16, 16, 64, 4, 2))
+    assert rel_err(y, x.double() @ ref_w.T) < 1e-2
+    assert rel_err(qm.dequantize_grouped(qw, DTYPE), ref_w) < 4e-3

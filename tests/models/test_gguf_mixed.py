@@ -1,7 +1,8 @@
 """A llama GGUF mixing block types as llama.cpp's Q4_K_M files do (Q4_K, Q6_K, Q5_K, Q5_1, Q8_0, Q4_0, F16
 and F32 tensors; attn_q / attn_k rows in llama.cpp's order), written by gguf-py, served by Ferrum in float32
 on the CPU: the logits equal HF transformers' loading the same file (its own dequantization, float32),
-to float32 rounding; each type is served as said (int4, int8 with group scales, or dequantized)."""
+to float32 rounding; each type is served as said (int4, int8 with group scales, or dequantized; a fused
+projection of parts in different types as int8 with zeros)."""
 
 from __future__ import annotations
 
@@ -113,8 +114,9 @@ def test_mixed_gguf_logits_equal_transformers(mixed: Path, tmp_path: Path) -> No
 
     assert FusedDecode(model, KernelConfig(), pdl=False).max_rows == 1  # the GEMV reads int8's zeros too
     # q/k and v in different types (Q4_K and Q6_K as Q4_K_M files have them; Q8_0 and Q5_K): the fused
-    # projection is served dense, dequantized at load
-    assert "layers.0.self_attn.qkv_proj" not in served and "layers.1.self_attn.qkv_proj" not in served
+    # projection is served in int8 with a scale and a zero per group of the smaller group, exactly
+    assert served["layers.0.self_attn.qkv_proj"] == "int8 (group 16, with zeros)"
+    assert served["layers.1.self_attn.qkv_proj"] == "int8 (group 32, with zeros)"
     hf = transformers.AutoModelForCausalLM.from_pretrained(mixed.parent, gguf_file=mixed.name,
                                                            dtype=torch.float32).eval()
     ids = [3, 17, 99, 5, 64, 2, 120, 31, 8, 77, 45]

@@ -115,3 +115,42 @@ def test_zeros_per_group_are_for_int8_with_group_scales_only() -> None:
         QuantScheme("int8", 32, offsets=True)  # a scale per row
     with pytest.raises(QuantizationConfigError, match="int8 with a scale per group only"):
         QuantScheme("fp8", 32, per_group=True, offsets=True)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("others", [("Q6_K",), ("Q5_K",), ("Q4_0",)], ids=["with-q6k", "with-q5k", "with-q4_0"])
+def test_a_fused_layer_of_mixed_types_takes_a_common_int8_scheme_exactly(kind: str, others: tuple[str, ...]) -> None:
+    """llama.cpp's mixes (Q4_K_M: attn_v in Q6_K beside Q4_K q and k) fuse into int8 with a float32 scale per
+    group of the smaller group and a zero where a part has one: each part's widened weight dequantizes to
+    exactly what its own repack does."""
+    from ferrum.weights.quantization.published.base import widen
+
+    module = "model.layers.0.mlp.up_proj"
+    types = [kind, *others]
+    schemes = [GgufFormat({"architecture": "llama", "tensor_types": {f"{module}.weight": t}}, CONFIG).scheme(module, K)
+               for t in types]
+    fmt = GgufFormat({"architecture": "llama", "tensor_types": {f"{module}.weight": kind}}, CONFIG)
+    common = fmt.common_scheme(schemes)
+    assert common is not None and common.method == "int8" and common.per_group
+    assert common.group_size == (16 if "Q6_K" in types else 32)
+    assert common.offsets == any(t in ("Q4_1", "Q4_K", "Q5_K") for t in types)
+    rows = torch.from_numpy(_blocks(kind, np.random.default_rng(5)))
+    own = fmt.repack(module, N, K, {"blocks": rows}, torch.float32).weight
+    wide = widen(own, common)
+    assert wide.scheme == common and not wide.layout_problems()
+    assert torch.equal(dequantize(wide, torch.float64), dequantize(own, torch.float64))
+
+
+def test_widen_refuses_what_it_cannot_hold_exactly() -> None:
+    from ferrum.weights.quantization.published.base import RepackError, widen
+    from ferrum.weights.quantization.scheme import QuantScheme
+
+    module = "model.layers.0.mlp.up_proj"
+    fmt = GgufFormat({"architecture": "llama", "tensor_types": {f"{module}.weight": "Q4_K"}}, CONFIG)
+    own = fmt.repack(module, N, K, {"blocks": torch.from_numpy(_blocks("Q4_K", np.random.default_rng(6)))},
+                     torch.float32).weight
+    with pytest.raises(RepackError, match="cannot be held exactly"):
+        widen(own, QuantScheme("int8", 16, per_group=True))  # its zeros have nowhere to go
+    with pytest.raises(RepackError, match="cannot be held exactly"):
+        widen(own, QuantScheme("int8", 64, per_group=True, offsets=True))  # a group wider than its own
+    assert fmt.common_scheme([fmt.scheme(module, K), None]) is None  # a float part: the layer goes dense

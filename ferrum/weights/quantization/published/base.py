@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import torch
 
+from ferrum.weights.quantization.arith import unpack_int4
 from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantScheme
 from ferrum.weights.quantization.tensor import QuantizedTensor
 
@@ -92,6 +93,11 @@ class PublishedFormat(abc.ABC):
         """The module's weight from its tensors (role -> tensor, on the device it is repacked on) in
         `scheme`'s layout, `dtype` the model's; RepackError naming a tensor whose values are wrong."""
 
+    def common_scheme(self, schemes: list[QuantScheme | None]) -> QuantScheme | None:
+        """One scheme that holds every one of these parts' repacked weights exactly (`widen`), for a fused
+        layer whose parts the checkpoint stores differently; None: there is none (the default)."""
+        return None
+
     def unused(self, name: str) -> bool:
         """A checkpoint tensor of the format that serving does not read (it is not an unknown tensor);
         `name` as stored."""
@@ -152,6 +158,33 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
     return q8[:, 0::2] | (q8[:, 1::2] << 4)
 
 
+def widen(weight: QuantizedTensor, target: QuantScheme) -> QuantizedTensor:
+    """`weight` in `target`, a scheme that holds it exactly: int4 or int8 (with or without zeros) into int8
+    with a float32 scale (and zero) per group of `target.group_size`, which divides the weight's own group
+    size; int4's codes u become u - 8. RepackError where `target` cannot hold it exactly."""
+    scheme = weight.scheme
+    if scheme == target:
+        return weight
+    zeros = scheme.offsets or (scheme.method == "int4" and not scheme.symmetric)  # symmetric int4's are 0
+    g, g2 = scheme.group_size, target.group_size
+    if (target.method != "int8" or not target.per_group or (zeros and not target.offsets) or g % g2
+            or scheme.method not in ("int4", "int8") or (scheme.method == "int8" and not scheme.per_group)):
+        raise RepackError(f"a {scheme.describe()} weight cannot be held exactly as {target.describe()}")
+    q = weight.parts["qweight"]
+    codes = (unpack_int4(q).to(torch.int16) - 8).to(torch.int8) if scheme.method == "int4" else q
+    n, k = weight.shape
+    groups = -(-k // g2)
+
+    def per_target_group(part: torch.Tensor) -> torch.Tensor:
+        return part.float().repeat_interleave(g // g2, dim=1)[:, :groups].contiguous()
+
+    parts = {"qweight": codes.contiguous(), "scale": per_target_group(weight.parts["scale"])}
+    if target.offsets:
+        zero = weight.parts.get("zero")
+        parts["zero"] = per_target_group(zero) if zero is not None and zeros else torch.zeros_like(parts["scale"])
+    return QuantizedTensor(target, weight.shape, weight.dtype, parts)
+
+
 def act_order(g_idx: torch.Tensor, group: int, groups: int, name: str) -> torch.Tensor | None:
     """The order that sorts inputs by their group index `g_idx` [K] (GPTQ's act order), None when it is
     already k // group; RepackError naming tensor `name` for indices out of range or groups not each of
@@ -201,6 +234,11 @@ class PublishedLayers:
         distinct = set(schemes.values())
         if len(distinct) > 1:
             listed = "; ".join(f"{name}: {s.describe() if s else 'unquantized'}" for name, s in schemes.items())
+            common = self.format.common_scheme(list(schemes.values()))
+            if common is not None:
+                log.info("%s: its parts are stored in different formats (%s): served as %s, which holds each "
+                         "exactly", path, listed, common.describe())
+                return common
             if self.format.dense_fallback:
                 log.warning("%s: its parts are stored in different formats (%s): served unquantized, dequantized "
                             "at load", path, listed)

@@ -26,7 +26,10 @@ unless the offset and 8 * scale lie more than 2^13 apart in magnitude, then roun
 log counts such groups); Q8_0, Q5_0 and Q6_K into int8 with a float32 scale per group of 32 (Q6_K:
 16) (exact; Q6_K's 6.56 bits a weight become 10); Q5_1 and Q5_K into int8 with a float32 scale and
 zero per group of 32 (`offsets`: codes q - 16, zero = offset + 16 * scale, rounded to float32 where
-float32 does not hold the sum, counted in the log; 5.5-6 bits a weight become 10). Tensors of other
+float32 does not hold the sum, counted in the log; 5.5-6 bits a weight become 10). A fused projection
+whose parts are in different types (Q4_K_M: attn_v in Q6_K, attn_q / attn_k in Q4_K) takes int8 with a
+float32 scale per group of the smallest group and a zero where a part has one (`common_scheme`; each
+part widened exactly, ferrum.weights.quantization.published.base.widen). Tensors of other
 types (Q2_K, Q3_K, the IQ types...) and the embeddings are dequantized at load to the model's dtype
 (`dense`), said in the log: their block formats have no kernels here yet. llama.cpp stored the
 rows of attn_q / attn_k of llama files in another order; they are put back (`hf_row_order`).
@@ -161,6 +164,20 @@ class GgufFormat(PublishedFormat):
     def describe(self) -> str:
         kinds = sorted(set(self.types.values()))
         return f"gguf ({', '.join(kinds)})"
+
+    def common_scheme(self, schemes: list[QuantScheme | None]) -> QuantScheme | None:
+        """Parts repacked into int4 and int8 (llama.cpp's mixes: Q4_K_M's attn_v in Q6_K beside Q4_K q and k)
+        share int8 with a float32 scale per group of the smallest group (16 or 32), and a zero where a part
+        has one: exact, 12 or 10 bits a weight against the model dtype's 16. A part stored as a float
+        tensor has none (the layer is then dequantized)."""
+        if any(s is None for s in schemes):
+            return None
+        known = [s for s in schemes if s is not None]
+        group = min(s.group_size for s in known)
+        if any(s.group_size % group for s in known):
+            return None
+        offsets = any(s.offsets or (s.method == "int4" and not s.symmetric) for s in known)
+        return QuantScheme("int8", group, per_group=True, offsets=offsets)
 
     def type_of(self, name: str) -> str | None:
         """The ggml type of HF tensor `name` in the file (None: the file has no such tensor)."""
