@@ -113,7 +113,10 @@ class BackendRegistry:
         return backend
 
 
-def _accelerator_available(kind: str) -> bool:
+def device_kind_available(kind: str) -> bool:
+    """Whether this process has a device of `kind` ("cpu" always; "cuda", "mps" where torch sees one)."""
+    if kind == "cpu":
+        return True
     if kind == "cuda":
         return torch.cuda.is_available()
     if kind == "mps":
@@ -136,7 +139,7 @@ async def create_default_registry() -> BackendRegistry:
     registry = BackendRegistry()
     await registry.register(CPUBackend())
     for kind, module_name in ACCELERATOR_MODULES:
-        if not _accelerator_available(kind):
+        if not device_kind_available(kind):
             continue
         try:
             await _register_accelerator(registry, module_name)

@@ -328,7 +328,7 @@ async def test_quantizing_on_an_absent_gpu_refused_before_any_io(tmp_path: Path)
     spec = TensorSpec("w", (4, 32), BF16, source=File(tmp_path / "absent.safetensors"),
                       transformations=(Quantize(INT8, "cuda"),))
     with pytest.raises(UnsupportedError, match=r"absent.safetensors: tensor 'w': Quantize\(int8, on cuda\): "
-                       "quantizing on cuda needs CUDA"):
+                       "quantizing on cuda needs a cuda device, which is not here"):
         async with WeightLoader(weights_config(tmp_path)) as loader:
             await loader.load([spec])
 

@@ -224,9 +224,13 @@ class Quantize(TensorTransformation):
             object.__setattr__(self, "compute_device", str(torch.device(self.compute_device)))
 
     def ensure_supported(self, *, where: str, name: str) -> None:
-        if torch.device(self.compute_device).type == "cuda" and not torch.cuda.is_available():
+        from ferrum.backends.registry import device_kind_available
+
+        kind = torch.device(self.compute_device).type
+        if not device_kind_available(kind):
             raise UnsupportedError(
-                where, f"tensor {name!r}: {self!r}: quantizing on {self.compute_device} needs CUDA, which is not here"
+                where, f"tensor {name!r}: {self!r}: quantizing on {self.compute_device} needs a {kind} device, "
+                "which is not here"
             )
 
     def check_spec(self, shape: tuple[int, ...], dtype: torch.dtype, *, where: str, name: str) -> None:
