@@ -383,8 +383,8 @@ class LLMEngine:
         if (len(seqs) < FULL_BURSTS_FROM or self.scheduler.waiting or self._drafting(len(seqs))
                 or any(seq.params.stop for seq in seqs)):
             return {}
-        survivors = [(seq, [row[i] for row in chosen]) for i, seq in enumerate(seqs)
-                     if self.scheduler.keeps_going(seq, [row[i] for row in chosen])]
+        columns = [[row[i] for row in chosen] for i in range(len(seqs))]  # each sequence's ids
+        survivors = [(seq, ids) for seq, ids in zip(seqs, columns, strict=True) if self.scheduler.keeps_going(seq, ids)]
         if not survivors or len(survivors) == len(seqs):  # every one runs on: what stopped the chain was room
             return {}
         steps = self.scheduler.extend_burst([seq for seq, _ in survivors], len(chosen))

@@ -26,8 +26,8 @@ least `BurstLimits.full_from` sequences runs the burst's whole length, a sequenc
 max_tokens riding along (its rows past it dropped when read): at such a batch the host's turn-around
 at a burst's end (reading, detokenizing, scheduling and launching a few hundred sequences: 7-9 ms on
 an H100's host) costs more device time than a few finished rows, and with every sequence's end a
-turn-around the device waited at most of them. While a burst runs, the engine may have the next one queued behind it
-(`extend_burst`) when no sequence can have stopped in it (`burst_continues`).
+turn-around the device waited at most of them. While a burst runs, the engine may have the next one
+queued behind it (`extend_burst`) when no sequence can have stopped in it (`burst_continues`).
 """
 
 from __future__ import annotations
@@ -240,8 +240,10 @@ class Scheduler:
         steps = limits.max_steps
         full = 0 < limits.full_from <= len(seqs)  # finished sequences ride along to the burst's end
         for seq, out, done in zip(seqs, outputs, computed, strict=True):
-            steps = min(steps, limits.max_model_len - done if full else min(seq.params.max_tokens - out,
-                                                                              limits.max_model_len - done))
+            room = limits.max_model_len - done
+            if not full:
+                room = min(room, seq.params.max_tokens - out)
+            steps = min(steps, room)
         return steps
 
     def _grow_for(self, seqs: SequenceOf[Sequence], computed: list[int], steps: int) -> int:

@@ -172,8 +172,7 @@ def widen(weight: QuantizedTensor, target: QuantScheme) -> QuantizedTensor:
         raise RepackError(f"a {scheme.describe()} weight cannot be held exactly as {target.describe()}")
     q = weight.parts["qweight"]
     codes = (unpack_int4(q).to(torch.int16) - 8).to(torch.int8) if scheme.method == "int4" else q
-    n, k = weight.shape
-    groups = -(-k // g2)
+    groups = -(-weight.shape[1] // g2)
 
     def per_target_group(part: torch.Tensor) -> torch.Tensor:
         return part.float().repeat_interleave(g // g2, dim=1)[:, :groups].contiguous()
