@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -41,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ferrum.backends.cpu import read_cpu_model  # noqa: E402
 from ferrum.bench.offline import engine_roofline  # noqa: E402
 from ferrum.bench.workload import LengthRange, WorkloadSpec, make_workload, prompt_token_pool, warmup_request  # noqa: E402
 from ferrum.engine.builder import create_engine  # noqa: E402
@@ -255,16 +255,6 @@ def print_table(result: dict, plain: dict) -> None:
         print(f"  {k['seconds']:8.3f} s  {k['count']:8d}  {k['category']:32}  {k['name'][:110]}")
 
 
-def cpu_description() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -299,7 +289,7 @@ def main() -> None:
     finally:
         engine.release()
     gpu = torch.cuda.get_device_name() if BACKEND == "cuda" else "none"
-    info = {"model": args.model, "gpu": gpu, "torch": torch.__version__, "cpu": cpu_description(),
+    info = {"model": args.model, "gpu": gpu, "torch": torch.__version__, "cpu": read_cpu_model(),
             "num_prompts": args.num_prompts, "kv_cache_dtype": args.kv_cache_dtype}
     print_table(profiled, plain)
     args.out.mkdir(parents=True, exist_ok=True)
