@@ -48,6 +48,9 @@ int64 words of 16 inputs (8-byte loads) fell to 26% (x's planes no longer line u
 every slice moves through shared memory); capping int4's 96 registers a thread at 80 or 64 (more
 warps resident) spilled: 3.07 and 3.97 ms against 2.60. At 4 rows the chain is 3-7x its floor: an
 input's instructions repeat a row.
+
+int4 at one row reads four words a thread instead (ferrum.kernels.gemv_int4: 16-byte loads, one
+scale and zero a chunk of 32 inputs): the chain 2.60 -> 2.19 ms, 60% -> 71-72% of its floor.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable
+from ferrum.kernels.gemv_int4 import chunk_products, chunk_warps, chunk_words
 from ferrum.kernels.kv_fp8 import cache_value, scales_arg
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 from ferrum.kernels.quant_weight import QuantWeight
@@ -520,10 +524,15 @@ def _products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.ten
               stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, magic: tl.tensor,
               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
               GATED: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr,
-              WHOLE_K: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr = False) -> tuple[tl.tensor, tl.tensor]:
+              WHOLE_K: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr = False,
+              WPT: tl.constexpr = 1) -> tuple[tl.tensor, tl.tensor]:
     """x (RMS-normed when NORM) times weight rows n and n2 (gated) over all of K, float32 [ROWS,
-    BLOCK_N] each, per-channel scales applied: by tiles or, for int4 / int8 words, by planes."""
-    if PLANES > 1:
+    BLOCK_N] each, per-channel scales applied: by tiles or, for int4 / int8 words, by planes (int4
+    with WPT > 1: in chunks of WPT words a thread, ferrum.kernels.gemv_int4)."""
+    if PLANES == 8 and WPT > 1:  # (one row: chunk_words)
+        acc, acc2, sumsq = chunk_products(X, W, S, Z, NW, n, n2, nmask, xrows, K, eps, stride_xm, stride_wn,
+                                          stride_sn, magic, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, WPT, WHOLE_K, PDL)
+    elif PLANES > 1:
         acc, acc2, sumsq = _planes_products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn,
                                             stride_sn, magic, ROWS, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, PLANES,
                                             WHOLE_K, PDL, QUANT, ASM)
@@ -549,13 +558,14 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                  WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False,
                  R_GATHER: tl.constexpr = False, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1,
-                 PLANES: tl.constexpr = 1, ASM: tl.constexpr = False) -> None:
+                 PLANES: tl.constexpr = 1, ASM: tl.constexpr = False, WPT: tl.constexpr = 1) -> None:
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
     (the embedding table, for the first layer: no separate gather kernel; see STEP_START).
     QUANT: W's storage (PLAIN; PER_CHANNEL, INT8, FP8: S the rows' scales, or the groups' with GROUP >
     1; INT4, INT8_ZERO: S and Z the groups' scales and zeros, GROUP inputs each); PLANES: inputs a word
     of W (INT4 8, INT8 and FP8 4; 1: tiles); magic: MAGIC (in a register); ASM: fp8's conversion in
-    inline PTX (a GPU; Triton's interpreter, which runs no PTX, takes the bits' arithmetic)."""
+    inline PTX (a GPU; Triton's interpreter, which runs no PTX, takes the bits' arithmetic); WPT: int4
+    words a thread reads at once (gemv_int4.chunk_words)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
@@ -566,7 +576,7 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
     nmask = n < N
     xrows, rrows = _row_offsets(IDX, rows, rmask, X_GATHER, R_GATHER)
     acc, acc2 = _products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, stride_sn, magic,
-                          ROWS, BLOCK_N, BLOCK_K, NORM, GATED, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM)
+                          ROWS, BLOCK_N, BLOCK_K, NORM, GATED, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM, WPT)
     if BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -631,6 +641,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1, (out.shape, m, n)
     pdl = pdl and x_rows is None
+    wpt = chunk_words(kw.quant == INT4 and m == 1, kw.group, k, cfg.block_k)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, out, index if index is not None else x,
@@ -639,8 +650,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         WHOLE_K=whole_k, PDL=pdl_mode(pdl), X_GATHER=x_rows is not None, R_GATHER=residual_rows is not None,
-        QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda,
-        num_warps=cfg.num_warps, num_stages=2, **pdl_launch(pdl),
+        QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda, WPT=wpt,
+        num_warps=chunk_warps(cfg.block_k, wpt, cfg.num_warps), num_stages=2, **pdl_launch(pdl),
     )
     return out
 
@@ -655,7 +666,7 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                      WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False,
                      QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, PLANES: tl.constexpr = 1,
-                     ASM: tl.constexpr = False) -> None:
+                     ASM: tl.constexpr = False, WPT: tl.constexpr = 1) -> None:
     """The q/k/v projection with rope and the KV-cache write as its epilogue: each program owns
     BLOCK_H dims of the first half of one head and the matching dims of the second half, the
     pairs the rotation mixes. QUANT, GROUP, PLANES, magic: W's storage, as in _gemv_kernel."""
@@ -677,7 +688,7 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
     c = tl.load(COS + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
     s = tl.load(SIN + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
     acc, acc2 = _products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, stride_sn, magic,
-                          ROWS, BLOCK_H, BLOCK_K, NORM, True, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM)
+                          ROWS, BLOCK_H, BLOCK_K, NORM, True, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM, WPT)
     if BIAS:
         acc += tl.load(B + n).to(tl.float32)[None, :]
         acc2 += tl.load(B + n2).to(tl.float32)[None, :]
@@ -748,6 +759,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
     while not whole_k and k % block_k:
         block_k //= 2
     kw.check_slice(block_k)
+    wpt = chunk_words(kw.quant == INT4 and m == 1, kw.group, k, block_k)
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2) // block_h,)
     pdl = pdl and x_rows is None
@@ -760,7 +772,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl_mode(pdl),
         X_GATHER=x_rows is not None, QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda,
-        num_warps=4, num_stages=2,
+        WPT=wpt, num_warps=chunk_warps(block_k, wpt, 4), num_stages=2,
         **pdl_launch(pdl),
     )
     return q

@@ -97,11 +97,16 @@ def main() -> None:
         "qkv rope": compile_sm90(tg._qkv_rope_kernel, QKV_ARGS, QKV_TYPES, dict(
             H=32, KV=8, D=64, ROWS=1, BLOCK_H=1, BLOCK_K=1024, NORM=True, BIAS=False, WHOLE_K=False, PDL=1,
             X_GATHER=True)),
-        # quantized weights (KernelConfig's tables): int4 gate/up and int8 down_proj read as planes of
-        # int32 words, fp8 o_proj as tiles, the q/k/v projection with int4 words
+        # quantized weights (KernelConfig's tables): int4 gate/up in chunks of 4 words a thread (one
+        # row, gemv_int4) and down_proj one word a thread (several rows, or groups of 16), int8
+        # down_proj read as planes of int32 words, fp8 o_proj as tiles, the q/k/v projection with int4
         "gemv int4 gate_up": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=True, GATED=True, RESIDUAL=False, WHOLE_K=False, QUANT=tg.INT4,
-            GROUP=128, PLANES=8)),
+            GROUP=128, PLANES=8, WPT=4), num_warps=2),
+        "gemv int4 down_proj one word a thread": compile_sm90(
+            tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
+                gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT4,
+                GROUP=16, PLANES=8)),
         "gemv int8 down_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*fp32"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT8,
             PLANES=4)),
@@ -110,7 +115,7 @@ def main() -> None:
             QUANT=tg.PER_CHANNEL)),
         "qkv rope int4": compile_sm90(tg._qkv_rope_kernel, QKV_ARGS, quantized(QKV_TYPES, "*i32", "*bf16"), dict(
             H=32, KV=8, D=64, ROWS=1, BLOCK_H=4, BLOCK_K=1024, NORM=True, BIAS=False, WHOLE_K=False, PDL=1,
-            QUANT=tg.INT4, GROUP=128, PLANES=8)),
+            QUANT=tg.INT4, GROUP=128, PLANES=8, WPT=4), num_warps=1),
         "decode attention": compile_sm90(paged_attention._decode_kernel, DECODE_ARGS, DECODE_TYPES, dict(
             G=4, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=32, SPLITS=32, PRECISION="tf32", PDL=1)),
         "decode reduce": compile_sm90(paged_attention._decode_reduce_kernel,

@@ -1,0 +1,203 @@
+"""The int4 products of the fused decode projections (ferrum.kernels.gemv), read in chunks.
+
+Each thread reads WPT consecutive int32 words (8 inputs each) of a weight row in one 16-byte load
+(WPT = 4: 32 inputs), and its 32 inputs of x in four, converted to float32 once for all the
+program's rows. A chunk never spans two groups (groups of 32 inputs or more, chunks aligned to 32),
+so a thread's words share one scale and one zero: one load of each per row and chunk, one
+multiply-add for the scale and one for the zero, and one offset term for the chunk. The planes are
+those of gemv._plane: input i of a word as the float32 2^e + q by a shift and one logic op, times
+input i of x, the offsets (2^8 + 8 for the even inputs, 2^4 + 8 for the odd ones: q - 8) taken off
+as 264 times the sum of the chunk's even x plus 24 times the odd.
+
+Against reading one word a thread (gemv's planes), the loop of a 4-row program over 2048 inputs
+takes 3.8 instructions an input instead of 6.2 in the SASS for sm_90 (the per-word scale and zero
+loads, their addresses and conversions, and x's conversions were most of the difference).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ferrum.kernels.pdl import pdl_wait
+
+CHUNK_WORDS = 4  # words a thread reads at once: 16 bytes, 32 inputs
+
+
+def chunk_words(quant_int4: bool, group: int, k: int, block_k: int) -> int:
+    """Words a thread reads at once for an int4 weight with K inputs in groups of `group`, read in K
+    slices of `block_k` (1: the one-word planes of ferrum.kernels.gemv, for groups under 32 inputs or
+    K not whole chunks)."""
+    inputs = 8 * CHUNK_WORDS
+    return CHUNK_WORDS if quant_int4 and group >= inputs and block_k >= inputs and k % inputs == 0 else 1
+
+
+def chunk_warps(block_k: int, words: int, num_warps: int) -> int:
+    """Warps for a program whose K slice is `block_k` inputs read `words` words a thread: no more
+    threads than chunks (a thread past them would repeat another's work)."""
+    if words == 1:
+        return num_warps
+    return max(1, min(num_warps, block_k // (8 * words) // 32))
+
+
+@triton.jit
+def _plane(words: tl.tensor, magic: tl.tensor, i: tl.constexpr) -> tl.tensor:
+    """Input i of each word as the float32 2^(23 - slot) + q (as gemv._plane for 8 planes)."""
+    shift: tl.constexpr = 15 - 8 * (i // 2)
+    slot: tl.constexpr = 15 + 4 * (i % 2)
+    mask: tl.constexpr = 15 << slot
+    if shift > 0:
+        t = words << shift
+    else:
+        t = words >> -shift
+    return ((t & mask) | (magic - (slot << 23))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split4(x: tl.tensor) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """x [..., 4] as its 4 entries [...] (in-thread: no data moves)."""
+    a, b = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2]))  # entries 0 2, 1 3
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _load_inputs(row: tl.tensor, k0: tl.tensor, K: tl.tensor, KT: tl.constexpr, WPT: tl.constexpr,
+                 WHOLE_K: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """Inputs k0..k0+8 KT WPT of the row at `row` as float32 (even, odd) [KT, WPT, 4]: input 8 (WPT t
+    + j) + 2 i at [t, j, i] and the next one beside it. bf16 read as int32 pairs, each half a float32
+    by one shift or one mask (the generic conversion takes two instructions for the upper half)."""
+    t = tl.arange(0, KT)
+    pair = 4 * WPT * t[:, None, None] + 4 * tl.arange(0, WPT)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    if WHOLE_K:  # whole chunks (K is a multiple of 8 WPT): one mask a chunk keeps its loads whole
+        mask = (t < K // (8 * WPT))[:, None, None]
+    else:
+        mask = (t >= 0)[:, None, None]
+    if row.dtype.element_ty == tl.bfloat16:
+        pairs = tl.load(row.to(tl.pointer_type(tl.int32), bitcast=True) + k0 // 2 + pair, mask=mask, other=0)
+        return (pairs << 16).to(tl.float32, bitcast=True), (pairs & -65536).to(tl.float32, bitcast=True)
+    k = k0 + 2 * pair[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+    x = tl.load(row + k, mask=mask[:, :, :, None], other=0.0).to(tl.float32)
+    return tl.split(x)
+
+
+@triton.jit
+def _load_chunks(w_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, BLOCK_K: tl.constexpr,
+                 WPT: tl.constexpr, WHOLE_K: tl.constexpr) -> tl.tensor:
+    """The words [KT, WPT, BLOCK_N] of inputs k0..k0+BLOCK_K of the rows whose starts are w_cols
+    [1, 1, BLOCK_N]: WPT consecutive words a thread."""
+    KT: tl.constexpr = BLOCK_K // (8 * WPT)
+    t = tl.arange(0, KT)
+    kw = k0 // 8 + WPT * t[:, None, None] + tl.arange(0, WPT)[None, :, None]
+    if WHOLE_K:  # whole chunks (K is a multiple of 8 WPT): one mask a chunk keeps its load one
+        wmask = nmask[None, None, :] & (t < K // (8 * WPT))[:, None, None]
+    else:
+        wmask = nmask[None, None, :]
+    return tl.load(w_cols + kw, mask=wmask, other=0)
+
+
+@triton.jit
+def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.tensor, s_cols: tl.tensor,
+                   z_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, magic: tl.tensor,
+                   GROUP: tl.constexpr, WPT: tl.constexpr, WHOLE_K: tl.constexpr) -> tl.tensor:
+    """acc [KT, BLOCK_N] + each chunk's product: x (float32, the even and odd inputs of each word, [KT,
+    WPT, 4]) times the words w [KT, WPT, BLOCK_N], by planes, times the chunk's group scale, plus its
+    zero times the chunk's sum of x."""
+    x0, x2, x4, x6 = _split4(x_even)
+    x1, x3, x5, x7 = _split4(x_odd)
+    part = x0[:, :, None] * _plane(w, magic, 0)
+    part += x1[:, :, None] * _plane(w, magic, 1)
+    part += x2[:, :, None] * _plane(w, magic, 2)
+    part += x3[:, :, None] * _plane(w, magic, 3)
+    part += x4[:, :, None] * _plane(w, magic, 4)
+    part += x5[:, :, None] * _plane(w, magic, 5)
+    part += x6[:, :, None] * _plane(w, magic, 6)
+    part += x7[:, :, None] * _plane(w, magic, 7)
+    sum_even = tl.sum(x0 + x2 + x4 + x6, axis=1)
+    sum_odd = tl.sum(x1 + x3 + x5 + x7, axis=1)
+    chunk = tl.sum(part, axis=1) - (264.0 * sum_even + 24.0 * sum_odd)[:, None]  # sum of x (q - 8)
+    KT: tl.constexpr = w.shape[0]
+    g = (k0 + 8 * WPT * tl.arange(0, KT)) // GROUP  # each chunk's group
+    if WHOLE_K:  # chunks past K (their x and w are 0) read no scale; the last group may be ragged
+        gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]
+    else:
+        gmask = nmask[None, :] & (g >= 0)[:, None]
+    s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+    z = tl.load(z_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+    return acc + chunk * s + (sum_even + sum_odd)[:, None] * z
+
+
+@triton.jit
+def _chunk_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, x_row: tl.tensor, NW: tl.tensor, w_cols: tl.tensor,
+                 w_cols2: tl.tensor, s_cols: tl.tensor, s_cols2: tl.tensor, z_cols: tl.tensor, z_cols2: tl.tensor,
+                 nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, eps: tl.tensor, magic: tl.tensor,
+                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
+                 WPT: tl.constexpr, WHOLE_K: tl.constexpr = False, w: tl.tensor | None = None,
+                 w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """One K slice of the row at x_row: x as [KT, WPT, 4] pairs (32 contiguous inputs a thread), the
+    norm as gemv's _planes_slice applies it; acc, acc2 [KT, BLOCK_N], ss [KT]."""
+    KT: tl.constexpr = BLOCK_K // (8 * WPT)
+    x_even, x_odd = _load_inputs(x_row, k0, K, KT, WPT, WHOLE_K)
+    if NORM:
+        act: tl.constexpr = x_row.dtype.element_ty
+        nw_even, nw_odd = _load_inputs(NW, k0, K, KT, WPT, WHOLE_K)
+        if WHOLE_K:  # the whole row at hand: HF's order of operations exactly
+            squares = tl.sum(tl.sum(x_even * x_even + x_odd * x_odd, axis=2), axis=1)
+            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+            x_even = (nw_even * (x_even * rstd).to(act).to(tl.float32)).to(act).to(tl.float32)
+            x_odd = (nw_odd * (x_odd * rstd).to(act).to(tl.float32)).to(act).to(tl.float32)
+        else:  # the norm's weight goes in now (the product of two bf16 is exact in float32), the 1/rms
+            # factor after the product
+            ss += tl.sum(tl.sum(x_even * x_even + x_odd * x_odd, axis=2), axis=1)
+            x_even = nw_even * x_even
+            x_odd = nw_odd * x_odd
+    if w is None:
+        w = _load_chunks(w_cols, nmask, k0, K, BLOCK_K, WPT, WHOLE_K)
+    acc = _chunk_product(acc, x_even, x_odd, w, s_cols, z_cols, nmask, k0, K, magic, GROUP, WPT, WHOLE_K)
+    if GATED:
+        if w2 is None:
+            w2 = _load_chunks(w_cols2, nmask, k0, K, BLOCK_K, WPT, WHOLE_K)
+        acc2 = _chunk_product(acc2, x_even, x_odd, w2, s_cols2, z_cols2, nmask, k0, K, magic, GROUP, WPT,
+                              WHOLE_K)
+    return acc, acc2, ss
+
+
+@triton.jit
+def chunk_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.tensor, n: tl.tensor,
+                   n2: tl.tensor, nmask: tl.tensor, xrows: tl.tensor, K: tl.tensor, eps: tl.tensor,
+                   stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, magic: tl.tensor,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                   GROUP: tl.constexpr, WPT: tl.constexpr, WHOLE_K: tl.constexpr,
+                   PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """gemv's _planes_products for one row (xrows [1]: the row of X) and int4 weights read in chunks of
+    WPT words: (acc, acc2 [1, BLOCK_N], the row's sum of squares [1] where the norm's 1/rms comes after
+    the product). One row only: with a rows dimension the compiler moves the chunks' products
+    through shared memory between layouts."""
+    KT: tl.constexpr = BLOCK_K // (8 * WPT)
+    x_row = X + tl.sum(xrows, axis=0) * stride_xm
+    w_cols = W + n[None, None, :].to(tl.int64) * stride_wn
+    w_cols2 = W + n2[None, None, :].to(tl.int64) * stride_wn
+    s_cols, s_cols2 = S + (n * stride_sn)[None, :], S + (n2 * stride_sn)[None, :]
+    z_cols, z_cols2 = Z + (n * stride_sn)[None, :], Z + (n2 * stride_sn)[None, :]
+    acc = tl.zeros([KT, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([KT, BLOCK_N], tl.float32)
+    ss = tl.zeros([KT], tl.float32)
+    k_begin = 0
+    if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
+        w = _load_chunks(w_cols, nmask, 0, K, BLOCK_K, WPT, True)
+        w2 = w
+        if GATED:
+            w2 = _load_chunks(w_cols2, nmask, 0, K, BLOCK_K, WPT, True)
+        pdl_wait(PDL)
+        acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                     nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, WHOLE_K, w, w2)
+        k_begin += BLOCK_K
+    elif WHOLE_K:
+        acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                     nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, True)
+    if not WHOLE_K:
+        for k0 in range(k_begin, K, BLOCK_K):
+            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                         nmask, k0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, False)
+    return tl.sum(acc, axis=0)[None, :], tl.sum(acc2, axis=0)[None, :], tl.sum(ss, axis=0)[None]
