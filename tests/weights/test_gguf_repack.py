@@ -65,6 +65,26 @@ def test_blocks_of_the_wrong_size_are_named() -> None:
     assert fmt.check(module, N, 500, {}) == [f"{module}: 500 inputs do not fill Q4_K blocks of 256"]
 
 
+def test_a_file_with_types_ferrum_does_not_run_is_refused_by_name() -> None:
+    """Q3_K / IQ4_XS tensors stop start-up naming the file, a tensor, the types and what would run it
+    (not served dequantized at 4-8x the memory)."""
+    from ferrum.weights.quantization.published.detect import checkpoint_format
+    from ferrum.weights.quantization.scheme import QuantizationConfigError
+
+    types = {"model.layers.0.mlp.down_proj.weight": "Q3_K", "model.layers.1.mlp.up_proj.weight": "IQ4_XS",
+             "model.layers.1.mlp.down_proj.weight": "Q3_K", "model.layers.0.mlp.up_proj.weight": "Q4_K",
+             "model.norm.weight": "F32"}
+    with pytest.raises(QuantizationConfigError) as err:
+        checkpoint_format({"quant_method": "gguf", "architecture": "llama", "tensor_types": types}, CONFIG,
+                          "/models/smol-Q3_K_M.gguf")
+    message = str(err.value)
+    assert message.startswith("/models/smol-Q3_K_M.gguf: GGUF tensor 'blk.0.ffn_down.weight' "
+                              "(model.layers.0.mlp.down_proj.weight) is Q3_K, and 2 more tensors of IQ4_XS, Q3_K")
+    assert "Ferrum runs GGUF tensors of F32, F16, BF16, Q4_0, Q4_1, Q4_K" in message and "llama-quantize" in message
+    GgufFormat({"architecture": "llama", "tensor_types": {k: v for k, v in types.items() if v in ("Q4_K", "F32")}},
+               CONFIG)  # the listed types load
+
+
 @pytest.mark.parametrize("kernels", ["cpu_kernels", "dequantize", "kernels"])
 def test_a_layer_with_zeros_per_group_multiplies_as_its_dequantized_weight(kernels: str) -> None:
     """Q5_K in a QuantizedLinear: the symmetric product plus each group's zero times its inputs' sum (the CPU

@@ -29,10 +29,12 @@ zero per group of 32 (`offsets`: codes q - 16, zero = offset + 16 * scale, round
 float32 does not hold the sum, counted in the log; 5.5-6 bits a weight become 10). A fused projection
 whose parts are in different types (Q4_K_M: attn_v in Q6_K, attn_q / attn_k in Q4_K) takes int8 with a
 float32 scale per group of the smallest group and a zero where a part has one (`common_scheme`; each
-part widened exactly, ferrum.weights.quantization.published.base.widen). Tensors of other
-types (Q2_K, Q3_K, the IQ types...) and the embeddings are dequantized at load to the model's dtype
-(`dense`), said in the log: their block formats have no kernels here yet. llama.cpp stored the
-rows of attn_q / attn_k of llama files in another order; they are put back (`hf_row_order`).
+part widened exactly, ferrum.weights.quantization.published.base.widen). The embeddings are
+dequantized at load to the model's dtype (`dense`). A file with tensors of other types (Q2_K, Q3_K,
+the IQ types...) is refused at start-up, naming a tensor, the types and what would run it: their
+block formats have no kernels here, and serving them dequantized would take 4-8x the memory they
+were chosen to save. llama.cpp stored the rows of attn_q / attn_k of llama files in another order;
+they are put back (`hf_row_order`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ log = logging.getLogger(__name__)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q5_0": (32, 22),
           "Q6_K": (256, 210), "Q5_1": (32, 24), "Q5_K": (256, 176)}
 REPACKED = tuple(BLOCKS)
+RUN_TYPES = ("F32", "F16", "BF16", *REPACKED)  # a tensor of another type is refused by name (GgufFormat)
 INT8_GROUPS = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16}  # types served as int8 with a scale per group of this many
 OFFSET_GROUPS = {"Q5_1": 32, "Q5_K": 32}  # types served as int8 with a scale and a zero per group of this many
 
@@ -155,11 +158,18 @@ class GgufFormat(PublishedFormat):
         self.architecture = str(config.get("architecture", ""))
         self.heads = int(model_config.get("num_attention_heads", 0))
         self.kv_heads = int(model_config.get("num_key_value_heads") or self.heads)
-        linear = {t for name, t in self.types.items() if name.endswith(("proj.weight", "lm_head.weight"))}
-        self.dequantized = sorted(linear - set(REPACKED) - {"F32", "F16", "BF16"})
-        if self.dequantized:
-            log.warning("GGUF linear layers of type %s have no kernels here: dequantized at load to the model's "
-                        "dtype", ", ".join(self.dequantized))
+        refused = {name: kind for name, kind in self.types.items() if kind not in RUN_TYPES}
+        if refused:
+            first = min(refused)
+            more = len(refused) - 1
+            raise QuantizationConfigError(
+                f"GGUF tensor {gguf_tensor_name(first) or first!r} ({first}) is {refused[first]}"
+                + (f", and {more} more tensor{'s' if more > 1 else ''} of {', '.join(sorted(set(refused.values())))}"
+                   if more else "")
+                + f": Ferrum runs GGUF tensors of {', '.join(RUN_TYPES)}. Requantize the model to one of them "
+                "(llama.cpp's llama-quantize, e.g. Q4_K_M, best from the original weights), serve its "
+                "safetensors folder (with --quantization int4 or int8 for the memory), or run this file with "
+                "llama.cpp")
 
     def describe(self) -> str:
         kinds = sorted(set(self.types.values()))
