@@ -17,6 +17,9 @@ decode step's MoE layers run inside its CUDA graph.
                in blocks of BLOCK_M rows, one tensor-core product per (block, slice of outputs), the
                expert's weight slice read once per block
     combine    each token's k weighted outputs summed in float32, rounded once to the activations' dtype
+               (per pair: in the down products' kernel, one program per token and slice of outputs
+               reading its k experts' rows, with the residual added in the same kernel where the
+               caller hands it over)
 
 The routing weights are rounded to the activations' dtype before they multiply (as HF rounds them).
 """
@@ -42,12 +45,20 @@ def _router_logits_kernel(X: tl.tensor, W: tl.tensor, PART: tl.tensor, T: tl.ten
                           BLOCK_K: tl.constexpr) -> None:
     """One program per (tile of tokens, tile of experts, slice of K_PER hidden features): the slice's
     float32 partial logits, into PART[slice]."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    _router_logits(X, W, PART, T, E, H, stride_x, K_PER, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                   BLOCK_T, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _router_logits(X: tl.tensor, W: tl.tensor, PART: tl.tensor, T: tl.tensor, E: tl.tensor, H: tl.tensor,
+                   stride_x: tl.tensor, K_PER: tl.tensor, token_tile: tl.tensor, expert_tile: tl.tensor,
+                   split: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
+    rows = token_tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = expert_tile * BLOCK_E + tl.arange(0, BLOCK_E)
     rmask = rows < T
     emask = cols < E
     acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    first = tl.program_id(2) * K_PER
+    first = split * K_PER
     for k0 in range(0, K_PER, BLOCK_K):
         k = first + k0 + tl.arange(0, BLOCK_K)
         kmask = k < H
@@ -56,7 +67,7 @@ def _router_logits_kernel(X: tl.tensor, W: tl.tensor, PART: tl.tensor, T: tl.ten
         w = tl.load(W + cols[None, :].to(tl.int64) * H + k[:, None], mask=kmask[:, None] & emask[None, :],
                     other=0.0).to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision="ieee")
-    out = (tl.program_id(2) * T + rows[:, None]).to(tl.int64) * E + cols[None, :]
+    out = (split * T + rows[:, None]).to(tl.int64) * E + cols[None, :]
     tl.store(PART + out, acc, mask=rmask[:, None] & emask[None, :])
 
 
@@ -65,14 +76,24 @@ def _route_top_kernel(PART: tl.tensor, CHOSEN: tl.tensor, WEIGHTS: tl.tensor, T:
                       SPLITS: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
                       BLOCK_TOP: tl.constexpr, NORMALIZE: tl.constexpr) -> None:
     """One program a tile of tokens: the partial logits summed, softmax, the top k by repeated arg-max."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _top_k(PART, CHOSEN, WEIGHTS, tl.program_id(0) * BLOCK_T, T, E, SPLITS, BLOCK_T, BLOCK_E, TOP_K, BLOCK_TOP,
+           NORMALIZE)
+
+
+@triton.jit
+def _top_k(PART: tl.tensor, CHOSEN: tl.tensor, WEIGHTS: tl.tensor, first: tl.tensor, T: tl.tensor, E: tl.tensor,
+           SPLITS: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr,
+           BLOCK_TOP: tl.constexpr, NORMALIZE: tl.constexpr) -> None:
+    """Tokens first..first+BLOCK_T: their partial logits (PART [SPLITS, T, E]) summed, softmax, the top k
+    by repeated arg-max (the first index of a tie), renormalised where NORMALIZE says."""
+    rows = first + tl.arange(0, BLOCK_T)
     rmask = rows < T
     cols = tl.arange(0, BLOCK_E)
     emask = cols < E
     logits = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for split in range(0, SPLITS):
+    for split in range(0, SPLITS):  # (.cg: from L2, where other programs' partials are)
         logits += tl.load(PART + (split * T + rows[:, None]).to(tl.int64) * E + cols[None, :],
-                          mask=rmask[:, None] & emask[None, :], other=0.0)
+                          mask=rmask[:, None] & emask[None, :], other=0.0, cache_modifier=".cg")
     logits = tl.where(emask[None, :], logits, float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
@@ -93,15 +114,36 @@ def _route_top_kernel(PART: tl.tensor, CHOSEN: tl.tensor, WEIGHTS: tl.tensor, T:
     tl.store(WEIGHTS + out, top, mask=smask)
 
 
+@triton.jit
+def _route_small_kernel(X: tl.tensor, W: tl.tensor, PART: tl.tensor, DONE: tl.tensor, CHOSEN: tl.tensor,
+                        WEIGHTS: tl.tensor, T: tl.tensor, E: tl.tensor, H: tl.tensor, stride_x: tl.tensor,
+                        K_PER: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_ALL_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr,
+                        NORMALIZE: tl.constexpr) -> None:
+    """Steps of at most BLOCK_T tokens, in one launch: each program (tile of experts, slice of the hidden
+    features) stores its partial logits as _router_logits_kernel does, then counts itself done; the last
+    program to finish sums them and picks every token's top k (_top_k), then sets the count back to 0
+    for the next launch."""
+    _router_logits(X, W, PART, T, E, H, stride_x, K_PER, 0, tl.program_id(0), tl.program_id(1), BLOCK_T,
+                   BLOCK_E, BLOCK_K)
+    tl.debug_barrier()  # every thread's partials stored before the count that announces them
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    done = tl.atomic_add(DONE, 1, sem="acq_rel", scope="gpu")
+    if done == programs - 1:
+        _top_k(PART, CHOSEN, WEIGHTS, 0, T, E, tl.num_programs(1), BLOCK_T, BLOCK_ALL_E, TOP_K, BLOCK_TOP, NORMALIZE)
+        tl.atomic_xchg(DONE, 0, sem="relaxed", scope="gpu")
+
+
 ROUTER_SLICE = 128  # hidden features a program of the router's logits reads (512: 16.6 us against 11.6, H100)
 ROUTER_PARTIAL_ELEMENTS = 1 << 21  # at most this many float32 partial logits (8 MiB): fewer slices on long steps
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], the router's weight [E, H] (any float dtype) -> chosen experts [T, k] int32 and their
-    softmax weights [T, k] float32 (renormalised over the chosen when `normalize`). Two kernels: the logits
-    split over tiles of tokens, of experts and slices of the hidden features (a decode step's one token
-    still spreads over many programs: the router is latency, not bytes), then the top k of their sums."""
+    softmax weights [T, k] float32 (renormalised over the chosen when `normalize`). The logits split over
+    tiles of tokens, of experts and slices of the hidden features (a decode step's one token still
+    spreads over many programs: the router is latency, not bytes), then the top k of their sums: for at
+    most 16 tokens in one launch (the last program to finish picks), else two kernels."""
     tokens, hidden = x.shape
     experts = weight.shape[0]
     assert weight.shape[1] == hidden and weight.is_contiguous() and x.stride(1) == 1
@@ -113,49 +155,92 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) ->
     k_per = triton.cdiv(triton.cdiv(hidden, splits), ROUTER_SLICE) * ROUTER_SLICE
     splits = triton.cdiv(hidden, k_per)
     partial = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
+    picks = dict(TOP_K=top_k, BLOCK_TOP=max(2, triton.next_power_of_2(top_k)), NORMALIZE=normalize)
+    if tokens <= block_t:
+        _route_small_kernel[(triton.cdiv(experts, block_e), splits)](
+            x, weight, partial, _done_count(x.device), chosen, weights, tokens, experts, hidden, x.stride(0), k_per,
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, BLOCK_ALL_E=max(16, triton.next_power_of_2(experts)),
+            num_warps=4, **picks,
+        )
+        return chosen, weights
     _router_logits_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(experts, block_e), splits)](
         x, weight, partial, tokens, experts, hidden, x.stride(0), k_per,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, num_warps=4,
     )
     _route_top_kernel[(triton.cdiv(tokens, block_t),)](
         partial, chosen, weights, tokens, experts, splits, BLOCK_T=block_t,
-        BLOCK_E=max(16, triton.next_power_of_2(experts)), TOP_K=top_k,
-        BLOCK_TOP=max(2, triton.next_power_of_2(top_k)), NORMALIZE=normalize, num_warps=4,
+        BLOCK_E=max(16, triton.next_power_of_2(experts)), num_warps=4, **picks,
     )
     return chosen, weights
 
 
+_DONE_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _done_count(device: torch.device) -> torch.Tensor:
+    """The count _route_small_kernel's programs take when done: one int32 a device, 0 between launches
+    (the last program sets it back), allocated at the first call (a warm-up, before any graph capture).
+    A device's launches run one after another on the engine's stream."""
+    count = _DONE_COUNTS.get(device)
+    if count is None:
+        count = _DONE_COUNTS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return count
+
+
 @triton.jit
 def _pair_gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, CHOSEN: tl.tensor,
-                      RW: tl.tensor, N: tl.tensor, K: tl.tensor, rows_e: tl.tensor, stride_xm: tl.tensor,
-                      stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor, magic: tl.tensor,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                      WEIGHTED: tl.constexpr, X_BY_PAIR: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr,
+                      N: tl.tensor, K: tl.tensor, rows_e: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
+                      stride_sn: tl.tensor, stride_om: tl.tensor, magic: tl.tensor, TOP_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr,
                       GROUP: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr) -> None:
-    """One program per (pair, BLOCK_N outputs): its expert's rows (`rows_e` a expert) times its token's
-    row of X (X_BY_PAIR: the pair's own row); GATED: silu(gate) * up of the expert's gate rows n and up
-    rows N + n; WEIGHTED: times the pair's routing weight."""
+    """One program per (pair, BLOCK_N outputs): silu(gate) * up of its expert's gate rows n and up rows
+    N + n (`rows_e` rows an expert) times its token's row of X, into the pair's row of OUT."""
     act_ty = X.dtype.element_ty
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    expert = tl.load(CHOSEN + pair).to(tl.int64)
-    first = expert * rows_e  # the expert's first row of the stack
+    first = tl.load(CHOSEN + pair).to(tl.int64) * rows_e  # the expert's first row of the stack
     one = tl.arange(0, 1)
-    if X_BY_PAIR:
-        xrows = (one + pair).to(tl.int64)
-    else:
-        xrows = (one + pair // TOP_K).to(tl.int64)
+    xrows = (one + pair // TOP_K).to(tl.int64)
     acc, acc2 = _products(X, W + first * stride_wn, S + first * stride_sn, Z + first * stride_sn, X, n, n + N, nmask,
                           xrows, one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1, BLOCK_N, BLOCK_K, False,
-                          GATED, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM)
+                          True, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM)
     y = acc.to(act_ty).to(tl.float32)  # [1, BLOCK_N]
-    if GATED:
-        up = acc2.to(act_ty).to(tl.float32)
-        y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
-    if WEIGHTED:
-        y = y.to(act_ty).to(tl.float32) * tl.load(RW + pair).to(act_ty).to(tl.float32)
+    up = acc2.to(act_ty).to(tl.float32)
+    y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
     tl.store(OUT + pair * stride_om + n[None, :], y.to(OUT.dtype.element_ty), mask=nmask[None, :])
+
+
+@triton.jit
+def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, CHOSEN: tl.tensor,
+                         RW: tl.tensor, R: tl.tensor, N: tl.tensor, K: tl.tensor, rows_e: tl.tensor,
+                         stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
+                         stride_rm: tl.tensor, magic: tl.tensor, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                         PLANES: tl.constexpr, ASM: tl.constexpr, RESIDUAL: tl.constexpr) -> None:
+    """One program per (token, BLOCK_N outputs): the down rows n of each of the token's k experts times
+    its pair's row of X (the activations), each rounded, times the pair's routing weight (rounded to the
+    activations' dtype, as HF rounds it), summed in float32 in the order of the choice and rounded once
+    to OUT's dtype (RESIDUAL: plus R's row, rounded
+    again): the per-pair down products, their sum and the residual add in one kernel."""
+    act_ty = X.dtype.element_ty
+    token = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    one = tl.arange(0, 1)
+    total = tl.zeros([1, BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        first = tl.load(CHOSEN + pair).to(tl.int64) * rows_e  # the expert's first row of the stack
+        acc, _ = _products(X, W + first * stride_wn, S + first * stride_sn, Z + first * stride_sn, X, n, n, nmask,
+                           (one + pair).to(tl.int64), one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1,
+                           BLOCK_N, BLOCK_K, False, False, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM)
+        total += acc.to(act_ty).to(tl.float32) * tl.load(RW + pair).to(act_ty).to(tl.float32)
+    y = total.to(act_ty)
+    if RESIDUAL:
+        y = (y.to(tl.float32) + tl.load(R + token * stride_rm + n[None, :], mask=nmask[None, :],
+                                        other=0.0).to(tl.float32)).to(act_ty)
+    tl.store(OUT + token * stride_om + n[None, :], y, mask=nmask[None, :])
 
 
 @dataclass(frozen=True)
@@ -192,8 +277,9 @@ def _grouped_kernel(X: tl.tensor, W: tl.tensor, OUT: tl.tensor, RW: tl.tensor, O
                     stride_om: tl.tensor, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, X_BY_PAIR: tl.constexpr,
                     PRECISION: tl.constexpr) -> None:
-    """One program per (block of one expert's pairs, BLOCK_N outputs); GATED, WEIGHTED, X_BY_PAIR as in
-    _pair_gemv_kernel. Blocks past the last expert's return at once."""
+    """One program per (block of one expert's pairs, BLOCK_N outputs); GATED: silu(gate) * up of the
+    expert's gate rows n and up rows N + n; WEIGHTED: times the pair's routing weight; X_BY_PAIR: X's rows
+    are the pairs' (else the tokens'). Blocks past the last expert's return at once."""
     act_ty = X.dtype.element_ty
     block = tl.program_id(0)
     expert = tl.load(BLOCK_EXPERT + block)
@@ -260,12 +346,14 @@ def _dot_precision(x: torch.Tensor) -> str:
 
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
             down: torch.Tensor | QuantWeight, num_experts: int, table: GemvTable | None = None,
-            per_pair: bool | None = None) -> torch.Tensor:
+            per_pair: bool | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' weighted sum for each token of x [T, H]: chosen / weights [T, k] from `route`,
     gate_up [E * 2I, H] and down [E * H, I] stacked (tensors in x's dtype, or QuantWeights of the stacks
     for the per-pair products). `per_pair`: force one way (None: per pair while the pairs are few against
     the experts; ferrum.models.layers.moe hands larger steps their quantized stacks dequantized). Returns
-    [T, H] in x's dtype."""
+    [T, H] in x's dtype, plus `residual` [T, H] (rounded after the sum, as adding it afterwards would).
+    Per pair, the down products, the sum over each token's experts and the residual are one kernel
+    (_combine_down_kernel)."""
     tokens, hidden = x.shape
     top_k = chosen.shape[1]
     pairs = tokens * top_k
@@ -276,33 +364,44 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
     if per_pair is None:
         per_pair = quantized or per_pair_fits(tokens, top_k, num_experts)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1, (residual.shape, x.shape)
     if per_pair:
         table = table or GemvTable()
-        for kw, src, dst, rows_e, gated in ((gu, x, act, 2 * inter, True), (dn, act, out, hidden, False)):
-            n = rows_e // 2 if gated else rows_e
-            cfg = slicing(kw.in_features, 1, table, min_k=kw.planes)
-            kw.check_slice(cfg.block_k)
-            _pair_gemv_kernel[(pairs, triton.cdiv(n, cfg.block_n))](
-                src, kw.data, kw.scale, kw.zero, dst, chosen, weights, n, kw.in_features, rows_e, src.stride(0),
-                kw.stride_wn, kw.stride_sn, dst.stride(0), MAGIC,
-                TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, WEIGHTED=not gated,
-                X_BY_PAIR=not gated, WHOLE_K=cfg.block_k >= kw.in_features, QUANT=kw.quant, GROUP=kw.group,
-                PLANES=kw.planes, ASM=kw.data.is_cuda, num_warps=cfg.num_warps, num_stages=2,
-            )
-    else:
-        if quantized:
-            raise ValueError("the grouped expert products take weights in the activations' dtype")
-        tiles = grouped_tiles(pairs, num_experts)
-        aligned = align(chosen, num_experts, tiles.block_m)
-        for w, src, dst, rows_e, gated in ((gate_up, x, act, 2 * inter, True), (down, act, out, hidden, False)):
-            assert isinstance(w, torch.Tensor)
-            n = rows_e // 2 if gated else rows_e
-            _grouped_kernel[(aligned.block_expert.shape[0], triton.cdiv(n, tiles.block_n))](
-                src, w, dst, weights, aligned.order, aligned.counts, aligned.pair_start, aligned.block_start,
-                aligned.block_expert, num_experts, n, w.shape[1], rows_e, src.stride(0), w.stride(0), dst.stride(0),
-                TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GATED=gated,
-                WEIGHTED=not gated, X_BY_PAIR=not gated, PRECISION=_dot_precision(x),
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            )
-    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+        cfg = slicing(gu.in_features, 1, table, min_k=gu.planes)
+        gu.check_slice(cfg.block_k)
+        _pair_gemv_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
+            x, gu.data, gu.scale, gu.zero, act, chosen, inter, hidden, 2 * inter, x.stride(0), gu.stride_wn,
+            gu.stride_sn, act.stride(0), MAGIC, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            WHOLE_K=cfg.block_k >= hidden, QUANT=gu.quant, GROUP=gu.group, PLANES=gu.planes, ASM=gu.data.is_cuda,
+            num_warps=cfg.num_warps, num_stages=2,
+        )
+        combined = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+        cfg = slicing(inter, 1, table, min_k=dn.planes)
+        dn.check_slice(cfg.block_k)
+        _combine_down_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
+            act, dn.data, dn.scale, dn.zero, combined, chosen, weights, residual if residual is not None else x,
+            hidden, inter, hidden, act.stride(0), dn.stride_wn, dn.stride_sn, combined.stride(0),
+            residual.stride(0) if residual is not None else 0, MAGIC,
+            TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_K=cfg.block_k >= inter, QUANT=dn.quant,
+            GROUP=dn.group, PLANES=dn.planes, ASM=dn.data.is_cuda, RESIDUAL=residual is not None,
+            num_warps=cfg.num_warps, num_stages=2,
+        )
+        return combined
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    if quantized:
+        raise ValueError("the grouped expert products take weights in the activations' dtype")
+    tiles = grouped_tiles(pairs, num_experts)
+    aligned = align(chosen, num_experts, tiles.block_m)
+    for w, src, dst, rows_e, gated in ((gate_up, x, act, 2 * inter, True), (down, act, out, hidden, False)):
+        assert isinstance(w, torch.Tensor)
+        n = rows_e // 2 if gated else rows_e
+        _grouped_kernel[(aligned.block_expert.shape[0], triton.cdiv(n, tiles.block_n))](
+            src, w, dst, weights, aligned.order, aligned.counts, aligned.pair_start, aligned.block_start,
+            aligned.block_expert, num_experts, n, w.shape[1], rows_e, src.stride(0), w.stride(0), dst.stride(0),
+            TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GATED=gated,
+            WEIGHTED=not gated, X_BY_PAIR=not gated, PRECISION=_dot_precision(x),
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    summed = out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return summed if residual is None else summed + residual

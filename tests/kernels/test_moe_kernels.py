@@ -43,19 +43,24 @@ def reference(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate
     return out
 
 
+@pytest.mark.parametrize("tokens", [37, 3])  # two kernels; one launch whose last program picks (twice in a row)
 @pytest.mark.parametrize(("experts", "top_k", "normalize"), [(8, 2, True), (4, 2, False), (40, 6, True)])
-def test_route_picks_the_top_k_of_the_softmax(experts: int, top_k: int, normalize: bool) -> None:
+def test_route_picks_the_top_k_of_the_softmax(experts: int, top_k: int, normalize: bool, tokens: int) -> None:
     gen = torch.Generator().manual_seed(experts)
-    x = torch.randn(37, 96, generator=gen).to(DTYPE)
-    w = (torch.randn(experts, 96, generator=gen) / 4).to(DTYPE)
-    chosen, weights = moe.route(x.to(DEVICE), w.to(DEVICE), top_k, normalize)
+    x = torch.randn(tokens, 384, generator=gen).to(DTYPE)  # 384: three slices of the hidden features
+    w = (torch.randn(experts, 384, generator=gen) / 8).to(DTYPE)
     probs = torch.softmax(x.double() @ w.double().T, dim=-1)
     want_w, want = probs.topk(top_k, dim=-1)
     if normalize:
         want_w = want_w / want_w.sum(-1, keepdim=True)
-    assert chosen.dtype == torch.int32 and weights.dtype == torch.float32
-    assert torch.equal(chosen.cpu().long(), want)  # (random scores: no near-ties at this size)
-    torch.testing.assert_close(weights.cpu().double(), want_w, atol=1e-5, rtol=1e-5)
+    xd = x.to(DEVICE)
+    for _ in range(2 if tokens <= 16 else 1):
+        chosen, weights = moe.route(xd, w.to(DEVICE), top_k, normalize)
+        assert chosen.dtype == torch.int32 and weights.dtype == torch.float32
+        assert torch.equal(chosen.cpu().long(), want)  # (random scores: no near-ties at this size)
+        torch.testing.assert_close(weights.cpu().double(), want_w, atol=1e-5, rtol=1e-5)
+    if tokens <= 16:
+        assert int(moe._done_count(xd.device).item()) == 0  # set back for the next launch
 
 
 @pytest.mark.parametrize(("tokens", "per_pair"), [(1, True), (5, True), (1, False), (5, False), (40, False)])
@@ -73,6 +78,11 @@ def test_experts_match_one_by_one(tokens: int, per_pair: bool) -> None:
     out = moe.experts(d(x), d(chosen), d(weights), d(gate_up), d(down), experts, TABLE, per_pair=per_pair)
     assert out.shape == (tokens, hidden) and out.dtype == DTYPE
     assert rel_err(out, reference(x, chosen, weights.to(DTYPE), gate_up, down, experts)) < 1e-2
+    # the residual added by the last kernel (per pair: the down products' own) as adding it afterwards would
+    residual = torch.randn(tokens, hidden, generator=gen).to(DTYPE)
+    added = moe.experts(d(x), d(chosen), d(weights), d(gate_up), d(down), experts, TABLE, per_pair=per_pair,
+                        residual=d(residual))
+    assert torch.equal(added.cpu(), (out.cpu() + residual).cpu())
 
 
 def test_float32_experts_are_exact_to_float32() -> None:

@@ -46,30 +46,32 @@ from ferrum.models.layers.quantized_linear import QuantizedExperts
 
 
 class ExpertsMethod(Protocol):
-    def __call__(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, moe: MoE, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' weighted sum for each token of x [T, H] (this rank's part under tensor
-        parallelism, before the all-reduce), in x's dtype."""
+        parallelism, before the all-reduce), in x's dtype; plus `residual` [T, H] where given (rounded
+        after the sum)."""
         ...
 
 
-def plain_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+def plain_experts(moe: MoE, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     chosen, weights = moe.route(x)
     out = torch.zeros_like(x)
     for e in torch.unique(chosen).tolist():
         tokens, slot = torch.where(chosen == e)
         y = moe.expert(e, x[tokens]) * weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
-    return out
+    return out if residual is None else out + residual
 
 
-def triton_experts(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+def triton_experts(moe: MoE, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     from ferrum.kernels import moe as kernels
 
     config = moe.moe
     chosen, weights = kernels.route(x, moe.gate.weight, config.top_k, config.normalize)
     small = kernels.per_pair_fits(x.shape[0], config.top_k, config.num_experts)
     return kernels.experts(x, chosen, weights, _kernel_stack(moe.experts_gate_up, small, x.dtype),
-                           _kernel_stack(moe.experts_down, small, x.dtype), config.num_experts, per_pair=small)
+                           _kernel_stack(moe.experts_down, small, x.dtype), config.num_experts, per_pair=small,
+                           residual=residual)
 
 
 def _kernel_stack(stack: torch.Tensor | QuantizedExperts, per_pair: bool,
@@ -145,11 +147,17 @@ class MoE(nn.Module):
         parameter itself, or a quantized stack's storage ("experts_down.weight")."""
         return f"{stack}.weight" if isinstance(getattr(self, stack), QuantizedExperts) else stack
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.compute(self, x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for x [T, H] (the normed hidden states), plus `residual` where given: in the
+        experts' last kernel when nothing comes after them (no shared expert, no all-reduce)."""
+        alone = self.shared_expert is None and self.tp.size == 1
+        out = self.compute(self, x, residual if alone else None)
+        if alone:
+            return out
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        return out if residual is None else out + residual
 
     def checkpoint_rows(self) -> list[tuple[str, str, tuple[int, int]]]:
         """(this module's parameter, the checkpoint tensor's name below the block, rows) for every
