@@ -49,8 +49,9 @@ every slice moves through shared memory); capping int4's 96 registers a thread a
 warps resident) spilled: 3.07 and 3.97 ms against 2.60. At 4 rows the chain is 3-7x its floor: an
 input's instructions repeat a row.
 
-int4 at one row reads four words a thread instead (ferrum.kernels.gemv_int4: 16-byte loads, one
-scale and zero a chunk of 32 inputs): the chain 2.60 -> 2.19 ms, 60% -> 71-72% of its floor.
+int4 and int8 at one row read four words a thread instead (ferrum.kernels.gemv_chunks: 16-byte
+loads, one scale and zero a chunk): the int4 chain 2.60 -> 2.19 ms (60% -> 71-72% of its floor),
+int8 2.96 -> 2.86 ms (89% -> 93-94%); fp8 in chunks was slower and keeps the planes.
 """
 
 from __future__ import annotations
@@ -62,20 +63,14 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable
-from ferrum.kernels.gemv_int4 import chunk_products, chunk_warps, chunk_words
+from ferrum.kernels.gemv_chunks import chunk_products, chunk_warps, chunk_words
 from ferrum.kernels.kv_fp8 import cache_value, scales_arg
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
+from ferrum.kernels.planes import FP8, INT4, INT8, INT8_ZERO, PER_CHANNEL, PLAIN, fp8_planes, plane
 from ferrum.kernels.quant_weight import QuantWeight
 
 MAX_ROWS = 16  # the most rows one launch takes (the engine's fused path uses up to KernelConfig.fused_decode_rows)
 
-# the kernels' QUANT constant: how the weight is stored and read
-PLAIN = 0  # the activations' dtype, [BLOCK_N, BLOCK_K] tiles
-PER_CHANNEL = 1  # fp8 (or int8 with K not a multiple of 4): tiles converted to float32, a scale per row
-INT4 = 2  # int32 words of 8 inputs, read as 8 planes; a scale and zero per group
-INT8 = 3  # int32 words of 4 inputs, read as 4 planes; a scale per row
-FP8 = 5  # int32 words of 4 e4m3 inputs, read as 4 planes; a scale per row
-INT8_ZERO = 6  # as INT8 with a scale and a zero per group (w = q * scale + zero)
 PLANES = {PLAIN: 1, PER_CHANNEL: 1, INT4: 8, INT8: 4, FP8: 4, INT8_ZERO: 4}  # inputs a word
 MAGIC = 0x4B000000  # the float 2^23: a small integer OR-ed into its mantissa is 2^23 + it
 
@@ -183,70 +178,6 @@ def _load_weights(w_rows: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tens
     else:
         wmask = nmask[:, None]
     return tl.load(w_rows + k[None, :], mask=wmask, other=0.0)
-
-
-@triton.jit
-def _plane(words: tl.tensor, magic: tl.tensor, i: tl.constexpr, PLANES: tl.constexpr) -> tl.tensor:
-    """Input i of each word as a float32 2^e + u, u its stored bits (int4: q; int8: words ^
-    0x80808080, q + 128): one shift brings inputs 2t and 2t + 1 to the top of the mantissa (int4: bits
-    15-18 and 19-22; int8: 7-14 and 15-22), one logic op masks the input's bits and ORs them into the
-    mantissa of 2^e (magic = 2^23's bits in a register, so that the mask and the OR are one op), e =
-    23 - the slot's lowest bit (int4: 2^8 + q, 2^4 + q; int8: 2^16 + u, 2^8 + u). No conversion
-    instruction (the SM runs those 4x slower) and no subtraction: each word's sums start from minus
-    its x times these offsets."""
-    BITS: tl.constexpr = 32 // PLANES
-    shift: tl.constexpr = (15 - 8 * (i // 2)) if PLANES == 8 else (7 - 16 * (i // 2))
-    slot: tl.constexpr = (15 if PLANES == 8 else 7) + BITS * (i % 2)
-    mask: tl.constexpr = ((1 << BITS) - 1) << slot
-    if shift > 0:
-        t = words << shift
-    else:
-        t = words >> -shift
-    return ((t & mask) | (magic - (slot << 23))).to(tl.float32, bitcast=True)  # 2^(23 - slot) + u
-
-
-@triton.jit
-def _fp8_planes(words: tl.tensor, ASM: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
-    """The 4 e4m3 inputs of each word as float32, exactly. ASM (a GPU): the hardware's conversion, two
-    inputs an instruction to half precision (which holds every e4m3 value), then to float32: 1.5
-    instructions an input; otherwise (Triton's interpreter) from the bits: (8 + m) 2^(e - 10), or m 2^-9
-    where e = 0."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi, a, b, c, d;
-            .reg .b32 h01, h23;
-            .reg .f32 f0, f1, f2, f3;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 h01, lo;
-            cvt.rn.f16x2.e4m3x2 h23, hi;
-            mov.b32 {a, b}, h01;
-            mov.b32 {c, d}, h23;
-            cvt.f32.f16 f0, a;
-            cvt.f32.f16 f1, b;
-            cvt.f32.f16 f2, c;
-            cvt.f32.f16 f3, d;
-            mov.b32 $0, f0;
-            mov.b32 $1, f1;
-            mov.b32 $2, f2;
-            mov.b32 $3, f3;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-            is_pure=True, pack=1)
-    f0 = _fp8_bits_to_float(words & 0xFF)
-    f1 = _fp8_bits_to_float((words >> 8) & 0xFF)
-    f2 = _fp8_bits_to_float((words >> 16) & 0xFF)
-    f3 = _fp8_bits_to_float((words >> 24) & 0xFF)
-    return f0, f1, f2, f3
-
-
-@triton.jit
-def _fp8_bits_to_float(b: tl.tensor) -> tl.tensor:
-    """An e4m3 byte (in an int32) as float32."""
-    e = (b >> 3) & 0xF
-    m = (b & 7).to(tl.float32)
-    v = tl.where(e == 0, m * 0.001953125, (m + 8.0) * ((e + 117) << 23).to(tl.float32, bitcast=True))
-    return tl.where((b & 0x80) != 0, -v, v)
 
 
 @triton.jit
@@ -394,7 +325,7 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
     per-channel scale comes after the K loop)."""
     p = tl.arange(0, PLANES)
     if QUANT == 5:  # fp8: the hardware's conversion, no offsets
-        f0, f1, f2, f3 = _fp8_planes(w, ASM)
+        f0, f1, f2, f3 = fp8_planes(w, ASM)
         x0 = tl.sum(tl.where(p[None, None, :] == 0, xf, 0.0), axis=2)[:, :, None]
         x1 = tl.sum(tl.where(p[None, None, :] == 1, xf, 0.0), axis=2)[:, :, None]
         x2 = tl.sum(tl.where(p[None, None, :] == 2, xf, 0.0), axis=2)[:, :, None]
@@ -417,7 +348,7 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
     part = tl.broadcast_to(-c[:, :, None], acc.shape)
     for i in tl.static_range(PLANES):
         x_i = tl.sum(tl.where(p[None, None, :] == i, xf, 0.0), axis=2)  # in-thread: the compiler picks the register
-        part += x_i[:, :, None] * _plane(w, magic, i, PLANES)[None, :, :]
+        part += x_i[:, :, None] * plane(w, magic, i, PLANES)[None, :, :]
     if PLANES == 8:
         g = (k0 + 8 * _chunk1(w.shape[0])) // GROUP  # each word's group (a word never spans two)
         if WHOLE_K:  # words past K (their x and w are 0) read no scale; the last group may be ragged
@@ -527,11 +458,12 @@ def _products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.ten
               WHOLE_K: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr = False,
               WPT: tl.constexpr = 1) -> tuple[tl.tensor, tl.tensor]:
     """x (RMS-normed when NORM) times weight rows n and n2 (gated) over all of K, float32 [ROWS,
-    BLOCK_N] each, per-channel scales applied: by tiles or, for int4 / int8 words, by planes (int4
-    with WPT > 1: in chunks of WPT words a thread, ferrum.kernels.gemv_int4)."""
-    if PLANES == 8 and WPT > 1:  # (one row: chunk_words)
+    BLOCK_N] each, per-channel scales applied: by tiles or, for int4 / int8 / fp8 words, by planes
+    (int4 and int8 with WPT > 1: in chunks of WPT words a thread, ferrum.kernels.gemv_chunks)."""
+    if PLANES > 1 and WPT > 1:  # (one row: chunk_words)
         acc, acc2, sumsq = chunk_products(X, W, S, Z, NW, n, n2, nmask, xrows, K, eps, stride_xm, stride_wn,
-                                          stride_sn, magic, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, WPT, WHOLE_K, PDL)
+                                          stride_sn, magic, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
+                                          WHOLE_K, PDL)
     elif PLANES > 1:
         acc, acc2, sumsq = _planes_products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn,
                                             stride_sn, magic, ROWS, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, PLANES,
@@ -564,8 +496,8 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
     QUANT: W's storage (PLAIN; PER_CHANNEL, INT8, FP8: S the rows' scales, or the groups' with GROUP >
     1; INT4, INT8_ZERO: S and Z the groups' scales and zeros, GROUP inputs each); PLANES: inputs a word
     of W (INT4 8, INT8 and FP8 4; 1: tiles); magic: MAGIC (in a register); ASM: fp8's conversion in
-    inline PTX (a GPU; Triton's interpreter, which runs no PTX, takes the bits' arithmetic); WPT: int4
-    words a thread reads at once (gemv_int4.chunk_words)."""
+    inline PTX (a GPU; Triton's interpreter, which runs no PTX, takes the bits' arithmetic); WPT: the
+    words a thread reads at once (gemv_chunks.chunk_words)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
@@ -641,7 +573,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1, (out.shape, m, n)
     pdl = pdl and x_rows is None
-    wpt = chunk_words(kw.quant == INT4 and m == 1, kw.group, k, cfg.block_k)
+    wpt = chunk_words(kw.quant, kw.planes, kw.group, k, cfg.block_k) if m == 1 else 1
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, out, index if index is not None else x,
@@ -651,7 +583,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         WHOLE_K=whole_k, PDL=pdl_mode(pdl), X_GATHER=x_rows is not None, R_GATHER=residual_rows is not None,
         QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda, WPT=wpt,
-        num_warps=chunk_warps(cfg.block_k, wpt, cfg.num_warps), num_stages=2, **pdl_launch(pdl),
+        num_warps=chunk_warps(cfg.block_k, wpt, kw.planes, cfg.num_warps), num_stages=2, **pdl_launch(pdl),
     )
     return out
 
@@ -759,7 +691,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
     while not whole_k and k % block_k:
         block_k //= 2
     kw.check_slice(block_k)
-    wpt = chunk_words(kw.quant == INT4 and m == 1, kw.group, k, block_k)
+    wpt = chunk_words(kw.quant, kw.planes, kw.group, k, block_k) if m == 1 else 1
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     grid = ((num_heads + 2 * num_kv_heads) * (head_dim // 2) // block_h,)
     pdl = pdl and x_rows is None
@@ -772,7 +704,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl_mode(pdl),
         X_GATHER=x_rows is not None, QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda,
-        WPT=wpt, num_warps=chunk_warps(block_k, wpt, 4), num_stages=2,
+        WPT=wpt, num_warps=chunk_warps(block_k, wpt, kw.planes, 4), num_stages=2,
         **pdl_launch(pdl),
     )
     return q

@@ -97,9 +97,9 @@ def main() -> None:
         "qkv rope": compile_sm90(tg._qkv_rope_kernel, QKV_ARGS, QKV_TYPES, dict(
             H=32, KV=8, D=64, ROWS=1, BLOCK_H=1, BLOCK_K=1024, NORM=True, BIAS=False, WHOLE_K=False, PDL=1,
             X_GATHER=True)),
-        # quantized weights (KernelConfig's tables): int4 gate/up in chunks of 4 words a thread (one
-        # row, gemv_int4) and down_proj one word a thread (several rows, or groups of 16), int8
-        # down_proj read as planes of int32 words, fp8 o_proj as tiles, the q/k/v projection with int4
+        # quantized weights (KernelConfig's tables): int4 gate/up and int8 down_proj in chunks of 4
+        # words a thread (one row, gemv_chunks), int4 down_proj one word a thread (several rows, or
+        # groups of 16), fp8 o_proj as tiles, the q/k/v projection with int4
         "gemv int4 gate_up": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=True, GATED=True, RESIDUAL=False, WHOLE_K=False, QUANT=tg.INT4,
             GROUP=128, PLANES=8, WPT=4), num_warps=2),
@@ -109,7 +109,7 @@ def main() -> None:
                 GROUP=16, PLANES=8)),
         "gemv int8 down_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*fp32"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT8,
-            PLANES=4)),
+            PLANES=4, WPT=4)),
         "gemv fp8 o_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*fp8e4nv", "*fp32"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=True,
             QUANT=tg.PER_CHANNEL)),

@@ -1,0 +1,226 @@
+"""The int4 and int8 products of the fused decode projections (ferrum.kernels.gemv) at one row, read
+in chunks: each thread reads WPT consecutive int32 words of a weight row in one 16-byte load (WPT =
+4: 32 int4 inputs, or 16 int8 inputs), and its inputs of x in as many bytes again, converted to
+float32 once for all the program's rows. A chunk never spans two groups (groups at least a chunk
+long, chunks aligned to their length), so a thread's words share one scale and one zero: one load
+of each per row and chunk, one multiply-add for the scale and one for the zero, and one offset
+term for the chunk (int8 with a scale per output channel: the scale after the K loop, as the
+planes apply it). The planes are those of ferrum.kernels.planes: input i of a word as the float32
+2^e + u by a shift and one logic op, times input i of x; the offsets (int4: 2^8 + 8 for the even
+inputs, 2^4 + 8 for the odd ones, leaving q - 8; int8: 2^16 + 128 and 2^8 + 128, leaving q) are
+taken off once a chunk, from the sums of its even and odd x.
+
+Measured against reading one word a thread (gemv's planes), on an H100 at the Llama-3.1-8B shapes
+(the 32-layer chain with a bf16 head, scripts/quant_gemv_bench.py, old and new in one run):
+- int4: 2.60 -> 2.19 ms, 60% -> 72% of the bytes' floor. In the SASS for sm_90, the K loop of a
+  program of 4 features over 2048 inputs takes 3.9 instructions an input instead of 6.2. Most of the
+  difference was the per-word scale and zero loads, their addresses and conversions, and x's
+  conversions.
+- int8: 2.96 -> 2.86 ms, 89% -> 93-94%.
+- fp8 in chunks ran slower (3.12 against 3.00 ms), so it keeps the planes.
+
+One row of x only: with a rows dimension the compiler moved the chunks' products through shared
+memory between layouts (6.2 instructions an input again), so batches of 2-4 rows keep the planes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ferrum.kernels.pdl import pdl_wait
+from ferrum.kernels.planes import INT4, INT8, INT8_ZERO, plane
+
+CHUNK_WORDS = 4  # words a thread reads at once: 16 bytes
+
+
+def chunk_words(quant: int, planes: int, group: int, k: int, block_k: int) -> int:
+    """Words a thread reads at once for a weight stored as `quant` (ferrum.kernels.gemv's QUANT) in
+    words of `planes` inputs, with K inputs in groups of `group` (1: a scale per output channel),
+    read in K slices of `block_k`; 1 (gemv's one-word planes) for storage read as tiles, groups
+    shorter than a chunk or K not whole chunks."""
+    inputs = planes * CHUNK_WORDS
+    if quant not in (INT4, INT8, INT8_ZERO):  # fp8's chain ran slower in chunks: 3.12 against 3.00 ms (H100)
+        return 1
+    if (group != 1 and group < inputs) or block_k < inputs or k % inputs:
+        return 1
+    return CHUNK_WORDS
+
+
+def chunk_warps(block_k: int, words: int, planes: int, num_warps: int) -> int:
+    """Warps for a program whose K slice is `block_k` inputs read `words` words of `planes` inputs a
+    thread: no more threads than chunks (a thread past them would repeat another's work)."""
+    if words == 1:
+        return num_warps
+    return max(1, min(num_warps, block_k // (planes * words) // 32))
+
+
+@triton.jit
+def _split4(x: tl.tensor) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """x [..., 4] as its 4 entries [...] (in-thread: no data moves)."""
+    a, b = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2]))  # entries 0 2, 1 3
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _load_inputs(row: tl.tensor, k0: tl.tensor, K: tl.tensor, KT: tl.constexpr, WPT: tl.constexpr,
+                 PLANES: tl.constexpr, WHOLE_K: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """Inputs k0..k0 + PLANES KT WPT of the row at `row` as float32 (even, odd) [KT, WPT, PLANES / 2]:
+    input PLANES (WPT t + j) + 2 i at [t, j, i] and the next one beside it. bf16 read as int32 pairs,
+    each half a float32 by one shift or one mask (the generic conversion takes two instructions for
+    the upper half)."""
+    PAIRS: tl.constexpr = PLANES // 2
+    t = tl.arange(0, KT)
+    pair = (PAIRS * WPT * t[:, None, None] + PAIRS * tl.arange(0, WPT)[None, :, None]
+            + tl.arange(0, PAIRS)[None, None, :])
+    if WHOLE_K:  # whole chunks (K is a multiple of the chunk): one mask a chunk keeps its loads whole
+        mask = (t < K // (PLANES * WPT))[:, None, None]
+    else:
+        mask = (t >= 0)[:, None, None]
+    if row.dtype.element_ty == tl.bfloat16:
+        pairs = tl.load(row.to(tl.pointer_type(tl.int32), bitcast=True) + k0 // 2 + pair, mask=mask, other=0)
+        return (pairs << 16).to(tl.float32, bitcast=True), (pairs & -65536).to(tl.float32, bitcast=True)
+    k = k0 + 2 * pair[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+    x = tl.load(row + k, mask=mask[:, :, :, None], other=0.0).to(tl.float32)
+    return tl.split(x)
+
+
+@triton.jit
+def _load_chunks(w_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, BLOCK_K: tl.constexpr,
+                 WPT: tl.constexpr, PLANES: tl.constexpr, WHOLE_K: tl.constexpr) -> tl.tensor:
+    """The words [KT, WPT, BLOCK_N] of inputs k0..k0+BLOCK_K of the rows whose starts are w_cols
+    [1, 1, BLOCK_N]: WPT consecutive words a thread."""
+    KT: tl.constexpr = BLOCK_K // (PLANES * WPT)
+    t = tl.arange(0, KT)
+    kw = k0 // PLANES + WPT * t[:, None, None] + tl.arange(0, WPT)[None, :, None]
+    if WHOLE_K:  # whole chunks (K is a multiple of the chunk): one mask a chunk keeps its load one
+        wmask = nmask[None, None, :] & (t < K // (PLANES * WPT))[:, None, None]
+    else:
+        wmask = nmask[None, None, :]
+    return tl.load(w_cols + kw, mask=wmask, other=0)
+
+
+@triton.jit
+def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.tensor, s_cols: tl.tensor,
+                   z_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, magic: tl.tensor,
+                   GROUP: tl.constexpr, WPT: tl.constexpr, PLANES: tl.constexpr,
+                   QUANT: tl.constexpr) -> tl.tensor:
+    """acc [KT, BLOCK_N] + each chunk's product: x (float32, the even and odd inputs of each word, [KT,
+    WPT, PLANES / 2]) times the words w [KT, WPT, BLOCK_N], by planes; with groups, times the chunk's
+    group scale (plus its zero times the chunk's sum of x: int4, int8 with zeros)."""
+    if PLANES == 8:  # int4
+        x0, x2, x4, x6 = _split4(x_even)
+        x1, x3, x5, x7 = _split4(x_odd)
+        part = x0[:, :, None] * plane(w, magic, 0, 8)
+        part += x1[:, :, None] * plane(w, magic, 1, 8)
+        part += x2[:, :, None] * plane(w, magic, 2, 8)
+        part += x3[:, :, None] * plane(w, magic, 3, 8)
+        part += x4[:, :, None] * plane(w, magic, 4, 8)
+        part += x5[:, :, None] * plane(w, magic, 5, 8)
+        part += x6[:, :, None] * plane(w, magic, 6, 8)
+        part += x7[:, :, None] * plane(w, magic, 7, 8)
+        sum_even = tl.sum(x0 + x2 + x4 + x6, axis=1)
+        sum_odd = tl.sum(x1 + x3 + x5 + x7, axis=1)
+        chunk = tl.sum(part, axis=1) - (264.0 * sum_even + 24.0 * sum_odd)[:, None]  # sum of x (q - 8)
+    else:  # int8: four inputs a word
+        x0, x2 = tl.split(x_even)
+        x1, x3 = tl.split(x_odd)
+        sum_even = tl.sum(x0 + x2, axis=1)
+        sum_odd = tl.sum(x1 + x3, axis=1)
+        u = w ^ -2139062144  # 0x80808080: each byte's q + 128
+        part = x0[:, :, None] * plane(u, magic, 0, 4)
+        part += x1[:, :, None] * plane(u, magic, 1, 4)
+        part += x2[:, :, None] * plane(u, magic, 2, 4)
+        part += x3[:, :, None] * plane(u, magic, 3, 4)
+        chunk = tl.sum(part, axis=1) - (65664.0 * sum_even + 384.0 * sum_odd)[:, None]  # sum of x q
+    if GROUP == 1:  # a scale per output channel, after the K loop
+        return acc + chunk
+    KT: tl.constexpr = w.shape[0]
+    g = (k0 + PLANES * WPT * tl.arange(0, KT)) // GROUP  # each chunk's group
+    gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]  # chunks past K read none; the last may be ragged
+    s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+    if QUANT == 2 or QUANT == 6:  # INT4, INT8_ZERO: a zero per group too
+        z = tl.load(z_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+        return acc + chunk * s + (sum_even + sum_odd)[:, None] * z
+    return acc + chunk * s
+
+
+@triton.jit
+def _chunk_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, x_row: tl.tensor, NW: tl.tensor, w_cols: tl.tensor,
+                 w_cols2: tl.tensor, s_cols: tl.tensor, s_cols2: tl.tensor, z_cols: tl.tensor, z_cols2: tl.tensor,
+                 nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, eps: tl.tensor, magic: tl.tensor,
+                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
+                 WPT: tl.constexpr, PLANES: tl.constexpr, QUANT: tl.constexpr, WHOLE_K: tl.constexpr = False,
+                 w: tl.tensor | None = None,
+                 w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """One K slice of the row at x_row: x as [KT, WPT, PLANES / 2] pairs (a chunk's inputs a thread),
+    the norm as gemv's _planes_slice applies it; acc, acc2 [KT, BLOCK_N], ss [KT]."""
+    KT: tl.constexpr = BLOCK_K // (PLANES * WPT)
+    x_even, x_odd = _load_inputs(x_row, k0, K, KT, WPT, PLANES, WHOLE_K)
+    if NORM:
+        act: tl.constexpr = x_row.dtype.element_ty
+        nw_even, nw_odd = _load_inputs(NW, k0, K, KT, WPT, PLANES, WHOLE_K)
+        if WHOLE_K:  # the whole row at hand: HF's order of operations exactly
+            squares = tl.sum(tl.sum(x_even * x_even + x_odd * x_odd, axis=2), axis=1)
+            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+            x_even = (nw_even * (x_even * rstd).to(act).to(tl.float32)).to(act).to(tl.float32)
+            x_odd = (nw_odd * (x_odd * rstd).to(act).to(tl.float32)).to(act).to(tl.float32)
+        else:  # the norm's weight goes in now (the product of two bf16 is exact in float32), the 1/rms
+            # factor after the product
+            ss += tl.sum(tl.sum(x_even * x_even + x_odd * x_odd, axis=2), axis=1)
+            x_even = nw_even * x_even
+            x_odd = nw_odd * x_odd
+    if w is None:
+        w = _load_chunks(w_cols, nmask, k0, K, BLOCK_K, WPT, PLANES, WHOLE_K)
+    acc = _chunk_product(acc, x_even, x_odd, w, s_cols, z_cols, nmask, k0, K, magic, GROUP, WPT, PLANES, QUANT)
+    if GATED:
+        if w2 is None:
+            w2 = _load_chunks(w_cols2, nmask, k0, K, BLOCK_K, WPT, PLANES, WHOLE_K)
+        acc2 = _chunk_product(acc2, x_even, x_odd, w2, s_cols2, z_cols2, nmask, k0, K, magic, GROUP, WPT, PLANES,
+                              QUANT)
+    return acc, acc2, ss
+
+
+@triton.jit
+def chunk_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.tensor, n: tl.tensor,
+                   n2: tl.tensor, nmask: tl.tensor, xrows: tl.tensor, K: tl.tensor, eps: tl.tensor,
+                   stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, magic: tl.tensor,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                   GROUP: tl.constexpr, WPT: tl.constexpr, PLANES: tl.constexpr, QUANT: tl.constexpr,
+                   WHOLE_K: tl.constexpr,
+                   PDL: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """gemv's _planes_products for one row (xrows [1]: the row of X) and weights read in chunks of WPT
+    words of PLANES inputs: (acc, acc2 [1, BLOCK_N], the row's sum of squares [1] where the norm's 1/rms
+    comes after the product)."""
+    KT: tl.constexpr = BLOCK_K // (PLANES * WPT)
+    x_row = X + tl.sum(xrows, axis=0) * stride_xm
+    w_cols = W + n[None, None, :].to(tl.int64) * stride_wn
+    w_cols2 = W + n2[None, None, :].to(tl.int64) * stride_wn
+    s_cols, s_cols2 = S + (n * stride_sn)[None, :], S + (n2 * stride_sn)[None, :]
+    z_cols, z_cols2 = Z + (n * stride_sn)[None, :], Z + (n2 * stride_sn)[None, :]
+    acc = tl.zeros([KT, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([KT, BLOCK_N], tl.float32)
+    ss = tl.zeros([KT], tl.float32)
+    k_begin = 0
+    if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
+        w = _load_chunks(w_cols, nmask, 0, K, BLOCK_K, WPT, PLANES, True)
+        w2 = w
+        if GATED:
+            w2 = _load_chunks(w_cols2, nmask, 0, K, BLOCK_K, WPT, PLANES, True)
+        pdl_wait(PDL)
+        acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                     nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
+                                     WHOLE_K, w, w2)
+        k_begin += BLOCK_K
+    elif WHOLE_K:
+        acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                     nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
+                                     True)
+    if not WHOLE_K:
+        for k0 in range(k_begin, K, BLOCK_K):
+            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                         nmask, k0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
+                                         False)
+    return tl.sum(acc, axis=0)[None, :], tl.sum(acc2, axis=0)[None, :], tl.sum(ss, axis=0)[None]
