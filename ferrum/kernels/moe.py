@@ -221,8 +221,8 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
     """One program per (token, BLOCK_N outputs): the down rows n of each of the token's k experts times
     its pair's row of X (the activations), each rounded, times the pair's routing weight (rounded to the
     activations' dtype, as HF rounds it), summed in float32 in the order of the choice and rounded once
-    to OUT's dtype (RESIDUAL: plus R's row, rounded
-    again): the per-pair down products, their sum and the residual add in one kernel."""
+    to OUT's dtype (RESIDUAL: plus R's row, rounded again). The per-pair down products, their sum and
+    the residual add in one kernel."""
     act_ty = X.dtype.element_ty
     token = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
