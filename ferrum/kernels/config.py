@@ -61,8 +61,9 @@ class KernelConfig:
     gemv_fp8, gemv_int4: for quantized weights (gemv_table picks by kind). Their defaults are the
     best of scripts/quant_gemv_bench.py's candidates on one H100 at the Llama-3.1-8B shapes
     (4096 x 4096 and 4096 x 14336, batch 1): 4 features a program in 2048-input slices (fp8: 1024,
-    86.5 against 89.0 us a layer's four projections). int4 at one row reads 32 inputs a thread
-    (ferrum.kernels.gemv_chunks): its warps are capped at one per 1024 inputs of the slice.
+    86.5 against 89.0 us a layer's four projections). int4 and int8 at one row read 32 and 16
+    inputs a thread (ferrum.kernels.gemv_chunks): their warps are capped at one per 1024 and 512
+    inputs of the slice.
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
     (ferrum.engine.parallel.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md).
