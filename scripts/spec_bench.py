@@ -101,13 +101,15 @@ def step_summary(steps: list) -> str:
         name = "single decode" if r.kind == "decode" else r.kind
         kinds.setdefault(name, []).append(r)
     return "; ".join(f"{name} x{len(rs)}: {statistics.mean(r.finished - r.started for r in rs) * 1e3:.2f} ms, "
-                     f"{statistics.mean(r.num_generated for r in rs):.2f} tokens" for name, rs in sorted(kinds.items()))
+                     f"{statistics.mean(r.num_generated for r in rs):.2f} tokens, "
+                     f"{statistics.mean(r.iterations for r in rs):.1f} iterations"
+                     for name, rs in sorted(kinds.items()))
 
 
 def part_copy(args) -> None:
     outputs = {}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    for spec in (None, NGRAM):
+    for spec in [None] + [NGRAM | {"num_speculative_tokens": k} for k in args.k]:
         engine = create_engine(args.model, backend=args.backend, speculative_config=spec, **args.engine)
         prompts = copy_prompts(engine)
         timed_generate(engine, prompts[:1], SamplingParams(max_tokens=8, temperature=0), False)  # warm-up
@@ -116,10 +118,10 @@ def part_copy(args) -> None:
         stop_watching = engine.add_observer(steps.append)
         seconds, outs = timed_generate(engine, prompts, params, concurrent=False)
         stop_watching()
-        record("copy", f"steps, {'ngram k4' if spec else 'plain'}", step_summary(steps))
+        name = f"ngram k{spec['num_speculative_tokens']}" if spec else "plain"
+        record("copy", f"steps, {name}", step_summary(steps))
         tokens = sum(len(o) for o in outs)
-        outputs[spec is not None] = outs
-        name = "ngram k4" if spec else "plain"
+        outputs[name] = outs
         note = ""
         if spec:
             s = engine.stats()
@@ -130,10 +132,11 @@ def part_copy(args) -> None:
                     f"{1 + accepted / max(drafts, 1):.2f}, {drafts} drafts")
         record("copy", f"batch 1, {name}", round(tokens / seconds, 1), "tok/s", note)
         engine.release()
-    record("copy", "outputs equal", outputs[True] == outputs[False])
     plain = next(r for r in RESULTS if r["name"] == "batch 1, plain")["value"]
-    spec_rate = next(r for r in RESULTS if r["name"] == "batch 1, ngram k4")["value"]
-    record("copy", "speed-up", round(spec_rate / plain, 2), "x")
+    for k in args.k:
+        record("copy", f"outputs equal, ngram k{k}", outputs[f"ngram k{k}"] == outputs["plain"])
+        spec_rate = next(r for r in RESULTS if r["name"] == f"batch 1, ngram k{k}")["value"]
+        record("copy", f"speed-up, ngram k{k}", round(spec_rate / plain, 2), "x")
 
 
 def part_replay(args) -> None:
@@ -263,6 +266,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--fused-rows", type=int, help="kernels.fused_decode_rows (the GPU's fused chain; default 1)")
     parser.add_argument("--replay-tokens", type=int, default=128)
+    parser.add_argument("--k", type=lambda t: [int(x) for x in t.split(",")], default=[4],
+                        help="copy: the draft lengths (num_speculative_tokens) to run")
     parser.add_argument("--levels", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)

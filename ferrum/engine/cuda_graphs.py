@@ -151,6 +151,16 @@ class DecodeGraphs:
     def holds(self, num_seqs: int) -> bool:
         return bool(self.sizes) and num_seqs <= self.sizes[-1]
 
+    def holds_rows(self, num_rows: int) -> bool:
+        """Whether rows of which several may belong to one sequence (a verify step's, a drafted burst's) fit a
+        graph that runs them: one past the fused chain's sizes, whose kernels read the older KV cache before
+        the kernel before them has written the step's keys and values (programmatic dependent launch), so a
+        row would miss the keys of its sequence's rows before it."""
+        return bool(self.sizes) and max(num_rows, self.fused_rows + 1) <= self.sizes[-1]
+
+    def _rows_bucket(self, num_rows: int) -> int:
+        return next(s for s in self.sizes if s >= max(num_rows, self.fused_rows + 1))
+
     # -- one decode ------------------------------------------------------------------------------
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Replays the graph of `seqs`' bucket; their logits [len(seqs), V] on the device."""
@@ -172,7 +182,7 @@ class DecodeGraphs:
             positions.extend(range(p, p + 1 + len(draft)))
             tokens.append(seq.token_at(p))
             tokens.extend(draft)
-        size = self._load_inputs(seqs, positions, tokens)
+        size = self._load_inputs(seqs, positions, tokens, self._rows_bucket(len(seqs)))
         self.graphs[size].replay()
         return self.s_logits[: len(seqs)], seqs
 
@@ -181,11 +191,11 @@ class DecodeGraphs:
         positions = [seq.num_computed_tokens for seq in seqs]
         return self._load_inputs(seqs, positions, [seq.token_at(p) for seq, p in zip(seqs, positions, strict=True)])
 
-    def _load_inputs(self, seqs: list[Sequence], positions: list[int], tokens: list[int]) -> int:
+    def _load_inputs(self, seqs: list[Sequence], positions: list[int], tokens: list[int], size: int = 0) -> int:
         """Fills the static inputs for one row per entry (a sequence, the position of the token it
-        computes, the token); returns the bucket size."""
+        computes, the token) of the graph of `size` (default: the smallest that holds them); returns it."""
         n = len(seqs)
-        size = next(s for s in self.sizes if s >= n)
+        size = size or next(s for s in self.sizes if s >= n)
         layout = self.layout
         self._staging_free()
         vec = self.h_vec_np[:, :size]  # rows: token ids, positions, slots, context lengths
@@ -202,6 +212,21 @@ class DecodeGraphs:
         self.s_vec.copy_(self.h_vec, non_blocking=True)
         self._upload_tables(seqs, size)  # padded rows stay at position 0 of the trash block
         self.s_step.zero_()
+        self.s_num_real.fill_(n)
+        self._staged.record()
+        return size
+
+    def load_tables_only(self, row_seqs: list[Sequence]) -> int:
+        """For rows whose other inputs the device writes (a drafted burst, ferrum.engine.draft_bursts): each
+        row's block table (its sequence's), every row's ids, positions, slots and lengths the padding's, and
+        all of them counted real; returns the bucket size."""
+        n = len(row_seqs)
+        size = self._rows_bucket(n)
+        self._staging_free()
+        vec = self.h_vec_np[:, :size]
+        vec[0], vec[1], vec[2], vec[3] = 0, 0, self.trash_slot, 1
+        self.s_vec.copy_(self.h_vec, non_blocking=True)
+        self._upload_tables(row_seqs, size)
         self.s_num_real.fill_(n)
         self._staged.record()
         return size

@@ -1,15 +1,15 @@
 """GPUModelRunner: the model and its paged KV cache on a GPU, attention through the Triton
 kernels that read the paged cache (triton_paged).
 
-Decode steps replay CUDA graphs (ferrum.engine.cuda_graphs), which also run greedy bursts, and so do
-speculative steps whose rows (each sequence's last token and its draft's) fit a graph's batch. Other
-steps (prefills, chunks, mixed batches) run eagerly: their decode rows through the decode kernel,
-their prompts through the prefill kernel, the step padded to a token-count bucket that start-up
-has already run once (a new GEMM shape costs cuBLAS a kernel choice and a module load mid-serving).
-Logits stay on the device for sampling. A step that scores prompt tokens (a request asking for prompt
-logprobs; never a decode-only step) runs eagerly like any prefill, its scores read back at its end.
-Without CUDA graphs (`enforce_eager`, or a device without them: Triton's interpreter in tests) every
-step runs eagerly and there are no bursts.
+Decode steps replay CUDA graphs (ferrum.engine.cuda_graphs), which also run greedy bursts and drafted
+bursts (ferrum.engine.draft_bursts), and so do speculative steps whose rows (each sequence's last token
+and its draft's) fit a graph's batch. Other steps (prefills, chunks, mixed batches) run eagerly: their
+decode rows through the decode kernel, their prompts through the prefill kernel, the step padded to a
+token-count bucket that start-up has already run once (a new GEMM shape costs cuBLAS a kernel choice and
+a module load mid-serving). Logits stay on the device for sampling. A step that scores prompt tokens (a
+request asking for prompt logprobs; never a decode-only step) runs eagerly like any prefill, its scores
+read back at its end. Without CUDA graphs (`enforce_eager`, or a device without them: Triton's interpreter
+in tests) every step runs eagerly and there are no bursts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 from ferrum.backends.device import Device
 from ferrum.engine.config import EngineConfig
 from ferrum.engine.cuda_graphs import DecodeGraphs, GraphBurst, graph_batch_sizes
-from ferrum.engine.runner import GreedyBurst, advance, pack_step, score_prompts
+from ferrum.engine.draft_bursts import DraftBurst, DraftBursts
+from ferrum.engine.runner import DraftedBurst, GreedyBurst, advance, pack_step, score_prompts
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
@@ -74,7 +75,9 @@ class GPUModelRunner:
         self.trash_slot = num_blocks * layout.block_size
         self.kv_caches = layout.allocate(num_blocks + 1, self.device)
         self.graphs: DecodeGraphs | None = None
+        self.drafted: DraftBursts | None = None
         self.max_burst = 0
+        self.max_draft_rows = 0
         if device.cuda_graphs and not config.enforce_eager:
             kernels = config.kernels
             chained = kernels.fused_decode_rows
@@ -86,6 +89,11 @@ class GPUModelRunner:
             )
             self.graphs.capture(graph_sizes if graph_sizes is not None else graph_batch_sizes(max_num_seqs))
             self.max_burst = self.graphs.max_burst
+            spec = config.speculative_config
+            if spec is not None and spec.method == "ngram":
+                self.drafted = DraftBursts(self.graphs, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                           spec.prompt_lookup_max)
+                self.max_draft_rows = self.drafted.max_rows if self.graphs.holds_rows(self.drafted.max_rows) else 0
 
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> None:
@@ -109,7 +117,7 @@ class GPUModelRunner:
             seqs = [s.seq for s in scheduled]
             logits = graphs.decode(seqs)
         elif (graphs is not None and all(_verifies(s) for s in scheduled)
-              and graphs.holds(sum(s.num_new_tokens for s in scheduled))):
+              and graphs.holds_rows(sum(s.num_new_tokens for s in scheduled))):
             logits, seqs = graphs.verify([(s.seq, s.draft) for s in scheduled])
         else:
             logits, seqs = self._run_eager(scheduled)
@@ -145,10 +153,21 @@ class GPUModelRunner:
         assert self.graphs is not None and isinstance(burst, GraphBurst)
         return self.graphs.read_greedy(burst)
 
+    # -- drafted bursts -----------------------------------------------------------------------
+    def launch_drafted(self, seqs: list[Sequence], steps: int) -> DraftedBurst:
+        assert self.drafted is not None, "drafted bursts need the decode graphs and an n-gram speculative_config"
+        return self.drafted.launch(seqs, steps)
+
+    def read_drafted(self, burst: DraftedBurst) -> list[list[list[int]]]:
+        assert self.drafted is not None and isinstance(burst, DraftBurst)
+        return self.drafted.read(burst)
+
     def release(self) -> None:
         """Drops the graphs, the KV cache and the model so that the device memory can be freed."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+            self.drafted = None
+            self.max_draft_rows = 0
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]

@@ -60,6 +60,10 @@ QUEUE_AHEAD_MAX_SEQS = 4
 # and more the ride costs less device time than the device's wait (scripts/throughput_breakdown.py:
 # 1.98 of 20.8 s and 1.66 of 6.7 s idle at 256 sequences for the 8B and 1B shapes, bursts cut short).
 FULL_BURSTS_FROM = 32
+# A drafted burst (ferrum.engine.draft_bursts) of a batch this small runs at most this many iterations: the
+# device cannot end it at a stop token, and with one to four sequences an iteration run after the answer
+# ended is nearly all waste (each costs about two plain ones), against a host turn-around of a fraction of one.
+DRAFTED_BURST_SMALL = 4
 
 
 @dataclass(frozen=True)
@@ -242,9 +246,9 @@ class LLMEngine:
         record: dict[str, object] = {}
         if self._burst is not None:  # greedy decodes already queued on the device
             seqs = self._finish_burst(record)
+        elif (drafted := self._drafted_burst(record)) is not None:  # speculation on the device
+            seqs = drafted
         else:
-            if self.speculator is not None:
-                self.speculator.prepare(self.scheduler.running)
             plan = self.scheduler.schedule()
             self._preemptions += plan.num_preempted
             if plan.empty:
@@ -338,6 +342,49 @@ class LLMEngine:
             if not d.seq.is_finished:
                 d.seq.num_computed_tokens = d.seq.num_tokens - 1  # the kept drafts' KV is in the cache
                 self.block_manager.truncate(d.seq)
+
+    def _drafted_burst(self, record: dict[str, object]) -> list[Sequence] | None:
+        """With speculation: where the runner drafts on the device and the running batch decodes greedily,
+        a drafted burst when the policy says k drafts a sequence pay (ferrum.engine.draft_bursts), its tokens
+        appended here; else the host's drafts for the next step are set (Speculator.prepare) and None is
+        returned (an ordinary step or a plain burst follows)."""
+        spec = self.speculator
+        if spec is None:
+            return None
+        running = self.scheduler.running
+        k = spec.config.num_speculative_tokens
+        if not (spec.drafts_on_device and self.scheduler.drafts_on_device(k, self.runner.max_draft_rows)):
+            spec.prepare(running)
+            return None
+        for seq in running:
+            seq.draft_token_ids = []
+        k = spec.device_drafts(running)
+        longest = DRAFTED_BURST_SMALL if len(running) <= QUEUE_AHEAD_MAX_SEQS else self.runner.max_burst
+        steps = self.scheduler.plan_drafted(k, spec.expected_tokens(running, k), longest) if k else 0
+        if not steps:
+            return None
+        seqs = list(running)
+        gained = self.runner.read_drafted(self.runner.launch_drafted(seqs, steps))
+        self._decoding = True
+        cached = sum(seq.num_computed_tokens for seq in seqs)
+        width = k + 1
+        record.update(kind="verify", num_tokens=len(seqs) * width, iterations=steps, cached_tokens=cached,
+                      attended_keys=cached * width + len(seqs) * width * (width + 1) // 2)
+        for iteration in gained:
+            for seq, tokens in zip(seqs, iteration, strict=True):
+                if seq.is_finished:
+                    continue
+                spec.counted(seq, k, len(tokens) - 1)
+                for token in tokens:
+                    self.outputs.append([seq], SampleResult([token], [None]))
+                    self._generation_tokens += 1
+                    if seq.is_finished:
+                        break
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.num_computed_tokens = seq.num_tokens - 1  # the kept drafts' KV is in the cache
+                self.block_manager.truncate(seq)
+        return seqs
 
     def _finish_burst(self, record: dict[str, object]) -> list[Sequence]:
         """Takes the queued burst's tokens; when no sequence can have stopped in it (by token,

@@ -6,7 +6,8 @@
 `ferrum.engine.model_rank.runner_for` picks one by the attention backend's type, which
 `select_attention` picked once from the `Device`. A runner owns the model's KV cache and turns a
 scheduled step into logits (and, for requests that ask, prompt logprobs: `score_prompts`); one that
-can (`max_burst > 0`) also runs greedy decode iterations back to back on the device.
+can (`max_burst > 0`) also runs greedy decode iterations back to back on the device, and one that can
+(`max_draft_rows > 0`) greedy speculative iterations too, drafting on the device (ferrum.engine.draft_bursts).
 """
 
 from __future__ import annotations
@@ -33,8 +34,16 @@ class GreedyBurst(Protocol):
     def steps(self) -> int: ...
 
 
+class DraftedBurst(Protocol):
+    """Drafted greedy iterations queued on the device (what `launch_drafted` returns)."""
+
+    @property
+    def steps(self) -> int: ...
+
+
 class ModelRunner(Protocol):
     max_burst: int  # greedy decode iterations one burst may run on the device; 0: no bursts
+    max_draft_rows: int  # rows (sequences x (k + 1)) a drafted burst may run; 0: no drafted bursts
 
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one forward pass and moves every scheduled sequence's computed tokens on. Returns
@@ -54,6 +63,17 @@ class ModelRunner(Protocol):
 
     def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
         """Waits for a burst; its chosen ids, [iteration][sequence]."""
+        ...
+
+    def launch_drafted(self, seqs: list[Sequence], steps: int) -> DraftedBurst:
+        """Queues `steps` greedy iterations of `seqs` that each draft the speculative_config's k tokens per
+        sequence by prompt lookup and verify them, and returns at once (runners with max_draft_rows > 0).
+        Block tables are grown by the caller for k + 1 tokens an iteration; num_computed_tokens is left to
+        the caller."""
+        ...
+
+    def read_drafted(self, burst: DraftedBurst) -> list[list[list[int]]]:
+        """Waits for a drafted burst; the ids each sequence gained, [iteration][sequence][ids]."""
         ...
 
     def release(self) -> None:

@@ -14,7 +14,9 @@ already cached (shared with whoever holds them); the blocks a step computes are 
 
 Speculative decoding: a decoding sequence with a draft (Sequence.draft_token_ids) is scheduled with its
 last token and the draft, as many draft tokens as the budget and the free blocks allow (a draft never
-preempts); such a step is an ordinary one, never a burst.
+preempts); such a step is an ordinary one, never a burst. Where the runner drafts on the device, a greedy batch runs
+drafted bursts instead (`drafts_on_device`, `plan_drafted`): several iterations of drafting and verifying,
+the block tables grown for the most tokens they can add and truncated by the engine after.
 
 Greedy bursts (runners that can run decode iterations back to back on the device, up to
 `max_burst`): while every scheduled sequence decodes greedily without logprobs, penalties, logit bias or
@@ -32,6 +34,7 @@ queued behind it (`extend_burst`) when no sequence can have stopped in it (`burs
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -254,6 +257,33 @@ class Scheduler:
             return 0
         for q, c in zip(seqs, computed, strict=True):
             blocks.grow(q, c + steps)
+        return steps
+
+    # -- drafted bursts (ferrum.engine.draft_bursts) --------------------------------------------------------
+    def drafts_on_device(self, k: int, max_rows: int) -> bool:
+        """Whether the running batch may run a drafted burst of k drafts a sequence: every sequence decodes
+        greedily as for a plain burst, no request waits for a free slot, and the rows fit the runner's."""
+        seqs = self.running
+        return (bool(seqs) and self.bursts.max_steps > 0 and len(seqs) * (k + 1) <= max_rows
+                and not self.admission_pending()
+                and all(seq.num_uncomputed_tokens == 1 and not seq.scores_prompt and _burstable(seq) for seq in seqs))
+
+    def plan_drafted(self, k: int, per_iteration: float, longest: int) -> int:
+        """Iterations of a drafted burst of the running batch, its block tables grown for k + 1 tokens an
+        iteration (the most a sequence gains): as many as the first sequence to reach its max_tokens needs at
+        `per_iteration` tokens an iteration, at most `longest` and the bursts' max_steps, fewer where
+        max_model_len or the free blocks leave less room; 0: none (nothing grown)."""
+        seqs = self.running
+        for seq in seqs:
+            self.blocks.cache_computed_blocks(seq)
+            self.blocks.release_before_window(seq)
+        width = k + 1
+        computed = [seq.num_computed_tokens for seq in seqs]
+        need = min(seq.params.max_tokens - len(seq.output_token_ids) for seq in seqs)
+        steps = min(self.bursts.max_steps, longest, max(1, math.ceil(need / max(per_iteration, 1.0))))
+        steps = min([steps] + [(self.bursts.max_model_len - done) // width for done in computed])
+        if steps < 1 or not self._grow_for(seqs, computed, steps * width):
+            return 0
         return steps
 
     def keeps_going(self, seq: Sequence, tokens: list[int]) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ferrum.backends.device import Device
-from ferrum.engine.runner import GreedyBurst, advance, pack_step, score_prompts
+from ferrum.engine.runner import DraftedBurst, GreedyBurst, advance, pack_step, score_prompts
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
 from ferrum.models.attention.cpu_paged import CpuAttentionBatch, CpuPagedAttention
@@ -21,6 +21,7 @@ from ferrum.models.llama import LlamaForCausalLM
 
 class TorchModelRunner:
     max_burst = 0  # no greedy bursts: every decode is one host round trip
+    max_draft_rows = 0  # nor drafted ones
 
     def __init__(
         self, model: LlamaForCausalLM, device: Device, layout: KVCacheLayout, num_blocks: int,
@@ -64,6 +65,12 @@ class TorchModelRunner:
 
     def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
         raise NotImplementedError("TorchModelRunner runs no greedy bursts (max_burst is 0)")
+
+    def launch_drafted(self, seqs: list[Sequence], steps: int) -> DraftedBurst:
+        raise NotImplementedError("TorchModelRunner runs no drafted bursts (max_draft_rows is 0)")
+
+    def read_drafted(self, burst: DraftedBurst) -> list[list[list[int]]]:
+        raise NotImplementedError("TorchModelRunner runs no drafted bursts (max_draft_rows is 0)")
 
     def release(self) -> None:
         """Drops the KV cache and the model (the memory returns to the allocator)."""

@@ -226,3 +226,55 @@ def test_speculation_gives_plain_greedy_tokens_up_to_near_ties(tiny: Path, dtype
                 print(f"{dtype}: parted at step {step}: the target's top-2 margin there {margin:.2e}")
                 assert margin < near_tie, f"speculation changed a token at step {step} (top-2 margin {margin:.2e})"
                 break
+
+
+@pytest.mark.parametrize("fused_rows", [1, 4])
+def test_drafted_bursts_give_plain_greedy_tokens_up_to_near_ties(tiny: Path, fused_rows: int) -> None:
+    """Greedy requests without logprobs draft and verify on the device (drafted bursts): a mixed batch with
+    lengths that end mid-burst, a stop token met mid-burst and a sequence that reaches max_model_len give plain
+    decoding's tokens, up to the first step where the target's top-2 margin is below 1e-4 (float32: the
+    verify rows go through other kernels), every block back at the end. With the fused chain serving graphs
+    of up to 4 rows, a sequence's rows still go through a graph past them (the fused kernels read the older
+    cache before the step's keys are written)."""
+    from ferrum.kernels.config import KernelConfig
+
+    prompts = _looping_prompts()
+    plain = engine(tiny, "cuda", max_model_len=96)
+    margins = _greedy_with_margins(plain, prompts, 40)
+    stop_id = margins[0][17][0]
+    requests = [
+        (prompts[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+        (prompts[1], SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)),
+        (prompts[2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,))),
+        (prompts[0], SamplingParams(max_tokens=96 - len(prompts[0]), temperature=0, ignore_eos=True)),  # to the end
+    ]
+
+    def run(eng: LLMEngine) -> list[list[int]]:
+        for i, (ids, params) in enumerate(requests):
+            eng.add_request(str(i), ids, params)
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+        while eng.has_work:
+            for out in eng.step():
+                got[out.request_id].extend(out.new_token_ids)
+        return [got[str(i)] for i in range(len(requests))]
+
+    expected = run(plain)
+    plain.release()
+    spec = engine(tiny, "cuda", max_model_len=96, speculative_config=SPEC,
+                  kernels=KernelConfig(fused_decode_rows=fused_rows))
+    steps: list = []
+    spec.add_observer(steps.append)
+    got = run(spec)
+    assert any(r.kind == "verify" and r.iterations > 1 for r in steps), "no drafted burst ran"
+    stats = spec.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    assert spec.block_manager.num_used == 0
+    spec.release()
+    assert [len(g) for g in got[:2]] + [len(got[3])] == [40, 23, 96 - len(prompts[0])]
+    for i, (ours, ref) in enumerate(zip(got, expected, strict=True)):
+        if ours == ref:
+            continue
+        step = next(j for j, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b)
+        margin = margins[i % 3][step][1] if step < 40 else 0.0
+        print(f"request {i}: parted at step {step}: the target's top-2 margin there {margin:.2e}")
+        assert margin < 1e-4, f"a drafted burst changed request {i}'s token at step {step} (margin {margin:.2e})"

@@ -309,3 +309,4 @@ def test_the_flag_and_the_yaml_section_reach_the_engine(tmp_path: Path) -> None:
     assert load_config(path, {}, {}).engine_config().speculative_config == SpeculativeConfig(prompt_lookup_max=5)
     with pytest.raises(ConfigError, match="num_speculative_tokens must be at most 16"):
         load_config(None, {"model": "m", "speculative_config": '{"num_speculative_tokens": 99}'}, {})
+

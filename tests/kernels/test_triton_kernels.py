@@ -12,7 +12,7 @@ import torch
 from tests.triton_interpreter import ON_GPU, use_interpreter
 
 use_interpreter()
-from ferrum.kernels import greedy, norm, paged_attention, rope  # noqa: E402  (after the interpreter is chosen)
+from ferrum.kernels import greedy, ngram, norm, paged_attention, rope  # noqa: E402  (after the interpreter is chosen)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 # bf16 on the GPU; numpy (the interpreter) has no bf16, so CPU runs check the same kernels in fp16
@@ -372,3 +372,53 @@ def test_fp8_cache_attention_at_long_contexts(context):
     assert rel_err(out.float(), ref.float()) < 0.05
     first = torch.arange(kv_heads, device="cuda") * (heads // kv_heads)
     assert rel_err(out[0, first].float(), v[needle].float()) < 0.05
+
+
+def test_drafted_burst_kernels_draft_as_the_host_proposer_and_keep_the_greedy_prefix():
+    """draft_rows (a drafted burst's prompt lookup on the device) against NgramProposer on random histories of
+    few distinct tokens (matches of every length): its draft where the host has one, the last token past it;
+    the rows' ids, positions, KV slots and lengths. accept keeps the leading drafts equal to the choices,
+    appends the choices and moves the length on."""
+    import numpy as np
+
+    from ferrum.engine.speculative.proposer import NgramProposer
+
+    rng = np.random.default_rng(0)
+    host = NgramProposer(2, 4)
+    page, k, batch = 4, 3, 3
+    for _ in range(12):
+        history = rng.integers(0, int(rng.integers(2, 5)), size=(batch, 40))
+        lens = rng.integers(1, 30, size=batch)
+        tables = torch.stack([torch.randperm(64)[:10] for _ in range(batch)])
+        drafts = torch.zeros(batch, k, dtype=torch.long, device=DEVICE)
+        vec = torch.zeros(4, 16, dtype=torch.long, device=DEVICE)
+        step = torch.ones(1, dtype=torch.long, device=DEVICE)
+        t_lens = torch.tensor(lens, device=DEVICE)
+        t_history = torch.tensor(history, device=DEVICE)
+        ngram.draft_rows(t_history, t_lens, tables.to(DEVICE), drafts, vec, step, page, k, 2, 4)
+        assert step.item() == 0
+        for b in range(batch):
+            n = int(lens[b])
+            expected = host._draft(history[b, :n].astype(np.int64), k)
+            expected += [int(history[b, n - 1])] * (k - len(expected))
+            assert drafts[b].tolist() == expected
+            rows = slice(b * (k + 1), (b + 1) * (k + 1))
+            positions = list(range(n - 1, n + k))
+            assert vec[0, rows].tolist() == [int(history[b, n - 1])] + expected
+            assert vec[1, rows].tolist() == positions
+            assert vec[2, rows].tolist() == [int(tables[b, p // page]) * page + p % page for p in positions]
+            assert vec[3, rows].tolist() == [p + 1 for p in positions]
+        # the choices: each sequence's drafts, then one more, with sequence 1's second refused
+        chosen = torch.cat([drafts, drafts[:, :1] + 1], 1)
+        chosen[1, 1] += 1
+        chosen = chosen.reshape(-1)
+        out = torch.zeros(batch, k + 2, dtype=torch.long, device=DEVICE)
+        before = t_lens.clone()
+        ngram.accept(chosen, drafts, t_history, t_lens, out)
+        for b in range(batch):
+            c = chosen[b * (k + 1) : (b + 1) * (k + 1)].tolist()
+            kept = next((j for j in range(k) if c[j] != int(drafts[b, j])), k)
+            assert kept == (1 if b == 1 else k)
+            assert out[b].tolist() == c + [kept + 1]
+            assert int(t_lens[b]) == int(before[b]) + kept + 1
+            assert t_history[b, int(before[b]) : int(before[b]) + k + 1].tolist() == c

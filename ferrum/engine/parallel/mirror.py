@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ferrum.engine.parallel.group import RankGroup
-from ferrum.engine.runner import GreedyBurst, ModelRunner
+from ferrum.engine.runner import DraftedBurst, GreedyBurst, ModelRunner
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
@@ -71,6 +71,7 @@ class MirroredRunner:
         self.local = local
         self.group = group
         self.max_burst = local.max_burst
+        self.max_draft_rows = 0  # drafted bursts are not replayed on the workers: verify steps instead
         self._next_burst = 0
 
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
@@ -86,6 +87,12 @@ class MirroredRunner:
         assert isinstance(burst, _Burst)
         self.group.send(("read", burst.id))
         return self.local.read_greedy(burst.inner)
+
+    def launch_drafted(self, seqs: list[Sequence], steps: int) -> DraftedBurst:
+        raise NotImplementedError("drafted bursts are not run under tensor parallelism (max_draft_rows is 0)")
+
+    def read_drafted(self, burst: DraftedBurst) -> list[list[list[int]]]:
+        raise NotImplementedError("drafted bursts are not run under tensor parallelism (max_draft_rows is 0)")
 
     def release(self) -> None:
         self.group.send(("release",))

@@ -131,7 +131,7 @@ class SpeculationPolicy:
         if t1 is None:
             self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
             return drafts  # not measured yet: this step measures it
-        expected = batch + sum(_expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, drafts, strict=True))
+        expected = batch + sum(expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, drafts, strict=True))
         threshold = max(0.0, (t1 - t0) / extra) / t1 * expected
         kept = []
         for seq, draft in zip(seqs, drafts, strict=True):
@@ -145,7 +145,7 @@ class SpeculationPolicy:
         # the step as a whole: its expected tokens a second against a plain step's
         extra = sum(len(d) for d in kept)
         t_kept = self.cost.estimate(batch + extra) if extra else t0
-        gained = batch + sum(_expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, kept, strict=True))
+        gained = batch + sum(expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, kept, strict=True))
         if not extra or t_kept is None or gained / t_kept < batch / t0 * (1 + MARGIN):
             self._refused[batch] = self._refused.get(batch, 0) + 1
             wait = self._retry_after.get(batch, REMEASURE_EVERY)
@@ -174,7 +174,7 @@ class SpeculationPolicy:
         seq.spec_acceptance = (seq.spec_kept + PRIOR_WEIGHT * self.acceptance) / (seq.spec_tried + PRIOR_WEIGHT)
 
 
-def _expected_kept(a: float, n: int) -> float:
+def expected_kept(a: float, n: int) -> float:
     """a + a^2 + ... + a^n: the expected number of a draft's n tokens kept."""
     total, chance = 0.0, 1.0
     for _ in range(n):

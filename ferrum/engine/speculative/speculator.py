@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ferrum.engine.sequence import Sequence
 from ferrum.engine.speculative.config import SpeculativeConfig
-from ferrum.engine.speculative.policy import SpeculationPolicy
+from ferrum.engine.speculative.policy import SpeculationPolicy, expected_kept
 from ferrum.engine.speculative.proposer import NgramProposer, Proposer
 from ferrum.engine.speculative.verify import Draft
 
@@ -56,13 +56,34 @@ class Speculator:
         for seq, draft in zip(decoding, drafts, strict=True):
             seq.draft_token_ids = draft
 
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether the proposer's rule also runs on the device (prompt lookup: ferrum.engine.draft_bursts);
+        not a caller's own proposer."""
+        return type(self.proposer) is NgramProposer
+
+    def device_drafts(self, running: SequenceOf[Sequence]) -> int:
+        """k (num_speculative_tokens) when the policy says drafting k tokens for each sequence of the running
+        batch pays (it keeps any of them), else 0: a drafted burst, or a plain one."""
+        if not self.policy.allowed(len(running)):
+            return 0
+        k = self.config.num_speculative_tokens
+        return k if any(self.policy.trim(running, [[0] * k for _ in running])) else 0
+
+    def expected_tokens(self, seqs: SequenceOf[Sequence], k: int) -> float:
+        """The tokens a sequence is expected to gain per verified draft of k, at the measured acceptance."""
+        return 1.0 + sum(expected_kept(self.policy.rate(s), k) for s in seqs) / max(len(seqs), 1)
+
     def verified(self, draft: Draft) -> None:
-        drafted = len(draft.tokens)
-        self.policy.verified(draft.seq, drafted, draft.accepted)
+        self.counted(draft.seq, len(draft.tokens), draft.accepted)
+
+    def counted(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A draft of `drafted` tokens of `seq` had its first `accepted` kept."""
+        self.policy.verified(seq, drafted, accepted)
         self.stats.num_drafts += 1
         self.stats.num_draft_tokens += drafted
-        self.stats.num_accepted_tokens += draft.accepted
-        for position in range(draft.accepted):
+        self.stats.num_accepted_tokens += accepted
+        for position in range(accepted):
             self.stats.accepted_per_position[position] += 1
 
     def observe_step(self, tokens: int, seconds: float) -> None:
