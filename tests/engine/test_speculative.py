@@ -272,6 +272,17 @@ def test_the_policy_drafts_where_it_pays() -> None:
     assert refusing.trim(seqs, drafts) == drafts  # after 32 refusals one step drafts: t(B + M) measured anew
     assert all(refusing.trim(seqs, drafts) == [[], []] for _ in range(64))  # then it waits twice as long
     assert refusing.trim(seqs, drafts) == drafts
+    skipping = policy(lambda t: 0.005 * t, 0.97)  # as the speculator asks: skips first, the proposer if not
+    assert skipping.trim(seqs, drafts) == [[], []]
+    assert all(skipping.skips(2) for _ in range(31)) and skipping.refusing(2)
+    assert not skipping.skips(2) and skipping.trim(seqs, drafts) == drafts  # the retry, at the same count
+    assert not skipping.skips(2)  # a step drafted: nothing refused since
+    many = [Sequence(str(i), [1], SamplingParams(), 0.0) for i in range(60)]
+    wide = policy(lambda t: 0.005 * t, 0.97)
+    wide.cost.observe(60, 0.3)
+    wide.cost.observe(300, 1.5)
+    assert wide.trim(many, [[1, 2, 3, 4]] * 60) == [[]] * 60
+    assert wide.refusing(50) and wide.skips(49) and not wide.refusing(40)  # 49..64 share the refusal
     slow_first = policy(lambda t: 0.010, 0.9)
     slow_first.cost.samples.clear()
     for seconds in (0.010, 0.5, 0.011, 0.012):  # one slow step (a first call's set-up) among ordinary ones

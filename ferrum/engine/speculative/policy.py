@@ -27,12 +27,13 @@ nothing is drafted. So a memory-bound step (t' near
 large batches) drafts only where acceptance is high, and nothing when it is low. Until t(B + M) has been
 measured the policy drafts (that measures it); t(B) itself must have been measured on a plain step of B
 sequences (else this step is one), and is measured again after every 32 verify steps of that size, since a
-step's time drifts as the contexts grow; likewise, after 32 steps of one batch size whose offered drafts the
-rule refused, one step drafts them again, so that t(B + M) is measured again too (a refusal must not rest on
-an old measurement for ever); each such retry the rule refuses again doubles the wait before the next (up to
-1024 steps), so that where speculation does not pay (large batches) the retries cost next to nothing.
-`disable_by_batch_size` turns drafting off from that many running
-sequences on, whatever the measurements; `adaptive: false` drafts whatever the proposer offers.
+step's time drifts as the contexts grow; likewise, after 32 steps of one batch size class (each size up to 8,
+then by 16s) whose drafts the rule refused, one step drafts again (in between, the proposer is not even
+asked), so that t(B + M) is measured again too (a refusal must not rest on an old measurement for ever); each
+such retry the rule refuses again doubles the wait before the next (up to 1024 steps), so that where
+speculation does not pay (large batches) the retries cost next to nothing. `disable_by_batch_size` turns
+drafting off from that many running sequences on, whatever the measurements; `adaptive: false` drafts
+whatever the proposer offers.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ class SpeculationPolicy:
         self.acceptance = PRIOR_ACCEPTANCE  # every sequence's rate (see verified)
         self._kept = self._tried = 0.0
         self._since_plain: dict[int, int] = {}  # batch size -> verify steps since its last plain step
-        self._refused: dict[int, int] = {}  # batch size -> steps whose drafts were refused since one drafted
-        self._retry_after: dict[int, int] = {}  # batch size -> refusals before drafting again (doubling)
+        self._refused: dict[int, int] = {}  # size class -> steps whose drafts were refused since one drafted
+        self._retry_after: dict[int, int] = {}  # size class -> refusals before drafting again (doubling)
 
     def rate(self, seq: Sequence) -> float:
         return seq.spec_acceptance if seq.spec_acceptance is not None else self.acceptance
@@ -114,7 +115,18 @@ class SpeculationPolicy:
     def refusing(self, batch: int) -> bool:
         """Whether the rule refused the last drafts offered at this batch size (the engine then chains greedy
         bursts as without speculation, until a step drafts again)."""
-        return self.config.adaptive and self._refused.get(batch, 0) > 0
+        return self.config.adaptive and self._refused.get(_size_class(batch), 0) > 0
+
+    def skips(self, batch: int) -> bool:
+        """Whether this step's drafts at this batch size are refused without being proposed: the rule refused
+        the last ones and the retry is not due yet. Counts the refusal. (The proposer's search over hundreds
+        of sequences costs the host milliseconds a step, for drafts the rule would refuse.)"""
+        size = _size_class(batch)
+        refused = self._refused.get(size, 0)
+        if not self.config.adaptive or not refused or refused >= self._retry_after.get(size, REMEASURE_EVERY):
+            return False
+        self._refused[size] = refused + 1
+        return True
 
     def trim(self, seqs: SequenceOf[Sequence], drafts: list[list[int]]) -> list[list[int]]:
         """The drafts worth verifying this step (see the module docstring), each a prefix of the proposed."""
@@ -146,17 +158,18 @@ class SpeculationPolicy:
         extra = sum(len(d) for d in kept)
         t_kept = self.cost.estimate(batch + extra) if extra else t0
         gained = batch + sum(expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, kept, strict=True))
+        size = _size_class(batch)
         if not extra or t_kept is None or gained / t_kept < batch / t0 * (1 + MARGIN):
-            self._refused[batch] = self._refused.get(batch, 0) + 1
-            wait = self._retry_after.get(batch, REMEASURE_EVERY)
-            if self._refused[batch] <= wait:
+            self._refused[size] = self._refused.get(size, 0) + 1
+            wait = self._retry_after.get(size, REMEASURE_EVERY)
+            if self._refused[size] <= wait:
                 return none
-            self._retry_after[batch] = min(2 * wait, MAX_RETRY_WAIT)
-            self._refused[batch] = 0
+            self._retry_after[size] = min(2 * wait, MAX_RETRY_WAIT)
+            self._refused[size] = 0
             self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
             return drafts  # drafted again: t(B + M) measured anew
-        self._refused[batch] = 0
-        self._retry_after.pop(batch, None)
+        self._refused[size] = 0
+        self._retry_after.pop(size, None)
         self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
         return kept
 
@@ -172,6 +185,12 @@ class SpeculationPolicy:
         seq.spec_kept = seq.spec_kept * DECAY + accepted
         seq.spec_tried = seq.spec_tried * DECAY + tried
         seq.spec_acceptance = (seq.spec_kept + PRIOR_WEIGHT * self.acceptance) / (seq.spec_tried + PRIOR_WEIGHT)
+
+
+def _size_class(batch: int) -> int:
+    """Batch sizes that share a refusal: each up to 8, then by 16s (as the decode graphs' buckets). A batch
+    whose requests end one by one passes through every size, and a refusal at 64 holds at 63."""
+    return batch if batch <= 8 else -(-batch // 16) * 16
 
 
 def expected_kept(a: float, n: int) -> float:

@@ -49,6 +49,8 @@ class Speculator:
         if not self.policy.allowed(len(running)):
             return
         decoding = [s for s in running if s.num_uncomputed_tokens == 1 and not s.is_finished and not s.scores_prompt]
+        if self.policy.skips(len(decoding)):
+            return
         # a draft and the token drawn after it never pass the request's max_tokens nor max_model_len
         limits = [min(self.config.num_speculative_tokens, s.params.max_tokens - len(s.output_token_ids) - 1,
                       self.max_model_len - s.num_tokens - 1) for s in decoding]
@@ -65,7 +67,7 @@ class Speculator:
     def device_drafts(self, running: SequenceOf[Sequence]) -> int:
         """k (num_speculative_tokens) when the policy says drafting k tokens for each sequence of the running
         batch pays (it keeps any of them), else 0: a drafted burst, or a plain one."""
-        if not self.policy.allowed(len(running)):
+        if not self.policy.allowed(len(running)) or self.policy.skips(len(running)):
             return 0
         k = self.config.num_speculative_tokens
         return k if any(self.policy.trim(running, [[0] * k for _ in running])) else 0
