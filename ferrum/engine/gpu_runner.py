@@ -78,6 +78,7 @@ class GPUModelRunner:
         self.drafted: DraftBursts | None = None
         self.max_burst = 0
         self.max_draft_rows = 0
+        self.max_verify_rows = 0
         if device.cuda_graphs and not config.enforce_eager:
             kernels = config.kernels
             chained = kernels.fused_decode_rows
@@ -89,6 +90,8 @@ class GPUModelRunner:
             )
             self.graphs.capture(graph_sizes if graph_sizes is not None else graph_batch_sizes(max_num_seqs))
             self.max_burst = self.graphs.max_burst
+            largest = self.graphs.sizes[-1] if self.graphs.sizes else 0
+            self.max_verify_rows = largest if self.graphs.holds_rows(largest) else 0
             spec = config.speculative_config
             if spec is not None and spec.method == "ngram":
                 self.drafted = DraftBursts(self.graphs, spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -168,6 +171,6 @@ class GPUModelRunner:
             self.graphs.release()
             self.graphs = None
             self.drafted = None
-            self.max_draft_rows = 0
+            self.max_draft_rows = self.max_verify_rows = 0
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]

@@ -130,7 +130,8 @@ class LLMEngine:
                              self.outputs.eos_token_ids, FULL_BURSTS_FROM)
         self.scheduler = Scheduler(self.block_manager, config.seqs_per_step, config.tokens_per_step, bursts)
         spec = config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = (Speculator(spec, self.max_model_len, verify_rows=self.runner.max_verify_rows)
+                           if spec is not None else None)
         self.verifier = Verifier(self.outputs, self.guides)
         self.sequences: dict[str, Sequence] = {}
         # greedy decodes queued on the device whose tokens the host has not read yet

@@ -22,6 +22,7 @@ from ferrum.models.llama import LlamaForCausalLM
 class TorchModelRunner:
     max_burst = 0  # no greedy bursts: every decode is one host round trip
     max_draft_rows = 0  # nor drafted ones
+    max_verify_rows = 0  # every step eager
 
     def __init__(
         self, model: LlamaForCausalLM, device: Device, layout: KVCacheLayout, num_blocks: int,

@@ -19,6 +19,7 @@ from ferrum.engine.sequence import Sequence
 from ferrum.engine.speculative.config import SpeculativeConfig
 from ferrum.engine.speculative.policy import SpeculationPolicy
 from ferrum.engine.speculative.proposer import NgramProposer
+from ferrum.engine.speculative.speculator import Speculator
 from ferrum.engine.speculative.verify import Draft, Verifier
 from ferrum.server.metrics import SPEC_METRIC_NAMES
 from tests.engines import local_engine
@@ -295,6 +296,27 @@ def test_the_policy_drafts_where_it_pays() -> None:
     assert counting.acceptance == pytest.approx((0.9 * 4 + 1) / (0.9 * 4 + 1 + 2))
     capped = SpeculationPolicy(SpeculativeConfig(disable_by_batch_size=8))
     assert capped.allowed(7) and not capped.allowed(8)
+
+
+def test_drafts_are_cut_to_the_rows_a_graph_runs() -> None:
+    """With verify_rows (the runner's largest graph past the fused chain's), the drafts of a step are cut so
+    that its sequences and draft tokens fit: 4 sequences in 10 rows draft 1 token each, in 4 rows none (the
+    proposer not asked); without the bound, k (2) each."""
+    seqs = [Sequence(str(i), [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50), 0.0) for i in range(4)]
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    config = SpeculativeConfig(num_speculative_tokens=2, adaptive=False)
+    asked: list[list[int]] = []
+
+    class Recording(NgramProposer):
+        def propose(self, seqs, limits):  # type: ignore[no-untyped-def]
+            asked.append(list(limits))
+            return super().propose(seqs, limits)
+
+    for rows, drafted in ((0, 2), (10, 1), (4, 0)):
+        Speculator(config, 64, Recording(2, 4), verify_rows=rows).prepare(seqs)
+        assert [len(seq.draft_token_ids) for seq in seqs] == [drafted] * 4
+    assert asked == [[2] * 4, [1] * 4]
 
 
 @pytest.mark.parametrize(("raw", "message"), [
