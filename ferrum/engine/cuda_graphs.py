@@ -148,6 +148,33 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1fs", len(sizes), max(sizes),
                  time.perf_counter() - started)
 
+    @torch.inference_mode()
+    def replay_seconds(self, repeats: int = 3) -> dict[int, float]:
+        """Device seconds of one replay of each graph (the least of `repeats`), by its rows, every row
+        padding: position 0 of the trash block, so attention over one key. What a decode or verify step of
+        that many rows costs before any has been measured (the speculation policy's prior, by which it
+        weighs drafting from the first step)."""
+        self._staging_free()
+        vec = self.h_vec_np
+        vec[0], vec[1], vec[2], vec[3] = 0, 0, self.trash_slot, 1
+        self.s_vec.copy_(self.h_vec, non_blocking=True)
+        self.s_tables.fill_(self.trash_block)
+        self.s_num_real.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        seconds: dict[int, float] = {}
+        for size in self.sizes:
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first may load code and data the others find ready
+                self.s_step.zero_()
+                start.record()
+                self.graphs[size].replay()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)
+            seconds[size] = best
+        self._staged.record()
+        return seconds
+
     def holds(self, num_seqs: int) -> bool:
         return bool(self.sizes) and num_seqs <= self.sizes[-1]
 

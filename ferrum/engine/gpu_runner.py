@@ -79,6 +79,7 @@ class GPUModelRunner:
         self.max_burst = 0
         self.max_draft_rows = 0
         self.max_verify_rows = 0
+        self.step_seconds: dict[int, float] = {}
         if device.cuda_graphs and not config.enforce_eager:
             kernels = config.kernels
             chained = kernels.fused_decode_rows
@@ -93,6 +94,8 @@ class GPUModelRunner:
             largest = self.graphs.sizes[-1] if self.graphs.sizes else 0
             self.max_verify_rows = largest if self.graphs.holds_rows(largest) else 0
             spec = config.speculative_config
+            if spec is not None and model.tp.size == 1:  # the policy's prior: a step's device time by rows
+                self.step_seconds = self.graphs.replay_seconds()  # (not under TP: each rank would have to replay)
             if spec is not None and spec.method == "ngram":
                 self.drafted = DraftBursts(self.graphs, spec.num_speculative_tokens, spec.prompt_lookup_min,
                                            spec.prompt_lookup_max)
@@ -172,5 +175,6 @@ class GPUModelRunner:
             self.graphs = None
             self.drafted = None
             self.max_draft_rows = self.max_verify_rows = 0
+            self.step_seconds = {}
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]

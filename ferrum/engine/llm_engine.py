@@ -130,7 +130,8 @@ class LLMEngine:
                              self.outputs.eos_token_ids, FULL_BURSTS_FROM)
         self.scheduler = Scheduler(self.block_manager, config.seqs_per_step, config.tokens_per_step, bursts)
         spec = config.speculative_config
-        self.speculator = (Speculator(spec, self.max_model_len, verify_rows=self.runner.max_verify_rows)
+        self.speculator = (Speculator(spec, self.max_model_len, verify_rows=self.runner.max_verify_rows,
+                                      step_seconds=self.runner.step_seconds)
                            if spec is not None else None)
         self.verifier = Verifier(self.outputs, self.guides)
         self.sequences: dict[str, Sequence] = {}
@@ -397,16 +398,17 @@ class LLMEngine:
         self._decoding = True
         seqs, burst = self._burst
         self._burst = None
-        following = self._queue_ahead(seqs, burst.steps)
+        drafting = self._drafting(seqs)  # asked once a burst: the policy counts a chained burst as a refusal
+        following = None if drafting else self._queue_ahead(seqs, burst.steps)
         chosen = self.runner.read_greedy(burst)
         cached = sum(seq.num_computed_tokens for seq in seqs)
         record.update(kind="burst", num_tokens=len(seqs), iterations=max(1, len(chosen)), cached_tokens=cached,
                       attended_keys=cached + len(seqs))
-        if following is None and not self._drafting(len(seqs)) and self.scheduler.burst_continues(seqs, chosen):
+        if following is None and not drafting and self.scheduler.burst_continues(seqs, chosen):
             following = self._continue(seqs, len(chosen))
         if following is not None:
             self._burst = (seqs, following)
-        ahead = self._relaunch(seqs, chosen) if following is None else {}
+        ahead = self._relaunch(seqs, chosen) if following is None and not drafting else {}
         for row in chosen:
             live = [(seq, token) for seq, token in zip(seqs, row, strict=True)
                     if not seq.is_finished and id(seq) not in ahead]
@@ -426,9 +428,10 @@ class LLMEngine:
         run on (Scheduler.keeps_going, from the ids) get this burst's ids and the next burst is launched
         for them before the host detokenizes anyone's tokens (at 256 sequences and 16 iterations that
         text took the device's 7-12 ms turn-around at each such end). Not while a request waits (the
-        scheduler admits it), with stop strings (they need the text) or drafts. Returns the sequences
-        moved on, by id, with their ids, whose text is still to come (OutputProcessor.catch_up)."""
-        if (len(seqs) < FULL_BURSTS_FROM or self.scheduler.waiting or self._drafting(len(seqs))
+        scheduler admits it), with stop strings (they need the text) or where speculation drafts next (the
+        caller asks). Returns the sequences moved on, by id, with their ids, whose text is still to come
+        (OutputProcessor.catch_up)."""
+        if (len(seqs) < FULL_BURSTS_FROM or self.scheduler.waiting
                 or any(seq.params.stop for seq in seqs)):
             return {}
         columns = [[row[i] for row in chosen] for i in range(len(seqs))]  # each sequence's ids
@@ -445,11 +448,12 @@ class LLMEngine:
         self._burst = (moved, self.runner.launch_greedy(moved, steps))
         return {id(seq): (seq, tokens) for seq, tokens in survivors}
 
-    def _drafting(self, batch: int) -> bool:
-        """Whether speculation may draft for a batch of this size at the next step: then a burst ends at its
-        last iteration (the proposer drafts before the next step); where the policy refuses drafts at this
-        size, bursts chain as without speculation (every 32 or more refusals one step drafts again)."""
-        return self.speculator is not None and not self.speculator.policy.refusing(batch)
+    def _drafting(self, seqs: list[Sequence]) -> bool:
+        """Whether speculation may draft for these sequences at the next step: then a burst ends at its last
+        iteration (the proposer drafts before the next step); where the policy's rule refuses drafts for
+        them (Speculator.drafts_next), bursts chain as without speculation (every 32 or more refusals one
+        step drafts again)."""
+        return self.speculator is not None and self.speculator.drafts_next(seqs)
 
     def _continue(self, seqs: list[Sequence], ahead: int) -> GreedyBurst | None:
         """Queues the next burst of `seqs` on the device, carrying on from the end of the one
@@ -465,8 +469,9 @@ class LLMEngine:
         its sequences stops in it (stop tokens are not known yet; lengths are). A sequence that
         does stop has the rest of its rows dropped when they are read, as after any stop, and
         the following burst is not queued ahead. Not while a request waits for a free slot (it
-        would wait one burst longer), nor for sequences with stop strings."""
-        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending() or self._drafting(len(seqs)):
+        would wait one burst longer), nor for sequences with stop strings, nor where speculation would
+        draft next (the caller asks)."""
+        if len(seqs) > QUEUE_AHEAD_MAX_SEQS or self.scheduler.admission_pending():
             return None
         if any(seq.is_finished or seq.params.stop for seq in seqs):
             return None

@@ -45,6 +45,7 @@ class ModelRunner(Protocol):
     max_burst: int  # greedy decode iterations one burst may run on the device; 0: no bursts
     max_draft_rows: int  # rows (sequences x (k + 1)) a drafted burst may run; 0: no drafted bursts
     max_verify_rows: int  # rows (sequences and draft tokens) a verify step runs through a graph; 0: every step eager
+    step_seconds: dict[int, float]  # device seconds of a decode step by rows, timed at start-up; {}: not timed
 
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one forward pass and moves every scheduled sequence's computed tokens on. Returns

@@ -23,6 +23,7 @@ class TorchModelRunner:
     max_burst = 0  # no greedy bursts: every decode is one host round trip
     max_draft_rows = 0  # nor drafted ones
     max_verify_rows = 0  # every step eager
+    step_seconds: dict[int, float] = {}  # nothing timed ahead: the speculation policy measures its steps
 
     def __init__(
         self, model: LlamaForCausalLM, device: Device, layout: KVCacheLayout, num_blocks: int,

@@ -282,7 +282,12 @@ def test_the_policy_drafts_where_it_pays() -> None:
     wide = policy(lambda t: 0.005 * t, 0.97)
     wide.cost.observe(60, 0.3)
     wide.cost.observe(300, 1.5)
-    assert wide.trim(many, [[1, 2, 3, 4]] * 60) == [[]] * 60
+    assert wide.trim(many, [[1, 2, 3, 4]] * 60) == [[]] * 60  # judged at the prior acceptance (0.5)
+    small = policy(lambda t: 0.005 * t, 0.97)
+    fresh_seqs = [Sequence(str(i), [1], SamplingParams(), 0.0) for i in range(2)]
+    assert small.trim(fresh_seqs, drafts) == drafts  # no acceptance known, a small batch: this step measures it
+    small.verified(fresh_seqs[0], 4, 4)
+    assert small.trim(fresh_seqs, drafts) == [[], []]
     assert wide.refusing(50) and wide.skips(49) and not wide.refusing(40)  # 49..64 share the refusal
     slow_first = policy(lambda t: 0.010, 0.9)
     slow_first.cost.samples.clear()
@@ -296,6 +301,40 @@ def test_the_policy_drafts_where_it_pays() -> None:
     assert counting.acceptance == pytest.approx((0.9 * 4 + 1) / (0.9 * 4 + 1 + 2))
     capped = SpeculationPolicy(SpeculativeConfig(disable_by_batch_size=8))
     assert capped.allowed(7) and not capped.allowed(8)
+
+
+def test_the_prior_weighs_drafts_before_any_verify_step_ran() -> None:
+    """The device's step times by rows (timed at start-up) stand where no step of that size ran, scaled to the
+    steps measured: once a draft has shown the acceptance, 64 sequences on a device where 256 rows take 2.8x
+    the time of 64 are judged not worth drafting, and their bursts chain (promising is False); 1 sequence at
+    1.1x for 5 tokens is. t(B) not measured: promising, so that a step measures it. A refusal at a size class
+    counts each chained burst, and the retry due ends the chain."""
+    config = SpeculativeConfig(num_speculative_tokens=4)
+    prior = {1: 0.00035, 8: 0.00036, 64: 0.00074, 256: 0.00208}
+    policy = SpeculationPolicy(config)
+    policy.cost.prior = dict(prior)
+    many = [Sequence(str(i), [1], SamplingParams(), 0.0) for i in range(64)]
+    assert policy.cost.estimate(256) == pytest.approx(0.00208)  # nothing measured: the prior itself
+    assert policy.promising(many, 3)  # t(64) not measured yet: the next step (a plain one) measures it
+    policy.cost.observe(64, 0.0013)
+    assert policy.cost.estimate(256) == pytest.approx(0.0013 * 0.00208 / 0.00074)  # scaled to the step measured
+    assert policy.promising(many, 3) is False  # 64 + 192 rows: 2.8x the time for about 1.9x the tokens (a = 0.5)
+    policy.verified(many[0], 4, 3)  # 3 of 4 kept: 0.67 a position
+    assert policy.promising(many, 3) is False  # and about 2.4x at 0.67
+    assert policy.cost.estimate(32) == pytest.approx(0.0013 * (0.00036 + 0.00038 * 24 / 56) / 0.00074)  # below it too
+    assert policy.cost.estimate(48) == pytest.approx(0.0013 * (0.00036 + 0.00038 * 40 / 56) / 0.00074)
+    assert policy.trim(many, [[1, 2, 3]] * 64) == [[]] * 64 and policy.refusing(64)
+    one = [Sequence("one", [1], SamplingParams(), 0.0)]
+    one[0].spec_acceptance = 0.6
+    assert policy.promising(one, 4)  # t(1) not measured: the next step measures it
+    policy.cost.observe(1, 0.0005)
+    assert policy.promising(one, 4)  # 5 tokens: 1.1x the time of one (between the counts measured)
+    unknown = SpeculationPolicy(config)
+    assert unknown.promising(many, 3)  # no prior (the CPU), nothing measured: the next step measures
+    assert all(not policy.promising(many, 3) for _ in range(30))  # chained bursts count as refusals (31 with trim's)
+    assert policy.promising(many, 3)  # the 32nd: the retry is due, the chain ends
+    assert policy.trim(many, [[1, 2, 3]] * 64) == [[1, 2, 3]] * 64  # and the next step drafts again
+    assert not SpeculationPolicy(SpeculativeConfig(disable_by_batch_size=8)).promising(many, 3)
 
 
 def test_drafts_are_cut_to_the_rows_a_graph_runs() -> None:

@@ -73,6 +73,7 @@ class MirroredRunner:
         self.max_burst = local.max_burst
         self.max_draft_rows = 0  # drafted bursts are not replayed on the workers: verify steps instead
         self.max_verify_rows = local.max_verify_rows
+        self.step_seconds: dict[int, float] = {}  # not timed across ranks: the policy measures its steps
         self._next_burst = 0
 
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:

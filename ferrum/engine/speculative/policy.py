@@ -14,26 +14,37 @@ sequence 1 + (its accepted drafts) tokens. Whether that pays depends on two meas
                  start to its outputs (drafting and verification included; a greedy burst's iterations
                  each count as a step of its sequences): the median of the last 5 steps of each token
                  count (one slow step, a first call's set-up say, does not decide), made non-decreasing in
-                 T and interpolated between counts (`StepCost`)
+                 T and interpolated between counts (`StepCost`); where no step of about T tokens has run,
+                 the device's time for a decode graph of T rows, timed at start-up (the prior; GPU only),
+                 scaled by the nearest measured count (t(64) measured at 1.3 ms and the device's 256 rows
+                 2.8x its 64: t(256) is taken as 3.6 ms until a step of 256 runs)
 
 The rule: with t' = (t(B + M) - t(B)) / M the cost of one more token in the step and G = B + (expected
-accepted) the tokens the step yields, a draft position j of a sequence is worth its cost when
-a^j / G >= t' / t(B + M), i.e. when the throughput it adds is at least the time it adds, and a^j is at least
-0.1 (a position kept less often is not worth the host's and the verification's work however cheap its
-token). Each sequence keeps its positions from the first while they pass (a^j falls with j); then the step as
-a whole must promise 5% more than a plain one, (B + expected kept) / t(B + M kept) >= 1.05 B / t(B), or
-nothing is drafted. So a memory-bound step (t' near
-0: large models at small batch) drafts everything the proposer offers, while a compute-bound one (the CPU,
-large batches) drafts only where acceptance is high, and nothing when it is low. Until t(B + M) has been
-measured the policy drafts (that measures it); t(B) itself must have been measured on a plain step of B
-sequences (else this step is one), and is measured again after every 32 verify steps of that size, since a
-step's time drifts as the contexts grow; likewise, after 32 steps of one batch size class (each size up to 8,
-then by 16s) whose drafts the rule refused, one step drafts again (in between, the proposer is not even
-asked), so that t(B + M) is measured again too (a refusal must not rest on an old measurement for ever); each
-such retry the rule refuses again doubles the wait before the next (up to 1024 steps), so that where
-speculation does not pay (large batches) the retries cost next to nothing. `disable_by_batch_size` turns
-drafting off from that many running sequences on, whatever the measurements; `adaptive: false` drafts
-whatever the proposer offers.
+accepted) the tokens the step yields, a draft position j of a sequence is worth its cost when a^j / G >= t' /
+t(B + M), i.e. when the throughput it adds is at least the time it adds, and a^j is at least 0.1 (a position
+kept less often is not worth the host's and the verification's work however cheap its token). Each sequence
+keeps its positions from the first while they pass (a^j falls with j); then the step as a whole must promise
+5% more than a plain one, (B + expected kept) / t(B + M kept) >= 1.05 B / t(B), or nothing is drafted. So a
+memory-bound step (t' near 0: large models at small batch) drafts everything the proposer offers, while a
+compute-bound one (the CPU, large batches) drafts only where acceptance is high, and nothing when it is low.
+Until t(B + M) has been measured (or is given by the prior) the policy drafts (that measures it); until 4
+draft positions have been verified (the acceptance unknown), a batch of up to 8 sequences drafts (that
+measures it), while larger ones are judged at the prior acceptance of 0.5 (a step of 64 sequences' drafts cost
+an H100 7-18 ms of host work, of proposing and verifying, whatever the drafts' rows); t(B) itself must have
+been measured on a plain step of B sequences (else this step is one; the prior scaled from the drafted steps'
+times misjudged a plain step of one sequence, whose fused one-row chain the device runs far faster than the
+rows of a draft), and is measured again after every 32 verify steps of that size, since a step's time drifts
+as the contexts grow; likewise, after 32 steps of one batch size class (each size up to 8, then by 16s) whose
+drafts the rule refused, one step drafts again (in between, the proposer is not even asked), so that t(B + M)
+is measured again too (a refusal must not rest on an old measurement for ever); each such retry the rule
+refuses again doubles the wait before the next (up to 1024 steps), so that where speculation does not pay
+(large batches) the retries cost next to nothing. A greedy burst ends at its last iteration, so that the
+proposer can draft before the next step, only where the rule would draft for its sequences now (`promising`);
+elsewhere bursts chain, and small batches' are queued ahead, as without speculation (on an H100 with the demo
+model, bursts ended for drafts the rule then refused cost 15-20% of the throughput at 64 and 256 requests at
+once: the host's detokenizing no longer overlapped the next burst). `disable_by_batch_size` turns drafting off
+from that many running sequences on, whatever the measurements; `adaptive: false` drafts whatever the proposer
+offers.
 """
 
 from __future__ import annotations
@@ -56,13 +67,18 @@ MARGIN = 0.05  # a verify step must promise this much more throughput than a pla
 REMEASURE_EVERY = 32  # verify steps of one batch size between two plain ones (t(B) drifts as contexts grow),
 # and refused steps before one that drafts anyway (t(B + M) too), doubled after each refused retry
 MAX_RETRY_WAIT = 1024
+MIN_EVIDENCE = 4.0  # positions tried (decayed) below which the acceptance is not known: drafts are verified
+EXPLORE_SEQS = 8  # ... at batches of up to this many sequences (larger ones take the prior acceptance)
 
 
 @dataclass
 class StepCost:
-    """t(T): the median of the last RECENT_STEPS steps' seconds, by the steps' token count."""
+    """t(T): the median of the last RECENT_STEPS steps' seconds, by the steps' token count; where no step
+    of about T tokens has run yet, the prior (the device's time for T rows, timed at start-up) scaled to the
+    measured steps."""
 
     samples: dict[int, deque[float]] = field(default_factory=dict)
+    prior: dict[int, float] = field(default_factory=dict)  # rows -> device seconds (GPUModelRunner.step_seconds)
 
     def observe(self, tokens: int, seconds: float) -> None:
         self.samples.setdefault(tokens, deque(maxlen=RECENT_STEPS)).append(seconds)
@@ -74,24 +90,42 @@ class StepCost:
     def estimate(self, tokens: int) -> float | None:
         """t(tokens) from the measured counts made non-decreasing (a step of more tokens never takes less:
         each count's time is at least the largest of the smaller counts'), interpolated linearly between
-        the nearest; None beyond the measured range (or with none measured)."""
-        seconds = self.seconds
-        counts = sorted(seconds)
-        envelope, highest = [], 0.0
-        for count in counts:
-            highest = max(highest, seconds[count])
-            envelope.append(highest)
-        i = bisect.bisect_left(counts, tokens)
-        if i < len(counts) and counts[i] == tokens:
-            return envelope[i]
-        if i == 0 or i == len(counts):
+        the nearest. Beyond the measured range, the nearest measured count's time times the prior's ratio
+        of the two counts (a first step of 64 sequences' drafts is weighed by the 64-sequence steps run, and
+        by how much more the device takes for the drafts' rows); the prior alone where nothing is measured;
+        None where neither covers it."""
+        measured = _interpolate(self.seconds, tokens)
+        if measured is not None:
+            return measured
+        prior = _interpolate(self.prior, tokens)
+        if prior is None or not self.samples:
+            return prior
+        counts = sorted(self.samples)
+        nearest = counts[-1] if tokens > counts[-1] else counts[0]
+        base, prior_base = _interpolate(self.seconds, nearest), _interpolate(self.prior, nearest)
+        if base is None or not prior_base:
             return None
-        lo, hi = counts[i - 1], counts[i]
-        return envelope[i - 1] + (envelope[i] - envelope[i - 1]) * (tokens - lo) / (hi - lo)
+        return base * prior / prior_base
 
     def curve(self) -> list[tuple[int, float]]:
         """The measured (tokens, seconds) points, by token count."""
         return sorted(self.seconds.items())
+
+
+def _interpolate(points: dict[int, float], tokens: int) -> float | None:
+    """The value at `tokens` of the points made non-decreasing, linear between neighbours; None outside them."""
+    counts = sorted(points)
+    envelope, highest = [], 0.0
+    for count in counts:
+        highest = max(highest, points[count])
+        envelope.append(highest)
+    i = bisect.bisect_left(counts, tokens)
+    if i < len(counts) and counts[i] == tokens:
+        return envelope[i]
+    if i == 0 or i == len(counts):
+        return None
+    lo, hi = counts[i - 1], counts[i]
+    return envelope[i - 1] + (envelope[i] - envelope[i - 1]) * (tokens - lo) / (hi - lo)
 
 
 class SpeculationPolicy:
@@ -138,11 +172,53 @@ class SpeculationPolicy:
         if t0 is None or self._since_plain.get(batch, 0) >= REMEASURE_EVERY:
             self._since_plain[batch] = 0
             return none  # a plain step, which measures (again) what drafting is weighed against
+        kept = self._judge(seqs, drafts, t0)
+        size = _size_class(batch)
+        if kept is None:
+            self._refused[size] = self._refused.get(size, 0) + 1
+            wait = self._retry_after.get(size, REMEASURE_EVERY)
+            if self._refused[size] <= wait:
+                return none
+            self._retry_after[size] = min(2 * wait, MAX_RETRY_WAIT)
+            self._refused[size] = 0
+            self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
+            return drafts  # drafted again: t(B + M) measured anew
+        self._refused[size] = 0
+        self._retry_after.pop(size, None)
+        self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
+        return kept
+
+    def promising(self, seqs: SequenceOf[Sequence], each: int) -> bool:
+        """Whether the next step would draft for these sequences, `each` tokens offered to every one, by the
+        rule: a greedy burst ends at its last iteration only then, so that the proposer can draft before the
+        next step; otherwise bursts chain as without speculation. Asked once a burst: where the rule refused
+        drafts at this size class, the burst counts as one more refusal, and True comes back when the retry
+        is due (`trim` then drafts again)."""
+        if not self.config.adaptive:
+            return True
+        batch = len(seqs)
+        if each <= 0 or not self.allowed(batch):
+            return False
+        size = _size_class(batch)
+        refused = self._refused.get(size, 0)
+        if refused:  # a chained burst counts as a step refused; the retry due ends the chain
+            self._refused[size] = refused + 1
+            return self._refused[size] >= self._retry_after.get(size, REMEASURE_EVERY)
+        if batch not in self.cost.samples:
+            return True  # t(B) not measured at this size: the next step measures it (trim)
+        return self._judge(seqs, [[0] * each for _ in seqs], self.cost.estimate(batch) or 0.0) is not None
+
+    def _judge(self, seqs: SequenceOf[Sequence], drafts: list[list[int]], t0: float) -> list[list[int]] | None:
+        """The rule (module docstring): each draft cut to the positions worth their cost, or None when the
+        step as a whole does not promise MARGIN more than a plain one. Unmeasured costs: the drafts as they
+        are (a step that measures them)."""
+        batch = len(seqs)
         extra = sum(len(d) for d in drafts)
         t1 = self.cost.estimate(batch + extra)
         if t1 is None:
-            self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
-            return drafts  # not measured yet: this step measures it
+            return drafts  # the step's cost not known yet: this step measures it
+        if batch <= EXPLORE_SEQS and self._tried < MIN_EVIDENCE and all(s.spec_acceptance is None for s in seqs):
+            return drafts  # no acceptance known yet: this small step measures it
         expected = batch + sum(expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, drafts, strict=True))
         threshold = max(0.0, (t1 - t0) / extra) / t1 * expected
         kept = []
@@ -158,19 +234,8 @@ class SpeculationPolicy:
         extra = sum(len(d) for d in kept)
         t_kept = self.cost.estimate(batch + extra) if extra else t0
         gained = batch + sum(expected_kept(self.rate(s), len(d)) for s, d in zip(seqs, kept, strict=True))
-        size = _size_class(batch)
         if not extra or t_kept is None or gained / t_kept < batch / t0 * (1 + MARGIN):
-            self._refused[size] = self._refused.get(size, 0) + 1
-            wait = self._retry_after.get(size, REMEASURE_EVERY)
-            if self._refused[size] <= wait:
-                return none
-            self._retry_after[size] = min(2 * wait, MAX_RETRY_WAIT)
-            self._refused[size] = 0
-            self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
-            return drafts  # drafted again: t(B + M) measured anew
-        self._refused[size] = 0
-        self._retry_after.pop(size, None)
-        self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
+            return None
         return kept
 
     def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:

@@ -35,16 +35,18 @@ def proposer_for(config: SpeculativeConfig) -> Proposer:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None,
-                 verify_rows: int = 0) -> None:
+                 verify_rows: int = 0, step_seconds: dict[int, float] | None = None) -> None:
         """`proposer`: one of the caller's (a public hook, e.g. for benchmarks), else the config's.
         `verify_rows`: the most rows (a row for each sequence, and one for each draft token) a step runs through
         the runner's graphs; drafts are cut to fit (a step past them runs eagerly, like a prefill: 64 ms for
-        1,024 rows of the demo model on an H100, against 3 ms for 256 through a graph). 0: no such bound."""
+        1,024 rows of the demo model on an H100, against 3 ms for 256 through a graph). 0: no such bound.
+        `step_seconds`: the device's time for a step of so many rows, timed at start-up (the policy's prior)."""
         self.config = config
         self.max_model_len = max_model_len
         self.verify_rows = verify_rows
         self.proposer = proposer or proposer_for(config)
         self.policy = SpeculationPolicy(config)
+        self.policy.cost.prior = dict(step_seconds or {})
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
     def prepare(self, running: SequenceOf[Sequence]) -> None:
@@ -73,6 +75,15 @@ class Speculator:
         """Whether the proposer's rule also runs on the device (prompt lookup: ferrum.engine.draft_bursts);
         not a caller's own proposer."""
         return type(self.proposer) is NgramProposer
+
+    def drafts_next(self, seqs: SequenceOf[Sequence]) -> bool:
+        """Whether the next step may draft for these decoding sequences (k each, or fewer where their rows would
+        not fit the graphs: `prepare`'s cut), by the policy's rule; a greedy burst of them ends at its last
+        iteration only then (else bursts chain as without speculation)."""
+        each = self.config.num_speculative_tokens
+        if self.verify_rows:
+            each = min(each, (self.verify_rows - len(seqs)) // max(len(seqs), 1))
+        return self.policy.promising(seqs, each)
 
     def device_drafts(self, running: SequenceOf[Sequence]) -> int:
         """k (num_speculative_tokens) when the policy says drafting k tokens for each sequence of the running
