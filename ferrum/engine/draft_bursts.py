@@ -13,7 +13,9 @@ the end, where the engine appends them one token at a time (stop tokens, stop st
 after single steps; a sequence that stopped has the rest of its rows dropped).
 
 The block tables are grown by the caller for k + 1 tokens an iteration (the most a sequence can gain) and
-truncated after. Only for batches whose rows fit a captured decode graph.
+truncated after. Only for batches whose rows fit a captured decode graph: a batch whose k + 1 rows a sequence
+would not fit the largest drafts fewer tokens a sequence (64 sequences at k 4 in graphs of up to 256 rows:
+3 each), the kernels compiled at start-up for every k up to the configured one.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class DraftBurst:
 
 class DraftBursts:
     def __init__(self, graphs: DecodeGraphs, k: int, min_n: int, max_n: int) -> None:
-        """k drafts a sequence an iteration, from n-grams of max_n down to min_n tokens (the kernels are
+        """Up to k drafts a sequence an iteration, from n-grams of max_n down to min_n tokens (the kernels are
         compiled for these, at start-up)."""
         self.graphs = graphs
         self.k, self.min_n, self.max_n = k, min_n, max_n
@@ -50,21 +52,25 @@ class DraftBursts:
         room = max(graphs.max_burst, 1) * 2 * max(self.max_rows, 1)
         self.d_out = torch.zeros(room, dtype=torch.long, device=graphs.device)
         self.h_out = torch.zeros(room, dtype=torch.long).pin_memory()
-        if self.max_rows >= k + 1:
+        if self.max_rows >= 2:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """One drafted iteration of a probe in the spare trash blocks: the kernels are compiled and loaded now,
-        not in the first burst (whose time the speculation policy weighs drafting by)."""
-        probe = Sequence("warm-up", [0], SamplingParams(max_tokens=1), 0.0)
-        probe.block_table = [self.graphs.trash_block] * (-(-(self.k + 1) // self.graphs.layout.block_size))
-        self.read(self.launch([probe], 1))
+        """One drafted iteration of a probe in the spare trash blocks for each k up to the configured one: the
+        kernels are compiled and loaded now, not in the first burst (whose time the speculation policy weighs
+        drafting by)."""
+        for k in range(1, min(self.k, self.max_rows - 1) + 1):
+            probe = Sequence("warm-up", [0], SamplingParams(max_tokens=1), 0.0)
+            probe.block_table = [self.graphs.trash_block] * (-(-(k + 1) // self.graphs.layout.block_size))
+            self.read(self.launch([probe], 1, k))
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], steps: int) -> DraftBurst:
-        """Queues `steps` drafted iterations of `seqs` (each decoding: its last token not yet computed) and
-        returns at once. Needs len(seqs) * (k + 1) <= max_rows and steps <= the graphs' max_burst."""
-        g, k = self.graphs, self.k
+    def launch(self, seqs: list[Sequence], steps: int, k: int) -> DraftBurst:
+        """Queues `steps` drafted iterations of `seqs` (each decoding: its last token not yet computed), k drafts
+        a sequence, and returns at once. Needs 1 <= k <= the configured k, len(seqs) * (k + 1) <= max_rows and
+        steps <= the graphs' max_burst."""
+        g = self.graphs
+        assert 1 <= k <= self.k, (k, self.k)
         batch, width = len(seqs), k + 1
         rows = batch * width
         assert rows <= self.max_rows and 1 <= steps <= g.max_burst, (rows, steps)

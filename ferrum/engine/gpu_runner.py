@@ -160,9 +160,9 @@ class GPUModelRunner:
         return self.graphs.read_greedy(burst)
 
     # -- drafted bursts -----------------------------------------------------------------------
-    def launch_drafted(self, seqs: list[Sequence], steps: int) -> DraftedBurst:
+    def launch_drafted(self, seqs: list[Sequence], steps: int, k: int) -> DraftedBurst:
         assert self.drafted is not None, "drafted bursts need the decode graphs and an n-gram speculative_config"
-        return self.drafted.launch(seqs, steps)
+        return self.drafted.launch(seqs, steps, k)
 
     def read_drafted(self, burst: DraftedBurst) -> list[list[list[int]]]:
         assert self.drafted is not None and isinstance(burst, DraftBurst)

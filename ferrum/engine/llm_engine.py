@@ -354,19 +354,20 @@ class LLMEngine:
         if spec is None:
             return None
         running = self.scheduler.running
-        k = spec.config.num_speculative_tokens
-        if not (spec.drafts_on_device and self.scheduler.drafts_on_device(k, self.runner.max_draft_rows)):
+        # k a sequence, or fewer where the batch's rows would not fit the graphs (as a host step's drafts are cut)
+        k = min(spec.config.num_speculative_tokens, self.runner.max_draft_rows // max(len(running), 1) - 1)
+        if not (spec.drafts_on_device and k >= 1 and self.scheduler.drafts_on_device(k, self.runner.max_draft_rows)):
             spec.prepare(running)
             return None
         for seq in running:
             seq.draft_token_ids = []
-        k = spec.device_drafts(running)
+        k = spec.device_drafts(running, k)
         longest = DRAFTED_BURST_SMALL if len(running) <= QUEUE_AHEAD_MAX_SEQS else self.runner.max_burst
         steps = self.scheduler.plan_drafted(k, spec.expected_tokens(running, k), longest) if k else 0
         if not steps:
             return None
         seqs = list(running)
-        gained = self.runner.read_drafted(self.runner.launch_drafted(seqs, steps))
+        gained = self.runner.read_drafted(self.runner.launch_drafted(seqs, steps, k))
         self._decoding = True
         cached = sum(seq.num_computed_tokens for seq in seqs)
         width = k + 1

@@ -67,11 +67,11 @@ class ModelRunner(Protocol):
         """Waits for a burst; its chosen ids, [iteration][sequence]."""
         ...
 
-    def launch_drafted(self, seqs: list[Sequence], steps: int) -> DraftedBurst:
-        """Queues `steps` greedy iterations of `seqs` that each draft the speculative_config's k tokens per
-        sequence by prompt lookup and verify them, and returns at once (runners with max_draft_rows > 0).
-        Block tables are grown by the caller for k + 1 tokens an iteration; num_computed_tokens is left to
-        the caller."""
+    def launch_drafted(self, seqs: list[Sequence], steps: int, k: int) -> DraftedBurst:
+        """Queues `steps` greedy iterations of `seqs` that each draft k tokens per sequence (at most the
+        speculative_config's; len(seqs) * (k + 1) <= max_draft_rows) by prompt lookup and verify them, and
+        returns at once (runners with max_draft_rows > 0). Block tables are grown by the caller for k + 1
+        tokens an iteration; num_computed_tokens is left to the caller."""
         ...
 
     def read_drafted(self, burst: DraftedBurst) -> list[list[list[int]]]:

@@ -68,7 +68,7 @@ class TorchModelRunner:
     def read_greedy(self, burst: GreedyBurst) -> list[list[int]]:
         raise NotImplementedError("TorchModelRunner runs no greedy bursts (max_burst is 0)")
 
-    def launch_drafted(self, seqs: list[Sequence], steps: int) -> DraftedBurst:
+    def launch_drafted(self, seqs: list[Sequence], steps: int, k: int) -> DraftedBurst:
         raise NotImplementedError("TorchModelRunner runs no drafted bursts (max_draft_rows is 0)")
 
     def read_drafted(self, burst: DraftedBurst) -> list[list[list[int]]]:

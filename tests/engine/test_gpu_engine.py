@@ -238,7 +238,8 @@ def test_drafted_bursts_give_plain_greedy_tokens_up_to_near_ties(tiny: Path, fus
     decoding's tokens, up to the first step where the target's top-2 margin is below 1e-4 (float32: the
     verify rows go through other kernels), every block back at the end. With the fused chain serving graphs
     of up to 4 rows, a sequence's rows still go through a graph past them (the fused kernels read the older
-    cache before the step's keys are written)."""
+    cache before the step's keys are written). The graphs hold up to 8 rows (max_num_seqs 8): 4 sequences at
+    k 4 draft 1 token each, 2 draft 3, 1 drafts 4."""
     from ferrum.kernels.config import KernelConfig
 
     prompts = _looping_prompts()
@@ -269,6 +270,8 @@ def test_drafted_bursts_give_plain_greedy_tokens_up_to_near_ties(tiny: Path, fus
     spec.add_observer(steps.append)
     got = run(spec)
     assert any(r.kind == "verify" and r.iterations > 1 for r in steps), "no drafted burst ran"
+    widths = {r.num_tokens // r.num_seqs for r in steps if r.kind == "verify" and r.iterations > 1}
+    assert widths & {2, 4}, f"no drafted burst with fewer than k drafts a sequence ran ({widths})"
     stats = spec.stats()
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     assert spec.block_manager.num_used == 0

@@ -374,18 +374,19 @@ def test_fp8_cache_attention_at_long_contexts(context):
     assert rel_err(out[0, first].float(), v[needle].float()) < 0.05
 
 
-def test_drafted_burst_kernels_draft_as_the_host_proposer_and_keep_the_greedy_prefix():
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafted_burst_kernels_draft_as_the_host_proposer_and_keep_the_greedy_prefix(k: int):
     """draft_rows (a drafted burst's prompt lookup on the device) against NgramProposer on random histories of
     few distinct tokens (matches of every length): its draft where the host has one, the last token past it;
     the rows' ids, positions, KV slots and lengths. accept keeps the leading drafts equal to the choices,
-    appends the choices and moves the length on."""
+    appends the choices and moves the length on. k 1 too: a large batch drafts fewer than the configured k."""
     import numpy as np
 
     from ferrum.engine.speculative.proposer import NgramProposer
 
     rng = np.random.default_rng(0)
     host = NgramProposer(2, 4)
-    page, k, batch = 4, 3, 3
+    page, batch = 4, 3
     for _ in range(12):
         history = rng.integers(0, int(rng.integers(2, 5)), size=(batch, 40))
         lens = rng.integers(1, 30, size=batch)

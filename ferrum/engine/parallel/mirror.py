@@ -90,7 +90,7 @@ class MirroredRunner:
         self.group.send(("read", burst.id))
         return self.local.read_greedy(burst.inner)
 
-    def launch_drafted(self, seqs: list[Sequence], steps: int) -> DraftedBurst:
+    def launch_drafted(self, seqs: list[Sequence], steps: int, k: int) -> DraftedBurst:
         raise NotImplementedError("drafted bursts are not run under tensor parallelism (max_draft_rows is 0)")
 
     def read_drafted(self, burst: DraftedBurst) -> list[list[list[int]]]:

@@ -85,12 +85,11 @@ class Speculator:
             each = min(each, (self.verify_rows - len(seqs)) // max(len(seqs), 1))
         return self.policy.promising(seqs, each)
 
-    def device_drafts(self, running: SequenceOf[Sequence]) -> int:
-        """k (num_speculative_tokens) when the policy says drafting k tokens for each sequence of the running
-        batch pays (it keeps any of them), else 0: a drafted burst, or a plain one."""
+    def device_drafts(self, running: SequenceOf[Sequence], k: int) -> int:
+        """k when the policy says drafting k tokens for each sequence of the running batch pays (it keeps any of
+        them), else 0: a drafted burst, or a plain one."""
         if not self.policy.allowed(len(running)) or self.policy.skips(len(running)):
             return 0
-        k = self.config.num_speculative_tokens
         return k if any(self.policy.trim(running, [[0] * k for _ in running])) else 0
 
     def expected_tokens(self, seqs: SequenceOf[Sequence], k: int) -> float:
