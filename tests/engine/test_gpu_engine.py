@@ -214,9 +214,13 @@ def test_speculation_gives_plain_greedy_tokens_up_to_near_ties(tiny: Path, dtype
     expected = _greedy_with_margins(plain, prompts, 40)
     plain.release()
     spec = engine(tiny, "cuda", dtype=dtype, speculative_config=SPEC)
-    timed = spec.runner.step_seconds  # the policy's prior: every graph's replay timed at start-up
-    assert sorted(timed) == spec.runner.graphs.sizes and all(0 < t < 1 for t in timed.values())
-    assert spec.speculator.policy.cost.prior == timed
+    from ferrum.engine.gpu_runner import GPUModelRunner
+
+    runner, speculator = spec.runner, spec.speculator
+    assert isinstance(runner, GPUModelRunner) and runner.graphs is not None and speculator is not None
+    timed = runner.step_seconds  # the policy's prior: every graph's replay timed at start-up
+    assert sorted(timed) == runner.graphs.sizes and all(0 < t < 1 for t in timed.values())
+    assert speculator.policy.cost.prior == timed
     got = _greedy_with_margins(spec, prompts, 40)
     stats = spec.stats()
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
