@@ -94,16 +94,17 @@ class StepCost:
         of the two counts (a first step of 64 sequences' drafts is weighed by the 64-sequence steps run, and
         by how much more the device takes for the drafts' rows); the prior alone where nothing is measured;
         None where neither covers it."""
-        measured = _interpolate(self.seconds, tokens)
+        seconds = self.seconds  # (medians: computed once)
+        measured = _interpolate(seconds, tokens)
         if measured is not None:
             return measured
         prior = _interpolate(self.prior, tokens)
-        if prior is None or not self.samples:
+        if prior is None or not seconds:
             return prior
-        counts = sorted(self.samples)
+        counts = sorted(seconds)
         nearest = counts[-1] if tokens > counts[-1] else counts[0]
-        base, prior_base = _interpolate(self.seconds, nearest), _interpolate(self.prior, nearest)
-        if base is None or not prior_base:
+        base, prior_base = _interpolate(seconds, nearest), _interpolate(self.prior, nearest)
+        if base is None or not prior_base:  # (base is never None: nearest is measured)
             return None
         return base * prior / prior_base
 
