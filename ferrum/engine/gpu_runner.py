@@ -46,11 +46,6 @@ def eager_buckets(max_tokens: int) -> list[int]:
     return sorted({eager_bucket(n) for n in [*range(16, 257, 16), *range(512, max_tokens + 256, 256)]})
 
 
-def _verifies(s: ScheduledSequence) -> bool:
-    """A decode with or without a draft: the last token (and the draft's tokens), no prompt left."""
-    return s.num_new_tokens == 1 + len(s.draft) and s.seq.num_computed_tokens == s.seq.num_tokens - 1
-
-
 class GPUModelRunner:
     def __init__(
         self,
@@ -122,9 +117,10 @@ class GPUModelRunner:
         if graphs is not None and all(s.is_decode for s in scheduled) and graphs.holds(len(scheduled)):
             seqs = [s.seq for s in scheduled]
             logits = graphs.decode(seqs)
-        elif (graphs is not None and all(_verifies(s) for s in scheduled)
+        elif (graphs is not None and not any(s.seq.scores_prompt for s in scheduled)
               and graphs.holds_rows(sum(s.num_new_tokens for s in scheduled))):
-            logits, seqs = graphs.verify([(s.seq, s.draft) for s in scheduled])
+            plan = pack_step(scheduled, self.layout)  # prompt chunks, drafts, decodes: a row a token
+            logits, seqs = graphs.run_rows(plan), plan.sample_seqs
         else:
             logits, seqs = self._run_eager(scheduled)
         advance(scheduled)

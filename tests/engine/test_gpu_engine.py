@@ -4,7 +4,9 @@ release. Skipped without CUDA (CI has none); run on a GPU machine with
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 transformers = pytest.importorskip("transformers")
 
+from ferrum.engine.gpu_runner import GPUModelRunner  # noqa: E402
 from ferrum.engine.llm_engine import LLMEngine  # noqa: E402
 from ferrum.engine.sampling_params import SamplingParams  # noqa: E402
 from ferrum.tokenizer.synthetic import write_synthetic_tokenizer  # noqa: E402
@@ -153,6 +156,32 @@ def test_prefix_caching_and_chunked_prefill_give_the_same_tokens(tiny: Path) -> 
     cached.release()
 
 
+def test_prompt_chunks_that_fit_the_graphs_give_the_eager_step_s_logprobs(tiny: Path) -> None:
+    """Steps whose tokens fit the largest graph's rows (short prompts, chunks after a cached prefix, decodes
+    beside them) replay the graph, a row a token (DecodeGraphs.run_rows): every token and its logprob as an
+    eager step's, in float32."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 1000, (40,), generator=g).tolist()
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 30, 60)]
+    prompts += [shared + torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 20)]
+    runs = []
+    for eager in (True, False):
+        eng = engine(tiny, "cuda", max_num_seqs=64, enforce_eager=eager)
+        runner = eng.runner
+        assert isinstance(runner, GPUModelRunner)
+        assert (runner.graphs is None) == eager
+        spy = patch.object(runner.graphs, "run_rows", wraps=runner.graphs.run_rows) if runner.graphs else nullcontext()
+        with spy as replays:
+            runs.append([_greedy_with_logprobs(eng, group, 6) for group in ([p] for p in prompts)]
+                        + [_greedy_with_logprobs(eng, prompts[:2], 6)])  # 33 rows: two sequences' in one step
+        assert eager or (replays is not None and replays.call_count >= 2)  # the prompts' steps: all fit 64 rows
+        eng.release()
+    for eager_run, graph_run in zip(*runs, strict=True):
+        for ours, ref in zip(graph_run, eager_run, strict=True):
+            assert [t for t, _ in ours] == [t for t, _ in ref]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(ours, ref, strict=True)) < 1e-4
+
+
 def test_kv_cache_is_sized_from_gpu_memory_utilization(tiny: Path) -> None:
     """The whole process stays inside the budget (everything counted), and the KV cache takes most
     of what the budget leaves."""
@@ -187,16 +216,25 @@ def _looping_prompts() -> list[list[int]]:
     return [motif * 4, torch.randint(0, 1000, (9,), generator=g).tolist() * 3, motif[:3] * 5 + [7, 8]]
 
 
-def _greedy_with_margins(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
-    """Each prompt's greedy tokens with the target's top-2 logit margin at each (logprobs keep the logits' gaps)."""
+def _greedy_steps(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float, float]]]:
+    """Each prompt's greedy tokens, each with its logprob and the target's top-2 logit margin (logprobs keep the
+    logits' gaps)."""
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2))
-    got: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
+    got: dict[str, list[tuple[int, float, float]]] = {str(i): [] for i in range(len(prompts))}
     while eng.has_work:
         for out in eng.step():
             for token, lp in zip(out.new_token_ids, out.new_logprobs or (), strict=True):
-                got[out.request_id].append((token, lp.top[0].logprob - lp.top[1].logprob))
+                got[out.request_id].append((token, lp.logprob, lp.top[0].logprob - lp.top[1].logprob))
     return [got[str(i)] for i in range(len(prompts))]
+
+
+def _greedy_with_logprobs(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
+    return [[(token, logprob) for token, logprob, _ in steps] for steps in _greedy_steps(eng, prompts, max_tokens)]
+
+
+def _greedy_with_margins(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, float]]]:
+    return [[(token, margin) for token, _, margin in steps] for steps in _greedy_steps(eng, prompts, max_tokens)]
 
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
