@@ -32,6 +32,7 @@ import torch
 
 from ferrum.backends.device import Device
 from ferrum.models.config import ModelConfig
+from ferrum.models.layers.int8_head import Int8Head
 from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
@@ -69,7 +70,7 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     if any(width % CPU_GROUP for width in widths):
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (the layers' widths "
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
-    head = ("; the LM head int8 in groups of 32 for decode steps of up to 4 rows (float activations, "
+    head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
             "float32 logits)")
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
