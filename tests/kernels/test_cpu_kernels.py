@@ -338,7 +338,7 @@ def test_gemv_is_exact_on_quantized_activations(ops: object, method: QuantMethod
                                                 param_dtype: torch.dtype) -> None:
     """The CPU GEMV (QuantizedLinear's cpu_kernels method, repacked) equals the float product of the
     dequantized weight with x quantized per 32 inputs (int4's minimum term with x's exact sums), for
-    batches of 1 to 11 rows (two chunks of 8) and a row count that is not a multiple of 8."""
+    batches of 1 to 11 rows (in chunks of 4 rows, 5 with AVX-512) and a row count that is not a multiple of 8."""
     from ferrum.models.layers.quantized_linear import CpuKernelsMethod, QuantizedLinear
     from ferrum.weights.quantization.arith import dequantize, quantize
     from ferrum.weights.quantization.scheme import QuantScheme
@@ -357,8 +357,10 @@ def test_gemv_is_exact_on_quantized_activations(ops: object, method: QuantMethod
     if method == "int4":
         assert layer.gemv_scale.dtype == (torch.float16 if param_dtype == torch.bfloat16 else torch.float32)
     torch.testing.assert_close(layer.dequantized().float(), weight.to(torch.bfloat16).float(), rtol=0, atol=0)
-    for rows in (1, 3, 11):
+    for rows in (1, 3, 5, 11):
         x = torch.randn(rows, k).to(torch.bfloat16)
+        # each row the same bits at any row count (a speculative verify step's rows score as one-row decodes)
+        assert torch.equal(layer(x), torch.cat([layer(row) for row in x.split(1)]))
         exact = quantized_activations(x) @ weight.t()
         if method == "int4":  # w = q * scale + minimum: the minimum meets x's exact sums
             minimum = (stored.parts["zero"].float() - 8 * stored.parts["scale"].float())

@@ -31,7 +31,13 @@ namespace {
 
 constexpr int64_t QBLOCK = 32;
 constexpr int64_t LANES = 8;     // output rows side by side
-constexpr int64_t MAX_ROWS = 8;  // activation rows (parts: two per row of x) a weight block is unpacked once for
+// activation rows (parts: two per row of x) a weight block is unpacked once for: with AVX-512's 32 vector
+// registers 10, so that a speculative verify step at batch 1 and k 4 (5 rows) reads the weights once
+#if defined(__AVX512VL__)
+constexpr int64_t MAX_ROWS = 10;
+#else
+constexpr int64_t MAX_ROWS = 8;
+#endif
 constexpr int64_t PARTS = 2;     // int8 parts per row of x
 
 struct QuantizedX {
@@ -281,7 +287,9 @@ at::Tensor by_row_chunks(const at::Tensor& x_in, int64_t K, int64_t N, int64_t g
     case 5: CALL(5); break;        \
     case 6: CALL(6); break;        \
     case 7: CALL(7); break;        \
-    default: CALL(8); break;       \
+    case 8: CALL(8); break;        \
+    case 9: CALL(9); break;        \
+    default: CALL(10); break;      \
   }
 
 }  // namespace
