@@ -46,14 +46,6 @@ def eager_buckets(max_tokens: int) -> list[int]:
     return sorted({eager_bucket(n) for n in [*range(16, 257, 16), *range(512, max_tokens + 256, 256)]})
 
 
-# A step's prompt chunks replay the decode graph (DecodeGraphs.run_rows) only while their rows attend to at most
-# this many keys in all: each row of the graph's attention reads its whole context on its own, where an eager
-# prefill reads a chunk's context once for all its rows. Measured on an H200 (the 135M demo model): prompts of up
-# to 250 tokens with no cached prefix (31,375 keys) reach the first token in 1.2-2.3 ms through the graph
-# against 10 ms eagerly; a long cached prefix under a long chunk is not measured, and stays eager.
-ROWS_PROMPT_KEYS = 65536
-
-
 def prompt_keys(scheduled: list[ScheduledSequence]) -> int:
     """The keys the rows of the step's prompt chunks attend to (each row its context: past tokens and the chunk's
     up to its own); decodes and drafts count nothing (a verify step's rows go through the graphs at any length)."""
@@ -94,6 +86,7 @@ class GPUModelRunner:
         self.max_draft_rows = 0
         self.max_verify_rows = 0
         self.step_seconds: dict[int, float] = {}
+        self.graph_prompt_keys = config.kernels.graph_prompt_keys  # prompt chunks through run_rows up to these
         if device.cuda_graphs and not config.enforce_eager:
             kernels = config.kernels
             chained = kernels.fused_decode_rows
@@ -138,7 +131,7 @@ class GPUModelRunner:
             logits = graphs.decode(seqs)
         elif (graphs is not None and not any(s.seq.scores_prompt for s in scheduled)
               and graphs.holds_rows(sum(s.num_new_tokens for s in scheduled))
-              and prompt_keys(scheduled) <= ROWS_PROMPT_KEYS):
+              and prompt_keys(scheduled) <= self.graph_prompt_keys):
             plan = pack_step(scheduled, self.layout)  # prompt chunks, drafts, decodes: a row a token
             logits, seqs = graphs.run_rows(plan), plan.sample_seqs
         else:

@@ -1,12 +1,17 @@
 """The GPU runner's choice of path for a step, as plain rules (no GPU needed): which prompt chunks replay the
-decode graph a row a token (ferrum.engine.gpu_runner.prompt_keys, ROWS_PROMPT_KEYS)."""
+decode graph a row a token (ferrum.engine.gpu_runner.prompt_keys against KernelConfig.graph_prompt_keys)."""
 
 from __future__ import annotations
 
-from ferrum.engine.gpu_runner import ROWS_PROMPT_KEYS, prompt_keys
+import pytest
+
+from ferrum.engine.gpu_runner import prompt_keys
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.engine.scheduler import ScheduledSequence
 from ferrum.engine.sequence import Sequence
+from ferrum.kernels.config import KernelConfig
+
+ROWS_PROMPT_KEYS = KernelConfig().graph_prompt_keys
 
 
 def _seq(tokens: int, computed: int) -> Sequence:
@@ -25,3 +30,9 @@ def test_short_prompts_replay_the_graph_and_long_chunks_after_long_contexts_do_n
     draft = ScheduledSequence(_seq(5001, 5000), 5, (1, 2, 3, 4))
     assert prompt_keys([decode, draft]) == 0
     assert prompt_keys([fresh, decode, draft]) == prompt_keys([fresh])
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "many"])
+def test_a_bad_graph_prompt_keys_is_refused_by_name(bad: object) -> None:
+    with pytest.raises(ValueError, match="kernels.graph_prompt_keys"):
+        KernelConfig.from_mapping({"graph_prompt_keys": bad})
