@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 import torch
@@ -207,7 +208,7 @@ class DecodeGraphs:
         instead of an eager forward's hundreds of launches (host-bound: 18-20 ms for a 13-token chunk of
         the 135M demo model on an H200's host, against under 1 ms of device time)."""
         step = plan.step
-        tables = [list(rows.block_table) for rows in step.sequences for _ in range(rows.length)]
+        tables = [rows.block_table for rows in step.sequences for _ in range(rows.length)]
         size = self._load_rows(step.input_ids, step.positions, step.slots, tables,
                                self._rows_bucket(len(step.input_ids)))
         self.graphs[size].replay()
@@ -228,7 +229,7 @@ class DecodeGraphs:
         slots = [self.layout.slot(seq.block_table, p) for seq, p in zip(seqs, positions, strict=True)]
         return self._load_rows(tokens, positions, slots, [seq.block_table for seq in seqs], size)
 
-    def _load_rows(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+    def _load_rows(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[SequenceOf[int]],
                    size: int = 0) -> int:
         """Fills the static inputs of the graph of `size` (default: the smallest that holds the rows): each
         row's token, position, KV slot and block table, its context length one past its position."""
@@ -277,7 +278,7 @@ class DecodeGraphs:
         self.s_slots[:n].copy_(self.h_vec[2, :n], non_blocking=True)
         self._staged.record()
 
-    def _upload_tables(self, tables: list[list[int]], rows: int) -> None:
+    def _upload_tables(self, tables: list[SequenceOf[int]], rows: int) -> None:
         """Block tables into the first `rows` rows of the graphs' table (rows past them point at the trash
         block), through a pinned staging block as wide as the longest table: a contiguous source keeps the
         copy asynchronous and small."""

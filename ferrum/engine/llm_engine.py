@@ -354,9 +354,9 @@ class LLMEngine:
         if spec is None:
             return None
         running = self.scheduler.running
-        # k a sequence, or fewer where the batch's rows would not fit the graphs (as a host step's drafts are cut)
-        k = min(spec.config.num_speculative_tokens, self.runner.max_draft_rows // max(len(running), 1) - 1)
-        if not (spec.drafts_on_device and k >= 1 and self.scheduler.drafts_on_device(k, self.runner.max_draft_rows)):
+        rows = self.runner.max_draft_rows  # k a sequence, or fewer where the batch's rows would not fit the graphs
+        k = spec.drafts_each(len(running), len(running), rows)
+        if not (spec.drafts_on_device and rows and k >= 1 and self.scheduler.drafts_on_device(k, rows)):
             spec.prepare(running)
             return None
         for seq in running:

@@ -59,11 +59,9 @@ class Speculator:
         if self.policy.skips(len(decoding)):
             return
         # a draft and the token drawn after it never pass the request's max_tokens nor max_model_len
-        each = self.config.num_speculative_tokens
-        if self.verify_rows:
-            each = min(each, (self.verify_rows - len(running)) // max(len(decoding), 1))
-            if each <= 0:
-                return
+        each = self.drafts_each(len(running), len(decoding), self.verify_rows)
+        if each <= 0:
+            return
         limits = [min(each, s.params.max_tokens - len(s.output_token_ids) - 1,
                       self.max_model_len - s.num_tokens - 1) for s in decoding]
         drafts = self.policy.trim(decoding, self.proposer.propose(decoding, limits))
@@ -80,10 +78,13 @@ class Speculator:
         """Whether the next step may draft for these decoding sequences (k each, or fewer where their rows would
         not fit the graphs: `prepare`'s cut), by the policy's rule; a greedy burst of them ends at its last
         iteration only then (else bursts chain as without speculation)."""
+        return self.policy.promising(seqs, self.drafts_each(len(seqs), len(seqs), self.verify_rows))
+
+    def drafts_each(self, num_seqs: int, drafting: int, rows: int) -> int:
+        """Drafts a sequence: num_speculative_tokens, or fewer where a step's `num_seqs` rows and `drafting`
+        sequences' drafts would pass `rows` (the graphs' rows; 0: no bound). May be 0 or less: none fit."""
         each = self.config.num_speculative_tokens
-        if self.verify_rows:
-            each = min(each, (self.verify_rows - len(seqs)) // max(len(seqs), 1))
-        return self.policy.promising(seqs, each)
+        return min(each, (rows - num_seqs) // max(drafting, 1)) if rows else each
 
     def device_drafts(self, running: SequenceOf[Sequence], k: int) -> int:
         """k when the policy says drafting k tokens for each sequence of the running batch pays (it keeps any of
