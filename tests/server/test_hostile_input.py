@@ -139,12 +139,15 @@ def test_prompts_at_and_past_the_context_length(server: ServerProcess) -> None:
 
 def test_schemathesis_from_the_servers_openapi(server: ServerProcess, tmp_path: Path) -> None:
     """Generated requests for every operation of /openapi.json (valid and invalid by the schema,
-    its edges, then sequences): no response may be a 5xx. Bounded in time for CI."""
+    its edges, then sequences): no response may be a 5xx. Bounded in time for CI. One worker:
+    schemathesis' workers are threads, and two threads in CPython 3.11's ast.parse (hypothesis
+    describes its strategies with it) can fail with "AST constructor recursion depth mismatch"
+    (cpython gh-106905), which failed this test in CI once without any server error."""
     cli = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
     assert cli is not None, "schemathesis is a dev dependency (pyproject.toml)"
     result = subprocess.run(
         [cli, "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error", "--phases",
-         "coverage,fuzzing", "--max-examples", "25", "--seed", "7", "--workers", "2", "--max-time", "100",
+         "coverage,fuzzing", "--max-examples", "25", "--seed", "7", "--workers", "1", "--max-time", "100",
          "--request-timeout", "60", "--report", "junit", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )
