@@ -88,7 +88,8 @@ class Device:
     pdl: bool = False  # programmatic dependent launch (compute capability 9.0 and later)
     fp8: bool = False  # native fp8 matrix units (compute capability 8.9 and later)
     packed_bf16_linears: bool = False  # a CPU with bf16 matmul units: oneDNN-prepacked linears pay off
-    cache_bytes: int = 0  # a CPU's last-level cache (0: not known); weights larger stream from memory each token
+    cache_bytes: int = 0  # the last-level cache a CPU's usable cores can count on (0: not known); weights larger
+    # stream from memory each token
     # memory of its own, not the host's (a discrete GPU): the engine sizes its KV cache there by
     # profiling against gpu_memory_utilization; a device without (the CPU, MPS) from available memory
     dedicated_memory: bool = False

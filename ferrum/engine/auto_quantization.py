@@ -2,8 +2,10 @@
 within the quantization bounds the tests hold (tests/engine/test_cpu_auto.py), decided once the
 engine has its `Device`, before the model is built.
 
-    CPU, weights that fit its   served as stored: a model whose weights fit the last-level cache
-    last-level cache            is not read from memory each token, so int4 would only cost accuracy
+    CPU, weights that fit the   served as stored: a model whose weights fit the last-level cache its
+    cache its cores can hold    cores can count on (Device.cache_bytes: their share, at most 12 MiB a
+                                core) is not read from memory each token, so int4 would only cost
+                                accuracy
     CPU with its C++ kernels    linear layers int4 in groups of 32 (asymmetric), quantized on load;
                                 a checkpoint stored quantized (GPTQ, AWQ, GGUF, ...) keeps its own
                                 format. Either way the layers compute through the kernels' integer
@@ -64,7 +66,8 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     streamed, cache = streamed_bytes(model, dtype), device.cache_bytes or ASSUMED_CACHE
     if streamed <= cache:
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (their "
-                                        f"{streamed / 2**20:.1f} MiB fit the CPU's {cache / 2**20:.0f} MiB cache: "
+                                        f"{streamed / 2**20:.1f} MiB fit the {cache / 2**20:.0f} MiB of cache its "
+                                        "cores can count on: "
                                         "decode does not stream them from memory)")
     widths = {model.hidden_size, model.intermediate_size, model.num_heads * model.head_dim}
     if any(width % CPU_GROUP for width in widths):
@@ -76,6 +79,6 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
                                   int8_head=True)
-    on_load = QuantizationConfig("int4", group_size=CPU_GROUP)
+    on_load = QuantizationConfig("int4", group_size=CPU_GROUP, params=torch.float16)
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
                                        f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True)

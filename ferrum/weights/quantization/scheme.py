@@ -161,6 +161,7 @@ class QuantizationConfig:
     group_size: int = DEFAULT_GROUP_SIZE
     symmetric: bool | None = None  # None: the method's default (int8/fp8 symmetric, int4 asymmetric)
     skip: tuple[str, ...] = DEFAULT_SKIP
+    params: torch.dtype | None = None  # int4: the scales' and zeros' dtype (None: the model's); not a YAML key
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", parse_quantization(self.method))
@@ -193,7 +194,7 @@ class QuantizationConfig:
             raise QuantizationConfigError(f"{self.method} names a checkpoint format, not a scheme")
         if self.auto:
             raise QuantizationConfigError("quantization auto is resolved for the device before a scheme is asked for")
-        return QuantScheme(cast(QuantMethod, self.method), self.group_size, bool(self.symmetric))
+        return QuantScheme(cast(QuantMethod, self.method), self.group_size, bool(self.symmetric), self.params)
 
     def scheme_for(self, layer: str) -> QuantScheme | None:
         """The scheme of linear layer `layer` (its module path, e.g. "layers.3.self_attn.qkv_proj"),
