@@ -12,7 +12,10 @@ engine has its `Device`, before the model is built.
                                 GEMV, and the LM head is int8 in groups of 32 for decode steps
                                 (ferrum.models.layers.int8_head). Decode on the CPU streams every
                                 weight once a token: int4 reads a quarter of bf16's bytes, and the
-                                kernels read them at the memory's speed. The KV cache stays in the
+                                kernels read them at the memory's speed. Served in 16 bits, its
+                                scales and zeros are float16 (bf16 ones moved the demo's near-tie
+                                answer below to "L'Étoile, ..." on an AMX Xeon; float16 gets the
+                                demo's own Q4_1 grid back). The KV cache stays in the
                                 serving dtype: kv_cache_dtype int8 halves its bytes, but with the rest
                                 of auto it turns the demo's "What is the capital of France?" answer
                                 into "L'Étoile, la Marseillaise, ..." once another chat has cached the
@@ -79,6 +82,9 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
                                   int8_head=True)
-    on_load = QuantizationConfig("int4", group_size=CPU_GROUP, params=torch.float16)
+    # 16-bit serving: scales and zeros in float16 (bf16's bytes, 3 more bits: a checkpoint dequantized from
+    # 4-bit groups of 32 gets its own grid back); float32 serving keeps them in float32
+    params = torch.float16 if dtype.itemsize == 2 else None
+    on_load = QuantizationConfig("int4", group_size=CPU_GROUP, params=params)
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
                                        f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True)
