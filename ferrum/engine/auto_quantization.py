@@ -15,13 +15,16 @@ engine has its `Device`, before the model is built.
                                 kernels read them at the memory's speed. Served in 16 bits, its
                                 scales and zeros are float16 (bf16 ones moved the demo's near-tie
                                 answer below to "L'Étoile, ..." on an AMX Xeon; float16 gets the
-                                demo's own Q4_1 grid back). The KV cache stays in the
-                                serving dtype: kv_cache_dtype int8 halves its bytes, but with the rest
-                                of auto it turns the demo's "What is the capital of France?" answer
-                                into "L'Étoile, la Marseillaise, ..." once another chat has cached the
-                                system prompt's block. The first token is a near-tie in float32 ("The"
-                                -1.864, "L" -1.963); int8 keys and values move it by up to 0.3, so it
-                                is opt-in
+                                demo's own Q4_1 grid back). Served in 16 bits on a CPU with
+                                AVX512-VNNI, the KV cache is int8 where kv_cache_dtype is auto (the
+                                kernels score its tiles in integers): half the bytes long contexts read
+                                each step. Its first try, with bfloat16 int4 scales, turned the demo's
+                                "What is the capital of France?" into "L'Étoile, ..." once another chat
+                                had cached the system prompt's block (a near-tie: "The" -1.864, "L"
+                                -1.963 in float32); with float16 scales "The" leads by 0.29-0.36 with
+                                the int8 cache. Served in float32 the cache stays float32: with int8,
+                                a batch's greedy answers parted from the same prompts' alone
+                                (test_concurrent_streams_and_disconnects)
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
@@ -42,6 +45,7 @@ from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
 ASSUMED_CACHE = 32 * 2**20  # a CPU whose cache sysfs does not report
+INT8_KV_HEAD_DIMS = (64, 128)  # the head widths whose int8 tiles the kernels score with VNNI
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class QuantizationChoice:
     quantization: QuantizationConfig | None  # the linear layers' on-load quantization (None: as stored)
     reason: str = ""  # what auto picked and why (empty when the setting was not auto)
     int8_head: bool = False  # the LM head int8 for decode steps (ferrum.models.layers.int8_head)
+    kv_int8: bool = False  # an int8 KV cache where kv_cache_dtype is auto
 
 
 def streamed_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -78,13 +83,18 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
     head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
             "float32 logits)")
+    # served in 16 bits: float32 serving asked for float32's precision, and keeps its cache in it
+    kv_int8 = dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
+    if kv_int8:
+        head += "; the KV cache int8 where kv_cache_dtype is auto (AVX512-VNNI scores it in integers)"
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
-                                  int8_head=True)
+                                  int8_head=True, kv_int8=kv_int8)
     # 16-bit serving: scales and zeros in float16 (bf16's bytes, 3 more bits: a checkpoint dequantized from
     # 4-bit groups of 32 gets its own grid back); float32 serving keeps them in float32
     params = torch.float16 if dtype.itemsize == 2 else None
     on_load = QuantizationConfig("int4", group_size=CPU_GROUP, params=params)
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
-                                       f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True)
+                                       f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True,
+                              kv_int8=kv_int8)

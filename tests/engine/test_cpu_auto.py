@@ -1,6 +1,6 @@
 """`quantization: auto` on the CPU (int4 groups of 32 through the C++ kernels' integer GEMV, the int8
-LM head for decode steps), with the KV cache in int8 (kv_cache_dtype int8, opt-in), against the same demo
-model served as stored, in process: the perplexity of
+LM head for decode steps), with the KV cache in int8 (kv_cache_dtype int8: what auto picks where the CPU
+has AVX512-VNNI, served in 16 bits), against the same demo model served as stored, in process: the perplexity of
 the fixed text (tests/data/perplexity.txt, from prompt logprobs) and the top-1 agreement of the auto
 model's next-token predictions with the unquantized model's along the text. Twice: the text prefilled
 in one step (products of many rows dequantize the weight: the int4 fit alone), and four tokens a step,
@@ -19,12 +19,18 @@ text from the demo GGUF (Q4_1 stored as it ships): 13.793. The int8 KV cache, al
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
+import torch
 
+from ferrum.engine.auto_quantization import resolve_quantization
 from ferrum.engine.builder import create_engine
 from ferrum.engine.sampling_params import SamplingParams
 from ferrum.kernels.cpu.build import compiler
+from ferrum.models.config import load_model_config
+from ferrum.weights.quantization.scheme import QuantizationConfig
+from tests.engines import host_device
 from tests.live_server import MODEL_DIR, ROOT
 
 TEXT = ROOT / "tests" / "data" / "perplexity.txt"
@@ -64,3 +70,20 @@ def test_auto_on_the_cpu_keeps_the_demo_models_quality(step_tokens: int) -> None
     print(f"perplexity {plain_ppl:.4f} -> {auto_ppl:.4f} ({auto_ppl / plain_ppl:.4f}x), top-1 {agreement:.3f}")
     assert auto_ppl / plain_ppl <= 1.02
     assert agreement >= 0.93
+
+
+@pytest.mark.parametrize(("flags", "dtype", "kv_int8", "params"), [
+    (("avx2", "avx512_vnni"), torch.bfloat16, True, torch.float16),
+    (("avx2",), torch.bfloat16, False, torch.float16),  # no VNNI: the int8 cache's tiles are not read as integers
+    (("avx2", "avx512_vnni"), torch.float32, False, None),  # float32 serving keeps float32 scales and cache
+])
+def test_what_auto_picks_for_the_demo_model_by_cpu_and_dtype(flags: tuple[str, ...], dtype: torch.dtype,
+                                                              kv_int8: bool, params: torch.dtype | None) -> None:
+    device = replace(host_device(), cpu_flags=flags, cache_bytes=24 * 2**20)
+    choice = resolve_quantization(QuantizationConfig("auto"), device, load_model_config(MODEL_DIR), True, dtype)
+    assert choice.quantization is not None and choice.quantization.scheme.params == params
+    assert choice.kv_int8 == kv_int8 and choice.int8_head
+    assert ("KV cache int8" in choice.reason) == kv_int8
+    small = replace(device, cache_bytes=600 * 2**20)  # weights that fit the cores' cache: as stored
+    assert resolve_quantization(QuantizationConfig("auto"), small, load_model_config(MODEL_DIR), True,
+                                dtype).quantization is None
