@@ -12,18 +12,17 @@ engine has its `Device`, before the model is built.
                                 GEMV, and the LM head is int8 in groups of 32 for decode steps
                                 (ferrum.models.layers.int8_head). Decode on the CPU streams every
                                 weight once a token: int4 reads a quarter of bf16's bytes, and the
-                                kernels read them at the memory's speed. Served in 16 bits, its
-                                scales and zeros are float16 (bf16 ones moved the demo's near-tie
-                                answer below to "L'Étoile, ..." on an AMX Xeon; float16 gets the
-                                demo's own Q4_1 grid back). Served in 16 bits on a CPU with
-                                AVX512-VNNI, the KV cache is int8 where kv_cache_dtype is auto (the
-                                kernels score its tiles in integers): half the bytes long contexts read
-                                each step. Its first try, with bfloat16 int4 scales, turned the demo's
-                                "What is the capital of France?" into "L'Étoile, ..." once another chat
-                                had cached the system prompt's block (a near-tie: "The" -1.864, "L"
-                                -1.963 in float32); with float16 scales "The" leads by 0.29-0.36 with
-                                the int8 cache. Served in float32 the cache stays float32: with int8,
-                                a batch's greedy answers parted from the same prompts' alone
+                                kernels read them at the memory's speed. Served in 16 bits (bf16),
+                                int4's scales and zeros are float16: a checkpoint dequantized from
+                                4-bit groups of 32 (the demo model, from its Q4_1 GGUF) gets its own
+                                grid back, where bfloat16 ones turned the demo's near-tie answer to
+                                "What is the capital of France?" ("The" -1.864, "L" -1.963 in
+                                float32) into "L'Étoile, ..." on an AMX Xeon. Served in 16 bits on a
+                                CPU with AVX512-VNNI, the KV cache is int8 too where kv_cache_dtype is
+                                auto (the kernels score its tiles in integers): half the bytes long
+                                contexts read each step. With it "The" leads "L" by 0.29-0.36. Served
+                                in float32, scales and cache stay float32: with an int8 cache a
+                                batch's greedy answers parted from the same prompts' alone
                                 (test_concurrent_streams_and_disconnects)
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
@@ -84,7 +83,8 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
             "float32 logits)")
     # served in 16 bits: float32 serving asked for float32's precision, and keeps its cache in it
-    kv_int8 = dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
+    kv_int8 = (dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
+               and not device.triton)  # (a CPU device with Triton reads its cache with Triton's kernels)
     if kv_int8:
         head += "; the KV cache int8 where kv_cache_dtype is auto (AVX512-VNNI scores it in integers)"
     if model.published is not None:
@@ -95,6 +95,7 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     # 4-bit groups of 32 gets its own grid back); float32 serving keeps them in float32
     params = torch.float16 if dtype.itemsize == 2 else None
     on_load = QuantizationConfig("int4", group_size=CPU_GROUP, params=params)
+    scales = ", float16 scales" if params else ""
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
-                                       f"asymmetric) through the CPU kernels' integer GEMV{head}", int8_head=True,
-                              kv_int8=kv_int8)
+                                       f"asymmetric{scales}) through the CPU kernels' integer GEMV{head}",
+                              int8_head=True, kv_int8=kv_int8)
