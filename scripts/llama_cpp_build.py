@@ -7,8 +7,14 @@ vendored in the `llama-cpp-python` sdist, cached under a folder (issue 25's race
 Layout under the cache folder (kept between runs; nothing is built when both binaries are there):
   llama_cpp_python-VERSION.tar.gz                      pip download --no-binary :all: --no-deps
   llama_cpp_python-VERSION/vendor/llama.cpp/           the extracted sdist's llama.cpp
-  llama_cpp_python-VERSION/vendor/llama.cpp/build/bin/ cmake -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
-                                                       (GGML_NATIVE: -march=native), the two targets only
+  llama_cpp_python-VERSION/vendor/llama.cpp/build-noamx/bin/
+                                                       cmake -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF, the
+                                                       two targets only, for this CPU's instruction sets
+                                                       (GGML_NATIVE off, each of AVX2 ... AVX512-BF16 that
+                                                       /proc/cpuinfo lists on) less AMX: -march=native turned
+                                                       ggml's AMX code on, and on a VM guest whose CPU lists
+                                                       amx_tile (an Intel Xeon, 2026-11-28) both binaries
+                                                       died on its first tile instruction (invalid opcode)
 About 10 minutes on 2 cores the first time; cmake's output goes to build.log beside the tarball.
 """
 
@@ -47,7 +53,7 @@ class LlamaCppBuild:
 
     @property
     def build_dir(self) -> Path:
-        return self.source / "build"
+        return self.source / "build-noamx"
 
     @property
     def log(self) -> Path:
@@ -58,6 +64,25 @@ class LlamaCppBuild:
 
     def missing(self) -> list[str]:
         return [t for t in TARGETS if not os.access(self.binary(t), os.X_OK)]
+
+
+# ggml's cmake switches for the instruction sets /proc/cpuinfo names (AMX left off: see the docstring)
+ISA_SWITCHES = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
+                ("bmi2", "GGML_BMI2"), ("avx_vnni", "GGML_AVX_VNNI"), ("avx512f", "GGML_AVX512"),
+                ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+                ("avx512_bf16", "GGML_AVX512_BF16"))
+
+
+def isa_cmake_args(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """-DGGML_NATIVE=OFF and each switch of ISA_SWITCHES ON or OFF by the first CPU's flags (x86); no
+    arguments where /proc/cpuinfo has no x86 flags (cmake's native default)."""
+    try:
+        line = next(ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    flags = set(line.partition(":")[2].split())
+    return ["-DGGML_NATIVE=OFF", *(f"-D{switch}={'ON' if flag in flags else 'OFF'}" for flag, switch in ISA_SWITCHES),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 def _run(cmd: list[str], log: Path, what: str) -> None:
@@ -96,7 +121,7 @@ def ensure_built(build: LlamaCppBuild, jobs: int | None = None) -> dict[str, Pat
             extract_sdist(build)
         if not (build.build_dir / "CMakeCache.txt").is_file():
             _run(["cmake", "-S", str(build.source), "-B", str(build.build_dir), "-DCMAKE_BUILD_TYPE=Release",
-                  "-DLLAMA_CURL=OFF"], build.log, "configure")
+                  "-DLLAMA_CURL=OFF", *isa_cmake_args()], build.log, "configure")
         _run(["cmake", "--build", str(build.build_dir), "--config", "Release", "-j", str(jobs or os.cpu_count() or 1),
               "--target", *missing], build.log, f"build {', '.join(missing)}")
         still = build.missing()
