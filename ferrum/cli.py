@@ -35,8 +35,7 @@ QUANTIZATION_HELP = (
     "checkpoint must be in: gptq | awq | fp8 | compressed-tensors | gguf (detected without the flag)"
 )
 KV_CACHE_DTYPE_HELP = (
-    "what the KV cache holds: auto (the serving dtype, or int8 where quantization auto picks it) | bfloat16 | "
-    "float16 | float32 | int8 (per-head int8 with "
+    "what the KV cache holds: auto (the serving dtype) | bfloat16 | float16 | float32 | int8 (per-head int8 with "
     "a float32 scale: about half the bytes of bfloat16; read by the CPU kernels' attention only) | fp8 (e4m3 with a "
     "scale per layer, from the checkpoint or measured at start-up: half the bytes; GPUs with fp8, compute "
     "capability 8.9+)"

@@ -17,13 +17,14 @@ engine has its `Device`, before the model is built.
                                 4-bit groups of 32 (the demo model, from its Q4_1 GGUF) gets its own
                                 grid back, where bfloat16 ones turned the demo's near-tie answer to
                                 "What is the capital of France?" ("The" -1.864, "L" -1.963 in
-                                float32) into "L'Étoile, ..." on an AMX Xeon. Served in 16 bits on a
-                                CPU with AVX512-VNNI, the KV cache is int8 too where kv_cache_dtype is
-                                auto (the kernels score its tiles in integers): half the bytes long
-                                contexts read each step. With it "The" leads "L" by 0.29-0.36. Served
-                                in float32, scales and cache stay float32: with an int8 cache a
+                                float32) into "L'Étoile, ..." on an AMX Xeon. Served in float32 they
+                                stay float32. The KV cache stays in the serving dtype: kv_cache_dtype
+                                int8 halves the bytes long contexts read each step (TPOT at 6,000
+                                tokens 1.54x TPOT at 50, against 2.10 with bf16, on that Xeon), but
+                                the race's perplexity with it was 15.970 against llama.cpp's 15.944
+                                on the Q4_1 GGUF (bf16 cache: 15.891), and with float32 serving a
                                 batch's greedy answers parted from the same prompts' alone
-                                (test_concurrent_streams_and_disconnects)
+                                (test_concurrent_streams_and_disconnects): it is opt-in
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
@@ -44,7 +45,6 @@ from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
 ASSUMED_CACHE = 32 * 2**20  # a CPU whose cache sysfs does not report
-INT8_KV_HEAD_DIMS = (64, 128)  # the head widths whose int8 tiles the kernels score with VNNI
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,6 @@ class QuantizationChoice:
     quantization: QuantizationConfig | None  # the linear layers' on-load quantization (None: as stored)
     reason: str = ""  # what auto picked and why (empty when the setting was not auto)
     int8_head: bool = False  # the LM head int8 for decode steps (ferrum.models.layers.int8_head)
-    kv_int8: bool = False  # an int8 KV cache where kv_cache_dtype is auto
 
 
 def streamed_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -82,15 +81,10 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
     head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
             "float32 logits)")
-    # served in 16 bits: float32 serving asked for float32's precision, and keeps its cache in it
-    kv_int8 = (dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
-               and not device.triton)  # (a CPU device with Triton reads its cache with Triton's kernels)
-    if kv_int8:
-        head += "; the KV cache int8 where kv_cache_dtype is auto (AVX512-VNNI scores it in integers)"
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
-                                  int8_head=True, kv_int8=kv_int8)
+                                  int8_head=True)
     # 16-bit serving: scales and zeros in float16 (bf16's bytes, 3 more bits: a checkpoint dequantized from
     # 4-bit groups of 32 gets its own grid back); float32 serving keeps them in float32
     params = torch.float16 if dtype.itemsize == 2 else None
@@ -98,4 +92,4 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     scales = ", float16 scales" if params else ""
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
                                        f"asymmetric{scales}) through the CPU kernels' integer GEMV{head}",
-                              int8_head=True, kv_int8=kv_int8)
+                              int8_head=True)
