@@ -120,9 +120,8 @@ def read_last_level_cache(cache_dir: Path = CPU_CACHE_DIR) -> tuple[int, int]:
 def count_cpu_list(path: Path) -> int:
     """CPUs in a sysfs CPU list ("0-7,16-23"); 0 where it cannot be read."""
     try:
-        text = path.read_text().strip()
-        return sum(int(hi) - int(lo) + 1 for lo, _, hi in (part.partition("-") if "-" in part else (part, "", part)
-                                                       for part in text.split(",") if part))
+        ranges = [part.partition("-") for part in path.read_text().strip().split(",") if part]
+        return sum(int(hi or lo) - int(lo) + 1 for lo, _, hi in ranges)
     except (OSError, ValueError):
         return 0
 
