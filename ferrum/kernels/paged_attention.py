@@ -77,8 +77,8 @@ def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, ke
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, OUT: tl.tensor, PART_ACC: tl.tensor,
                    PART_ML: tl.tensor, TABLES: tl.tensor, LENS: tl.tensor, scale: tl.tensor, window: tl.tensor,
-                   stride_qt: tl.tensor, stride_qh: tl.tensor, stride_kc: tl.tensor, stride_kh: tl.tensor,
-                   stride_bt: tl.tensor, stride_ot: tl.tensor, stride_oh: tl.tensor,
+                   fresh: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor, stride_kc: tl.tensor,
+                   stride_kh: tl.tensor, stride_bt: tl.tensor, stride_ot: tl.tensor, stride_oh: tl.tensor,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr = 0) -> None:
@@ -89,9 +89,11 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
     atomic, measured slower on an H100: 6.7 vs 4.5 us for a 512-token context at batch 1,
     scripts/gemv_bench.py.)
 
-    With PDL, the lengths, block tables and the k/v of every token but the newest are read before
-    the wait: in a decode step only the kernels before this one write the newest token's k/v and
-    q; the lengths and tables come from before the step (host copies, or the last step's
+    With PDL, the lengths, block tables and the k/v of every key but a row's last `fresh` are read
+    before the wait: the kernels before this one write only this step's keys and q, and a step's rows
+    write at most `fresh` (the call's rows) keys of any one sequence (one in a decode; a prompt chunk's
+    or a draft's rows write theirs, which later rows of the chunk read: DecodeGraphs.run_rows, verify
+    steps). The lengths and tables come from before the step (host copies, or the last step's
     _advance_kernel, which a plain kernel at the start of each step waits for)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -109,17 +111,14 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
     valid = n < end
     off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
     if PDL > 0:
-        last = length - 1  # the newest token: its k/v are this step's
-        old = (valid & (n < last))[:, None]
+        new = n >= length - fresh  # keys this step may have written: read once the kernels before are done
+        old = (valid & ~new)[:, None]
         k = tl.load(KC + off, mask=old, other=0.0)
         v = tl.load(VC + off, mask=old, other=0.0)
-        last_page = tl.load(table + last // PAGE).to(tl.int64)
-        last_off = (last_page * PAGE + last % PAGE) * stride_kc + kvh * stride_kh + d
         pdl_wait(PDL)
-        here = (last >= begin) & (last < end) & (last < begin + BLOCK_N)  # in this first block
-        new = (n == last)[:, None]
-        k = tl.where(new, tl.load(KC + last_off, mask=(d < D) & here, other=0.0)[None, :], k)
-        v = tl.where(new, tl.load(VC + last_off, mask=(d < D) & here, other=0.0)[None, :], v)
+        now = (valid & new)[:, None]
+        k = tl.where(now, tl.load(KC + off, mask=now, other=0.0), k)
+        v = tl.where(now, tl.load(VC + off, mask=now, other=0.0), v)
     else:
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
@@ -203,7 +202,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, scales_arg(kv_scale, k_cache), out, part_acc, part_ml, block_tables, context_lens, scale,
-        window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        window or 0, batch, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
         PRECISION=_dot_precision(q), PDL=pdl_mode(pdl), num_warps=num_warps, num_stages=2, **pdl_launch(pdl),

@@ -279,6 +279,66 @@ def dequantized(cache: torch.Tensor, scale: float) -> torch.Tensor:
     return cache.float() * scale
 
 
+HOPPER = ON_GPU and torch.cuda.get_device_capability() >= (9, 0)
+
+
+if HOPPER:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
+
+    @triton.jit
+    def _late_writer(SRC_K, SRC_V, KC, VC, SLOTS, delay_ns, W: tl.constexpr):
+        """Lets the next kernel launch at once, then after `delay_ns` copies row t of SRC_K / SRC_V
+        (W elements: a slot's kv heads) into cache slot SLOTS[t]."""
+        gdc_launch_dependents()
+        t = tl.program_id(0)
+        start = globaltimer()
+        while globaltimer() - start < delay_ns:
+            pass
+        w = tl.arange(0, W)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        tl.store(KC + slot * W + w, tl.load(SRC_K + t * W + w))
+        tl.store(VC + slot * W + w, tl.load(SRC_V + t * W + w))
+
+
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs a GPU of compute capability 9.0+")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_decode_under_pdl_reads_the_keys_the_step_wrote(splits):
+    """A prompt chunk replayed a row a token (DecodeGraphs.run_rows) or a draft's rows: each row reads keys
+    that the kernel launched before it wrote in the same step. Under PDL the decode kernel starts while
+    that kernel still runs (here: a writer that lets it launch at once and writes 2 ms later); every row
+    must still see every key the step wrote."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, page, past, n = 8, 2, 64, 16, 37, 12
+    k = torch.randn(past + n, kv_heads, dim, generator=gen).to(DTYPE)
+    v = torch.randn(past + n, kv_heads, dim, generator=gen).to(DTYPE)
+    stale_k, stale_v = k.clone(), v.clone()
+    stale_k[past:], stale_v[past:] = 0, 0  # the chunk's keys not yet written
+    k_cache, v_cache, tables = scattered_cache([(stale_k, stale_v)], 8, page, kv_heads, dim, gen)
+    pages = tables[0].tolist()
+    slots = torch.tensor([pages[p // page] * page + p % page for p in range(past, past + n)], device=DEVICE)
+    q = torch.randn(n, heads, dim, generator=gen).to(DTYPE)
+    src_k, src_v = k[past:].to(DEVICE).contiguous(), v[past:].to(DEVICE).contiguous()
+    q, lens, tables = q.to(DEVICE), ints(list(range(past + 1, past + n + 1))), tables.expand(n, -1).contiguous()
+    out = torch.empty_like(q)
+
+    def step() -> None:  # as the engine replays it: in a CUDA graph, the two kernels' PDL edge kept
+        _late_writer[(n,)](src_k, src_v, k_cache, v_cache, slots, 2_000_000, W=kv_heads * dim, launch_pdl=True)
+        paged_attention.paged_decode(q, k_cache, v_cache, tables, lens, page, dim**-0.5, splits, out=out, pdl=True)
+
+    step()  # compiles both
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ref = reference_attention(q.cpu(), k, v, past=past)
+    for _ in range(3):
+        k_cache[slots], v_cache[slots] = 0, 0
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out.cpu(), ref) < 1e-2
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_decode_reads_an_fp8_cache(splits):
     """Against the reference over the dequantized values (the kernel's own error) and over the values
