@@ -18,13 +18,17 @@ engine has its `Device`, before the model is built.
                                 grid back, where bfloat16 ones turned the demo's near-tie answer to
                                 "What is the capital of France?" ("The" -1.864, "L" -1.963 in
                                 float32) into "L'Étoile, ..." on an AMX Xeon. Served in float32 they
-                                stay float32. The KV cache stays in the serving dtype: kv_cache_dtype
-                                int8 halves the bytes long contexts read each step (TPOT at 6,000
-                                tokens 1.54x TPOT at 50, against 2.10 with bf16, on that Xeon), but
-                                the race's perplexity with it was 15.970 against llama.cpp's 15.944
-                                on the Q4_1 GGUF (bf16 cache: 15.891), and with float32 serving a
-                                batch's greedy answers parted from the same prompts' alone
-                                (test_concurrent_streams_and_disconnects): it is opt-in
+                                stay float32. Served in 16 bits on AVX512-VNNI with head_dim 64 or
+                                128, the KV cache is int8 too (where kv_cache_dtype is auto): half
+                                the bytes long contexts read each step (TPOT at 6,000 tokens 1.54x
+                                TPOT at 50, against 2.10 with bf16, on that Xeon), the kernels
+                                scoring its tiles in integers. A step's own keys and values are read
+                                as computed, not from the cache, so a prompt is scored as with a
+                                bf16 cache (the race's perplexity read every key quantized before:
+                                15.970 against llama.cpp's 15.944, a bf16 cache's 15.891). Served in
+                                float32 the cache stays float32: with int8 there a batch's greedy
+                                answers parted from the same prompts' alone
+                                (test_concurrent_streams_and_disconnects)
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
@@ -45,6 +49,7 @@ from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
 ASSUMED_CACHE = 32 * 2**20  # a CPU whose cache sysfs does not report
+INT8_KV_HEAD_DIMS = (64, 128)  # the head widths whose int8 tiles the kernels score with AVX512-VNNI
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class QuantizationChoice:
     quantization: QuantizationConfig | None  # the linear layers' on-load quantization (None: as stored)
     reason: str = ""  # what auto picked and why (empty when the setting was not auto)
     int8_head: bool = False  # the LM head int8 for decode steps (ferrum.models.layers.int8_head)
+    kv_int8: bool = False  # an int8 KV cache where kv_cache_dtype is auto
 
 
 def streamed_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -81,10 +87,13 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
     head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
             "float32 logits)")
+    kv_int8 = dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
+    if kv_int8:
+        head += "; the KV cache int8 where kv_cache_dtype is auto (AVX512-VNNI scores its tiles in integers)"
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
-                                  int8_head=True)
+                                  int8_head=True, kv_int8=kv_int8)
     # 16-bit serving: scales and zeros in float16 (bf16's bytes, 3 more bits: a checkpoint dequantized from
     # 4-bit groups of 32 gets its own grid back); float32 serving keeps them in float32
     params = torch.float16 if dtype.itemsize == 2 else None
@@ -92,4 +101,4 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     scales = ", float16 scales" if params else ""
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
                                        f"asymmetric{scales}) through the CPU kernels' integer GEMV{head}",
-                              int8_head=True)
+                              int8_head=True, kv_int8=kv_int8)

@@ -87,7 +87,9 @@ class ModelRank:
         self.quantization = resolve_quantization(config.quantization, device, model_config, self.cpu_kernels, dtype)
         if self.quantization.reason and self.tp.rank == 0:
             log.info("%s", self.quantization.reason)
-        self.layout = KVCacheLayout.of(self.shard.rank_config(), config.kv_dtype(dtype), config.block_size)
+        auto_int8 = config.kv_cache_dtype == "auto" and self.quantization.kv_int8
+        kv_dtype = torch.int8 if auto_int8 else config.kv_dtype(dtype)
+        self.layout = KVCacheLayout.of(self.shard.rank_config(), kv_dtype, config.block_size)
         self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels, dtype)
         self._report = report
         plan = plan_host(device, self.layout, config) if not device.dedicated_memory else None

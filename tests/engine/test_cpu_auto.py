@@ -1,6 +1,6 @@
 """`quantization: auto` on the CPU (int4 groups of 32 through the C++ kernels' integer GEMV, the int8
-LM head for decode steps), with the KV cache in int8 (kv_cache_dtype int8, opt-in), against the same demo
-model served as stored, in process: the perplexity of
+LM head for decode steps), with the KV cache in int8 (what auto picks on AVX512-VNNI; set here on any CPU),
+against the same demo model served as stored, in process: the perplexity of
 the fixed text (tests/data/perplexity.txt, from prompt logprobs) and the top-1 agreement of the auto
 model's next-token predictions with the unquantized model's along the text. Twice: the text prefilled
 in one step (products of many rows dequantize the weight: the int4 fit alone), and four tokens a step,
@@ -75,11 +75,16 @@ def test_auto_on_the_cpu_keeps_the_demo_models_quality(step_tokens: int) -> None
 @pytest.mark.parametrize(("dtype", "params"), [(torch.bfloat16, torch.float16), (torch.float32, None)])
 def test_what_auto_picks_for_the_demo_model_by_dtype_and_cache(dtype: torch.dtype, params: torch.dtype | None) -> None:
     """int4 with float16 scales served in 16 bits (float32 ones in float32), where the weights outgrow the
-    cache the cores can count on; as stored where they fit it."""
-    device = replace(host_device(), cache_bytes=24 * 2**20)
+    cache the cores can count on, and an int8 KV cache served in 16 bits with AVX512-VNNI; as stored where
+    they fit it."""
+    device = replace(host_device(), cache_bytes=24 * 2**20, cpu_flags=("avx2", "avx512f", "avx512_vnni"))
     choice = resolve_quantization(QuantizationConfig("auto"), device, load_model_config(MODEL_DIR), True, dtype)
     assert choice.quantization is not None and choice.quantization.scheme.params == params and choice.int8_head
     assert ("float16 scales" in choice.reason) == (params is not None)
+    assert choice.kv_int8 == (params is not None) and ("KV cache int8" in choice.reason) == choice.kv_int8
+    no_vnni = replace(device, cpu_flags=("avx2", "avx512f"))
+    assert not resolve_quantization(QuantizationConfig("auto"), no_vnni, load_model_config(MODEL_DIR), True,
+                                    dtype).kv_int8
     fits = replace(device, cache_bytes=600 * 2**20)
     assert resolve_quantization(QuantizationConfig("auto"), fits, load_model_config(MODEL_DIR), True,
                                 dtype).quantization is None

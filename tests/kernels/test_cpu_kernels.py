@@ -177,6 +177,44 @@ def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int, tiles: 
                             block_size, 1.0)
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])  # 64: the VNNI tiles where the CPU has them
+@pytest.mark.parametrize("window", [0, 24])
+def test_an_int8_cache_given_the_steps_keys_scores_a_fresh_prompt_unquantized(ops: object, head_dim: int,
+                                                                              window: int) -> None:
+    """Given the step's k and v, a sequence with nothing cached before the step reads its keys and values
+    from them (scored as with an unquantized cache); decodes and chunks after cached tokens read every key
+    from the int8 cache, their own step's too."""
+    torch.manual_seed(5)
+    heads, kv_heads, block_size, cases = 6, 2, 16, [(1, 37), (1, 1500), (20, 90), (33, 33), (40, 300)]
+    num_blocks = sum(-(-length // block_size) for _, length in cases) + 2
+    k = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k8, v8 = written_int8(ops, k, v, block_size if head_dim % 4 == 0 else None)
+    k_rows, v_rows = (untiled(k8, True), untiled(v8, False)) if k8.dim() == 4 else (k8, v8)
+    tables, table, lens, starts = scattered_tables(cases, num_blocks, block_size)
+    step = torch.tensor([tables[b][p // block_size] * block_size + p % block_size
+                         for b, (n, length) in enumerate(cases) for p in range(length - n, length)])
+    qkv = torch.randn(starts[-1], (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    qkv[:, heads * head_dim :] = torch.cat((k[step].flatten(1), v[step].flatten(1)), 1)
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
+    k_step = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(-1, kv_heads, head_dim)
+    v_step = qkv[:, (heads + kv_heads) * head_dim :].view(-1, kv_heads, head_dim)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    ops.paged_attention(out, q, k8, v8, table, torch.tensor(lens, dtype=torch.int32),  # type: ignore[attr-defined]
+                        torch.tensor(starts, dtype=torch.int32), block_size, 1 / math.sqrt(head_dim), window,
+                        k_step, v_step)
+    quantized = reference_attention(q, dequantized(k_rows), dequantized(v_rows), tables, lens, starts, block_size,
+                                    window)
+    unquantized = reference_attention(q, k, v, tables, lens, starts, block_size, window)
+    prompt = slice(starts[3], starts[4])  # (33, 33): nothing cached before it
+    assert (out[prompt].float() - unquantized[prompt]).abs().max().item() < 1.6e-2  # bf16's rounding of values ~1
+    rest = torch.cat((torch.arange(starts[3]), torch.arange(starts[4], starts[-1])))
+    assert (out[rest].float() - quantized[rest]).abs().max().item() < 1.6e-2
+    with pytest.raises(RuntimeError, match="k and v both or neither"):
+        ops.paged_attention(out, q, k8, v8, table, torch.tensor(lens, dtype=torch.int32),  # type: ignore[attr-defined]
+                            torch.tensor(starts, dtype=torch.int32), block_size, 1.0, window, k_step, None)
+
+
 @pytest.mark.parametrize("cache", ["bfloat16", "float32-any-head-dim", "int8-tiles"])
 def test_paged_attention_with_a_sliding_window_reads_only_the_window(ops: object, cache: str) -> None:
     """Each query sees its last `window` keys (HF's sliding window: itself and the window - 1 before it), in

@@ -18,6 +18,13 @@
 // head's values of a slot as int8 with a float32 scale, in rows or in tiles (common.h), about half the
 // bytes of a bfloat16 cache. Tiles with head_dim 64 or 128 on AVX512-VNNI are read as integers
 // (run_item_tiled); otherwise each head is converted to float32 with its scale as it is read.
+//
+// Given the step's own keys and values (k, v: [T, KV, D], the rows rope_write read them from), a
+// sequence with nothing cached before this step (a prompt prefilled from its first token) reads its
+// keys and values from there, as computed: with an int8 cache a prompt is scored as with a float cache.
+// Every other query reads the cache, its own step's keys included, so that a decode step, a chunk after
+// cached tokens and a speculative verify step all read every key the same way (quantized), whatever the
+// steps the tokens came in.
 
 #include "common.h"
 #include "simd.h"
@@ -31,6 +38,7 @@ constexpr int64_t MIN_SPLIT = 256; // fewest keys a split range holds
 
 struct Item {
   int64_t seq, kv_head, row0, rows, key0, key1, partial;  // partial: index into the split buffer, or -1
+  bool own;  // a fresh prompt's keys, read from k and v
 };
 
 struct Partial {  // one work item's running state for each of its R = rows * group query vectors
@@ -515,7 +523,8 @@ void run_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, fl
 // (0: none), whose keys alone are read (a table's blocks before its first query's window are never read).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
-                     int64_t block_size, double scale, int64_t window) {
+                     int64_t block_size, double scale, int64_t window, const c10::optional<at::Tensor>& k,
+                     const c10::optional<at::Tensor>& v) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_attention: out must be contiguous, shaped and typed like q");
@@ -538,6 +547,15 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
   const int64_t num_seqs = seq_lens.size(0), heads = q.size(1), D = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads, width = block_tables.size(1);
+  const bool own = k.has_value();
+  TORCH_CHECK(own == v.has_value(), "paged_attention: give the step's k and v both or neither");
+  if (own) {
+    for (const at::Tensor* t : {&*k, &*v})
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == kv_heads && t->size(2) == D &&
+                      t->stride(2) == 1 && t->stride(1) == D && t->scalar_type() == q.scalar_type(),
+                  "paged_attention: k and v must be [T, KV, D] like q's rows, heads contiguous, in q's dtype");
+    TORCH_CHECK(k->stride(0) == v->stride(0), "paged_attention: k and v must share their row stride");
+  }
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -554,9 +572,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   }
   const int64_t threads = at::get_num_threads();
   const int64_t want = 4 * threads;
-  int64_t num_partials = 0;
+  int64_t num_partials = 0, most_rows = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t n = starts[b + 1] - starts[b], past = lens[b] - n;
+    most_rows = std::max(most_rows, n);
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t row0 = 0; row0 < n; row0 += TILE) {
         const int64_t rows = std::min(TILE, n - row0), keys = past + row0 + rows;
@@ -564,6 +583,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         // have been given back; an int8 cache's 16-key groups start at multiples of 16, as blocks do)
         const int64_t first =
             window > 0 ? std::max<int64_t>(0, past + row0 - window + 1) / block_size * block_size : 0;
+        if (own && past == 0) {  // one item: a tile's keys are at most its prompt's first rows
+          items.push_back({b, h, row0, rows, first, keys, -1, true});
+          continue;
+        }
         int64_t splits = 1;
         if (base_items < want) splits = std::max<int64_t>(1, std::min(want / base_items, (keys - first) / MIN_SPLIT));
         // ranges start at multiples of SUB from `first`, so that however a sequence's keys are split (which
@@ -572,11 +595,14 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         for (int64_t s = 0; s < splits; ++s) {
           const int64_t k0 = first + s * per, k1 = std::min(keys, k0 + per);
           if (k0 >= k1) break;
-          items.push_back({b, h, row0, rows, k0, k1, splits > 1 ? num_partials++ : -1});
+          items.push_back({b, h, row0, rows, k0, k1, splits > 1 ? num_partials++ : -1, false});
         }
       }
     }
   }
+  // an own item's "block table": key j of a fresh prompt (block_size 1) is its row j
+  std::vector<int32_t> own_rows(own ? most_rows : 0);
+  for (int64_t j = 0; j < int64_t(own_rows.size()); ++j) own_rows[j] = int32_t(j);
   const int64_t R_max = TILE * group;
   std::vector<float> split_buf(num_partials * R_max * (D + 2));
 
@@ -610,10 +636,19 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
             float* base = split_buf.data() + it.partial * R_max * (D + 2);
             st = Partial{base, base + R_max, base + 2 * R_max};
           }
-          const ItemArgs<scalar_t, C> args{qp + starts[it.seq] * q.stride(0), q.stride(0), q.stride(1), kc, vc,
-                                           strides, tables + it.seq * width, block_size,
-                                           lens[it.seq] - n, group, D, window, float(scale), tiled};
-          run_item(it, args, st, qf, buf, scores);
+          const scalar_t* q_rows = qp + starts[it.seq] * q.stride(0);
+          if (it.own) {  // a fresh prompt's keys and values where rope_write read them
+            const int64_t row = starts[it.seq] * k->stride(0);
+            const ItemArgs<scalar_t, scalar_t> args{q_rows, q.stride(0), q.stride(1), k->data_ptr<scalar_t>() + row,
+                                                    v->data_ptr<scalar_t>() + row, CacheStrides{k->stride(0), 0, D},
+                                                    own_rows.data(), 1, 0, group, D, window, float(scale), false};
+            run_item(it, args, st, qf, buf, scores);
+          } else {
+            const ItemArgs<scalar_t, C> args{q_rows, q.stride(0), q.stride(1), kc, vc, strides,
+                                             tables + it.seq * width, block_size, lens[it.seq] - n, group, D,
+                                             window, float(scale), tiled};
+            run_item(it, args, st, qf, buf, scores);
+          }
           if (it.partial >= 0) continue;
           for (int64_t r = 0; r < it.rows * group; ++r) {
             const float inv = st.sum[r] > 0.f ? 1.f / st.sum[r] : 0.f;

@@ -97,7 +97,8 @@ inline CacheStrides cache_strides(const at::Tensor& cache, int64_t block_size, c
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
-                     int64_t block_size, double scale, int64_t window);
+                     int64_t block_size, double scale, int64_t window, const c10::optional<at::Tensor>& k,
+                     const c10::optional<at::Tensor>& v);
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                             const c10::optional<at::Tensor>& residual);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

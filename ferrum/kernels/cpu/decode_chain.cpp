@@ -43,7 +43,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
               message("decode_layers: per layer two norms, ", PROJECTIONS, " projections of ", PER_PROJECTION,
                       " tensors and ints each, and a k and v cache; then the final norm"));
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == layers, "decode_layers: one window per layer (0: none)");
-  const int64_t rows = x_in.size(0), q_size = num_heads * head_dim;
+  const int64_t rows = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);  // as Python's head_dim**-0.5
   at::Tensor x = x_in.contiguous();
   c10::optional<at::Tensor> residual;
@@ -53,8 +53,13 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
     at::Tensor qkv = project(normed, weights, layout, l * PROJECTIONS);
     rope_write(qkv, positions, cos_table, sin_table, k_caches[l], v_caches[l], slots, num_heads, num_kv_heads);
     at::Tensor out = at::empty({rows, num_heads, head_dim}, qkv.options());
+    c10::optional<at::Tensor> k, v;  // an int8 cache: the step's own keys and values read as computed
+    if (k_caches[l].scalar_type() == at::kChar) {
+      k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
+      v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
+    }
     paged_attention(out, qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim}), k_caches[l], v_caches[l],
-                    block_tables, seq_lens, query_starts, block_size, scale, windows[l]);
+                    block_tables, seq_lens, query_starts, block_size, scale, windows[l], k, v);
     x = project(out.view({rows, q_size}), weights, layout, l * PROJECTIONS + 1);
     std::tie(normed, summed) = rms_norm(x, norms[2 * l + 1], eps, residual);
     residual = summed;

@@ -6,7 +6,8 @@
 TORCH_LIBRARY(ferrum_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_starts, int block_size, float scale, int window=0) -> ()");
+      "Tensor seq_lens, Tensor query_starts, int block_size, float scale, int window=0, Tensor? k=None, "
+      "Tensor? v=None) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def(
