@@ -37,9 +37,9 @@ QKV_TYPES = (["*bf16"] * 6 + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16"
 def quantized(types: list[str], weight: str, scale: str) -> list[str]:
     """The signature with the weight (W) and its scale and zero (S, Z) of a quantized kind."""
     return [types[0], weight, scale, scale, *types[4:]]
-DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", "scale", "window", "stride_qt",
-               "stride_qh", "stride_kc", "stride_kh", "stride_bt", "stride_ot", "stride_oh"]
-DECODE_TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i32", "*i32", "fp32"] + ["i32"] * 8
+DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", "scale", "window", "fresh",
+               "stride_qt", "stride_qh", "stride_kc", "stride_kh", "stride_bt", "stride_ot", "stride_oh"]
+DECODE_TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i32", "*i32", "fp32"] + ["i32"] * 9
 
 
 def compile_sm90(fn, names: list[str], types: list[str], consts: dict, num_warps: int = 4):
