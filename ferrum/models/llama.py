@@ -114,7 +114,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | ParallelLMHead | QuantizedLinear | Int8Head
         rows = self.shard.vocab_rows
         if tp.size == 1:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # its storage given, not drawn: nn.Embedding's normal_ init on the meta device would import
+            # torch._dynamo (the loader fills the weight)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=torch.empty(config.vocab_size, config.hidden_size))
         else:
             self.embed_tokens = VocabParallelEmbedding(rows, self.shard.vocab_start, config.hidden_size, tp)
         if config.tie_word_embeddings:
