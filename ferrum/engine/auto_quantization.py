@@ -20,15 +20,15 @@ engine has its `Device`, before the model is built.
                                 float32) into "L'Étoile, ..." on an AMX Xeon. Served in float32 they
                                 stay float32. Served in 16 bits on AVX512-VNNI with head_dim 64 or
                                 128, the KV cache is int8 too (where kv_cache_dtype is auto): half
-                                the bytes long contexts read each step (TPOT at 6,000 tokens 1.54x
-                                TPOT at 50, against 2.10 with bf16, on that Xeon), the kernels
-                                scoring its tiles in integers. A step's own keys and values are read
-                                as computed, not from the cache, so a prompt is scored as with a
-                                bf16 cache (the race's perplexity read every key quantized before:
-                                15.970 against llama.cpp's 15.944, a bf16 cache's 15.891). Served in
-                                float32 the cache stays float32: with int8 there a batch's greedy
-                                answers parted from the same prompts' alone
-                                (test_concurrent_streams_and_disconnects)
+                                the bytes long contexts read each step (TPOT at 6,000 tokens
+                                1.47-1.58x TPOT at 50, against 2.06 with bf16, on that Xeon), the
+                                kernels scoring its tiles in integers. A prompt prefilled from its
+                                first token reads its own keys and values as computed, not from the
+                                cache, so it is scored as with a bf16 cache (the race's perplexity
+                                read every key quantized before: 15.970 against llama.cpp's 15.944,
+                                a bf16 cache's 15.891). Served in float32 the cache stays float32:
+                                with int8 there a batch's greedy answers parted from the same
+                                prompts' alone (test_concurrent_streams_and_disconnects)
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
