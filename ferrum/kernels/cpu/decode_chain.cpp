@@ -47,14 +47,20 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);  // as Python's head_dim**-0.5
   at::Tensor x = x_in.contiguous();
   c10::optional<at::Tensor> residual;
+  // an int8 cache gives paged_attention the step's own keys and values where a prompt starts in this step
+  // (it reads them as computed); decodes read every key from the cache and need no views of them
+  bool fresh = false;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  for (int64_t b = 0; b < seq_lens.size(0); ++b) fresh = fresh || lens[b] == starts[b + 1] - starts[b];
   for (int64_t l = 0; l < layers; ++l) {
     auto [normed, summed] = rms_norm(x, norms[2 * l], eps, residual);
     residual = summed;
     at::Tensor qkv = project(normed, weights, layout, l * PROJECTIONS);
     rope_write(qkv, positions, cos_table, sin_table, k_caches[l], v_caches[l], slots, num_heads, num_kv_heads);
     at::Tensor out = at::empty({rows, num_heads, head_dim}, qkv.options());
-    c10::optional<at::Tensor> k, v;  // an int8 cache: the step's own keys and values read as computed
-    if (k_caches[l].scalar_type() == at::kChar) {
+    c10::optional<at::Tensor> k, v;
+    if (fresh && k_caches[l].scalar_type() == at::kChar) {
       k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
       v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
     }

@@ -40,6 +40,7 @@ class CpuAttentionBatch:
     query_starts: torch.Tensor  # [S + 1] int32: each sequence's first row (the rows are packed by sequence)
     rotary: RotaryEmbedding
     block_size: int
+    fresh: bool  # a prompt starts in this step (an int8 cache: its keys are read as computed)
 
     def attend(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """qkv: [T, q_size + 2 kv_size] -> attention output [T, q_size]; writes k, v to the cache."""
@@ -55,7 +56,7 @@ class CpuAttentionBatch:
         out = torch.empty(rows, heads, dim, dtype=qkv.dtype)
         step_k: torch.Tensor | None = None
         step_v: torch.Tensor | None = None
-        if cache[0].dtype == torch.int8:  # a fresh prompt's keys and values read as computed, not quantized
+        if self.fresh and cache[0].dtype == torch.int8:  # a fresh prompt's keys and values read as computed
             step_k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(rows, kv_heads, dim)
             step_v = qkv[:, layer.q_size + layer.kv_size :].view(rows, kv_heads, dim)
         torch.ops.ferrum_cpu.paged_attention(out, qkv[:, : layer.q_size].view(rows, heads, dim), cache[0], cache[1],
@@ -86,4 +87,5 @@ class CpuPagedAttention:
             query_starts=torch.tensor(starts, dtype=torch.int32),
             rotary=rotary,
             block_size=self.layout.block_size,
+            fresh=any(s.past == 0 for s in seqs),
         )
