@@ -87,7 +87,8 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
     head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
             "float32 logits)")
-    kv_int8 = dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
+    kv_int8 = (dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
+               and not device.triton)  # (a CPU device with Triton reads its cache with Triton's kernels)
     if kv_int8:
         head += "; the KV cache int8 where kv_cache_dtype is auto (AVX512-VNNI scores its tiles in integers)"
     if model.published is not None:

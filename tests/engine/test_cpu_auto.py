@@ -82,9 +82,9 @@ def test_what_auto_picks_for_the_demo_model_by_dtype_and_cache(dtype: torch.dtyp
     assert choice.quantization is not None and choice.quantization.scheme.params == params and choice.int8_head
     assert ("float16 scales" in choice.reason) == (params is not None)
     assert choice.kv_int8 == (params is not None) and ("KV cache int8" in choice.reason) == choice.kv_int8
-    no_vnni = replace(device, cpu_flags=("avx2", "avx512f"))
-    assert not resolve_quantization(QuantizationConfig("auto"), no_vnni, load_model_config(MODEL_DIR), True,
-                                    dtype).kv_int8
+    for other in (replace(device, cpu_flags=("avx2", "avx512f")), replace(device, triton=True)):  # no VNNI; Triton's
+        assert not resolve_quantization(QuantizationConfig("auto"), other, load_model_config(MODEL_DIR), True,
+                                        dtype).kv_int8
     fits = replace(device, cache_bytes=600 * 2**20)
     assert resolve_quantization(QuantizationConfig("auto"), fits, load_model_config(MODEL_DIR), True,
                                 dtype).quantization is None
