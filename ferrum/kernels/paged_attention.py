@@ -77,7 +77,7 @@ def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, ke
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, OUT: tl.tensor, PART_ACC: tl.tensor,
                    PART_ML: tl.tensor, TABLES: tl.tensor, LENS: tl.tensor, scale: tl.tensor, window: tl.tensor,
-                   fresh: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor, stride_kc: tl.tensor,
+                   step_keys: tl.tensor, stride_qt: tl.tensor, stride_qh: tl.tensor, stride_kc: tl.tensor,
                    stride_kh: tl.tensor, stride_bt: tl.tensor, stride_ot: tl.tensor, stride_oh: tl.tensor,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
@@ -89,9 +89,9 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
     atomic, measured slower on an H100: 6.7 vs 4.5 us for a 512-token context at batch 1,
     scripts/gemv_bench.py.)
 
-    With PDL, the lengths, block tables and the k/v of every key but a row's last `fresh` are read
+    With PDL, the lengths, block tables and the k/v of every key but a row's last `step_keys` are read
     before the wait: the kernels before this one write only this step's keys and q, and a step's rows
-    write at most `fresh` (the call's rows) keys of any one sequence (one in a decode; a prompt chunk's
+    write at most `step_keys` (the call's rows) keys of any one sequence (one in a decode; a prompt chunk's
     or a draft's rows write theirs, which later rows of the chunk read: DecodeGraphs.run_rows, verify
     steps). The lengths and tables come from before the step (host copies, or the last step's
     _advance_kernel, which a plain kernel at the start of each step waits for)."""
@@ -111,7 +111,7 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
     valid = n < end
     off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
     if PDL > 0:
-        new = n >= length - fresh  # keys this step may have written: read once the kernels before are done
+        new = n >= length - step_keys  # keys this step may have written: read once the kernels before are done
         old = (valid & ~new)[:, None]
         k = tl.load(KC + off, mask=old, other=0.0)
         v = tl.load(VC + off, mask=old, other=0.0)

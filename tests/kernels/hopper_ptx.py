@@ -37,7 +37,7 @@ QKV_TYPES = (["*bf16"] * 6 + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16"
 def quantized(types: list[str], weight: str, scale: str) -> list[str]:
     """The signature with the weight (W) and its scale and zero (S, Z) of a quantized kind."""
     return [types[0], weight, scale, scale, *types[4:]]
-DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", "scale", "window", "fresh",
+DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", "scale", "window", "step_keys",
                "stride_qt", "stride_qh", "stride_kc", "stride_kh", "stride_bt", "stride_ot", "stride_oh"]
 DECODE_TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i32", "*i32", "fp32"] + ["i32"] * 9
 
