@@ -34,6 +34,7 @@ from ferrum.models.load_memory import PeakHostMemory
 from ferrum.models.published_loader import PublishedLayer, plan_published, repack_published
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
+from ferrum.weights.quantization.arith import QuantizeKernel
 from ferrum.weights.quantization.published.base import DenseTensor, PublishedLayers
 from ferrum.weights.quantization.published.detect import check_requested
 from ferrum.weights.quantization.scheme import QuantizationConfig
@@ -125,11 +126,12 @@ class WeightPlan:
 
 def weight_plan(
     model: LlamaForCausalLM, metadata: WeightMetadata, weights: WeightSource, dtype: torch.dtype,
-    quantize_on: str = "cpu",
+    quantize_on: str = "cpu", kernel: QuantizeKernel | None = None,
 ) -> WeightPlan:
     """One TensorSpec per checkpoint tensor the model needs and the parameter rows it fills (for a
     layer quantized on load: the rows of its storage, the spec ending in Quantize, computed on
-    `quantize_on`; a layer of a published quantized checkpoint: its tensors, repacked on `quantize_on`).
+    `quantize_on`, by `kernel` where it takes the scheme; a layer of a published quantized checkpoint:
+    its tensors, repacked on `quantize_on`).
     WeightsError (naming `weights`) for a tensor the model does not have, one whose shape is not
     what config.json implies, or tensors missing from the checkpoint."""
     where = weights.display
@@ -174,7 +176,7 @@ def weight_plan(
         steps += () if shard is None else (Slice(shard.dim, shard.start, shard.end),)
         steps += (Cast(dtype),) if stored_dtype != dtype or (dense is not None and dense.dequantize) else ()
         if isinstance(target, QuantizedTensor):
-            steps += (Quantize(target.scheme, compute_device=quantize_on),)
+            steps += (Quantize(target.scheme, compute_device=quantize_on, kernel=kernel),)
         specs.append(TensorSpec(name, tuple(target.shape), dtype, source=_with_tensor(weights, stored[name]),
                                 transformations=steps))
         into[name] = target
@@ -223,13 +225,15 @@ async def load_weights(
     device: Device,
     loader: WeightLoader,
     progress: Callable[[int, int], None] | None = None,
+    quantize_kernel: QuantizeKernel | None = None,
 ) -> int:
     """Fills every parameter of `model` (on `device`) from `weights` (a file, or a sharded
     checkpoint's index, local or remote); returns the bytes loaded. `progress(done, total)` is
-    called (from worker threads) as tensors land."""
+    called (from worker threads) as tensors land. Layers quantized on load are quantized by
+    `quantize_kernel` where it takes their scheme (LayerOps.quantize)."""
     metadata = await loader.get_metadata(weights)
     dtype = model.embed_tokens.weight.dtype
-    plan = weight_plan(model, metadata, weights, dtype, quantize_on(device))
+    plan = weight_plan(model, metadata, weights, dtype, quantize_on(device), quantize_kernel)
     await loader.load(plan.specs, into=plan.into, device=device, progress=progress)
     loaded = sum(t.nbytes if isinstance(t, QuantizedTensor) else t.numel() * t.element_size()
                  for t in plan.into.values())
@@ -267,7 +271,7 @@ def load_model(
         async with loader.fetching(weights):
             model = await asyncio.wrap_future(built)
             reading = time.perf_counter()
-            return await load_weights(model, weights, device, loader, progress)
+            return await load_weights(model, weights, device, loader, progress, ops.quantize)
 
     def build() -> LlamaForCausalLM:
         try:

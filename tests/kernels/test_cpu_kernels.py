@@ -409,3 +409,39 @@ def test_gemv_is_exact_on_quantized_activations(ops: object, method: QuantMethod
     x = torch.randn(CpuKernelsMethod.DENSE_ROWS + 3, k).to(torch.bfloat16)  # prefill: the weight dequantized once
     exact = x.float() @ weight.t()
     assert ((layer(x).float() - exact).abs().max() / exact.abs().max()).item() < 8e-3
+
+
+@pytest.mark.parametrize(("dtype", "group", "symmetric", "params"), [
+    (torch.bfloat16, 32, False, torch.float16),  # quantization auto's scheme on 16-bit serving
+    (torch.float32, 128, True, torch.float32),
+    (torch.bfloat16, 64, False, None),  # scales and zeros in the weight's own dtype
+])
+def test_int4_fit_on_load_matches_the_torch_fit(ops: object, dtype: torch.dtype, group: int, symmetric: bool,
+                                                params: torch.dtype | None) -> None:
+    """The loader's int4 quantization through the CPU kernels (LayerOps.quantize of cpu_ops) is
+    ferrum.weights.quantization.arith's fit: the same bytes, scales and zeros, but where a sum taken in
+    another order moves a near-tie (the test allows 1 group in 500, and no worse squared error); a
+    scheme it does not take (int8, a ragged last group) is left to arith's torch ops."""
+    from ferrum.models.layers.ops import cpu_ops
+    from ferrum.weights.quantization.arith import dequantize, quantize
+    from ferrum.weights.quantization.scheme import QuantScheme
+
+    torch.manual_seed(5)
+    weight = (torch.randn(203, 512) * torch.rand(203, 1) * 0.1).to(dtype)  # rows of different ranges
+    weight[0, :group] = 0.25  # a constant group: its scale never 0
+    scheme = QuantScheme("int4", group_size=group, symmetric=symmetric, params=params)
+    kernel = cpu_ops().quantize
+    assert kernel is not None
+    fitted, reference = quantize(weight, scheme, kernel), quantize(weight, scheme)
+    assert fitted.layout_problems() == [] and fitted.scheme == scheme
+    for name in ("scale", "zero"):
+        assert fitted.parts[name].dtype == reference.parts[name].dtype == (params or dtype)
+    same = (fitted.parts["qweight"] == reference.parts["qweight"]).view(weight.shape[0], -1, group // 2).all(-1)
+    for name in ("scale", "zero"):  # float32 ones within their last bits, 16-bit ones equal
+        same &= torch.isclose(fitted.parts[name].float(), reference.parts[name].float(), rtol=1e-5, atol=1e-9)
+    assert (~same).sum().item() <= same.numel() // 500
+    assert float(dequantize(fitted, torch.float32)[0, :group].min()) > 0
+    errors = [(dequantize(q, torch.float32) - weight.float()).square().sum().item() for q in (fitted, reference)]
+    assert errors[0] <= errors[1] * 1.001
+    assert kernel(weight, QuantScheme("int8")) is None
+    assert kernel(weight[:, :500], scheme) is None

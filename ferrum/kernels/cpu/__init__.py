@@ -5,6 +5,7 @@ when they are rebuilt). Reached only through the CPU's attention backend and lay
     attention.cpp   attention over the paged KV cache, reading the cache blocks in place (decode and
                     prefill, split over the keys where the batch leaves cores idle)
     layer_ops.cpp   RMSNorm (with the residual add), silu * mul, rope on q and k with the KV-cache write
+    int4_fit.cpp    int4 quantization on load (the loader's, through LayerOps.quantize)
     library.cpp     the ops' schemas
     build.py        compile (g++ -O3 -march=native), cache on disk, load
 

@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = ("attention.cpp", "layer_ops.cpp", "quant_gemv.cpp", "float_gemv.cpp", "decode_chain.cpp",
-           "library.cpp")
+           "int4_fit.cpp", "library.cpp")
 HEADERS = ("common.h", "simd.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
          "-fvisibility=hidden", "-w")

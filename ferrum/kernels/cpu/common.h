@@ -119,5 +119,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                          c10::IntArrayRef windows);
 at::Tensor int8_float_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t group);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_fit(const at::Tensor& weight, int64_t group, bool symmetric,
+                                                        at::ScalarType params);
 
 }  // namespace ferrum_cpu

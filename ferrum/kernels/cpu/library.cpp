@@ -25,6 +25,7 @@ TORCH_LIBRARY(ferrum_cpu, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor query_starts, int block_size, int num_heads, int num_kv_heads, "
       "int head_dim, float eps, int[] windows) -> Tensor");
   m.def("int8_float_gemv(Tensor x, Tensor weight, Tensor scale, int group) -> Tensor");
+  m.def("int4_fit(Tensor weight, int group, bool symmetric, ScalarType params) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
@@ -38,4 +39,5 @@ TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
   m.impl("int8_dequantize", &ferrum_cpu::int8_dequantize);
   m.impl("decode_layers", &ferrum_cpu::decode_layers);
   m.impl("int8_float_gemv", &ferrum_cpu::int8_float_gemv);
+  m.impl("int4_fit", &ferrum_cpu::int4_fit);
 }

@@ -5,6 +5,10 @@ triton   ferrum.kernels.norm: one kernel for the residual add + RMSNorm, one for
          (devices Triton compiles for; in tests, Triton's interpreter on the CPU)
 cpu      ferrum.kernels.cpu's C++ ops, the same two fused, in the torch path's order of operations
          (the CPU, once its kernels are built: ferrum.kernels.cpu.build)
+
+and the kernel, if any, that quantizes layers on load for them (`quantize`: the CPU kernels' int4 fit,
+the arithmetic of ferrum.weights.quantization.arith a group at a time in one pass, about 15x faster
+than torch's ops on 2 cores; None: arith's own torch ops).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.backends.device import Device
+from ferrum.weights.quantization.arith import QuantizeKernel
+from ferrum.weights.quantization.scheme import QuantScheme
 
 NormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
 GatedActivationFn = Callable[[torch.Tensor], torch.Tensor]
@@ -26,6 +32,7 @@ class LayerOps:
     name: str
     rms_norm: NormFn  # (x, weight, eps, residual) -> (norm of x [+ residual], x [+ residual])
     silu_and_mul: GatedActivationFn  # [T, 2n] gate then up -> silu(gate) * up [T, n]
+    quantize: QuantizeKernel | None = None  # quantization on load (None: ferrum.weights.quantization.arith's)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,7 +84,17 @@ def cpu_ops() -> LayerOps:
         out: torch.Tensor = torch.ops.ferrum_cpu.silu_and_mul(gate_up)
         return out
 
-    return LayerOps("cpu", rms_norm, silu_and_mul)
+    return LayerOps("cpu", rms_norm, silu_and_mul, cpu_int4_fit)
+
+
+def cpu_int4_fit(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor] | None:
+    """int4 on load through the CPU kernels (torch.ops.ferrum_cpu.int4_fit): a weight on the CPU whose
+    in-features are whole groups; None for anything else."""
+    if scheme.method != "int4" or weight.device.type != "cpu" or weight.shape[1] % scheme.group_size:
+        return None
+    qweight, scale, zero = torch.ops.ferrum_cpu.int4_fit(weight, scheme.group_size, scheme.symmetric,
+                                                         scheme.params or weight.dtype)
+    return {"qweight": qweight, "scale": scale, "zero": zero}
 
 
 def layer_ops(device: Device, cpu_kernels: bool = False) -> LayerOps:

@@ -1,26 +1,33 @@
 """Full precision to a QuantizedTensor and back. Data-free (from the weight alone): int8 scales each
 row by its absmax, fp8 searches each row's scale over one octave, int4 fits each group's scale and zero
 (_fit_int4). `quantize` computes in float32 on whatever device the weight is on (the loader hands it
-the weight on the model's device where that is a GPU)."""
+the weight on the model's device where that is a GPU). A `QuantizeKernel` may stand in for it where
+it runs the same algorithm faster (the CPU kernels' int4 fit: ferrum.models.layers.ops)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from ferrum.weights.quantization.scheme import QuantScheme
 from ferrum.weights.quantization.tensor import QuantizedTensor
 
-__all__ = ["FP8_MAX", "dequantize", "quantize"]
+__all__ = ["FP8_MAX", "QuantizeKernel", "dequantize", "quantize"]
+
+# (weight [N, K], scheme) -> the bundle's parts, computed as quantize() computes them (within the rounding
+# of sums taken in another order), or None for a scheme, shape or device it does not run
+QuantizeKernel = Callable[[torch.Tensor, QuantScheme], "dict[str, torch.Tensor] | None"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 _TINY = 1e-10
 _BLOCK_ELEMENTS = 1 << 22  # weight elements quantized at a time (16 MiB per float32 temporary; int4 holds ~12)
 
 
-def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedTensor:
+def quantize(weight: torch.Tensor, scheme: QuantScheme, kernel: QuantizeKernel | None = None) -> QuantizedTensor:
     """`weight` [N, K] (floating) in `scheme`'s layout; the bundle remembers weight.dtype. Rows are
     quantized a block at a time, so the float32 temporaries stay small whatever the weight's size
-    (the loader quantizes many weights at once)."""
+    (the loader quantizes many weights at once); or by `kernel`, where it takes the scheme."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize: needs a floating [N, K] weight, got {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
@@ -29,6 +36,13 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedTensor:
                          "quantized on load")
     if scheme.grouped:
         scheme.check_in_features(k, "quantize")  # even K; the last group may be shorter than group_size
+    parts = kernel(weight, scheme) if kernel is not None else None
+    if parts is not None:
+        out = QuantizedTensor(scheme, (n, k), weight.dtype, parts)
+        problems = out.layout_problems()
+        if problems:
+            raise ValueError(f"quantize: the kernel's parts for {scheme.describe()}: {'; '.join(problems)}")
+        return out
     out = QuantizedTensor.empty(scheme, n, k, weight.dtype, device=weight.device)
     rows = max(1, _BLOCK_ELEMENTS // max(k, 1))
     for start in range(0, n, rows):

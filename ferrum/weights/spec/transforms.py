@@ -7,9 +7,10 @@
     Slice(dim, start, end=None, step=1)   Python slice semantics along one dim, step >= 1
     Dequantize(block_type)          raw GGUF blocks uint8 [..., bytes per row] -> float32 [..., values per row]
                                     (ggml's own dequantization, gguf-py's: Q8_0, Q5_K, Q6_K, ...)
-    Quantize(scheme, compute_device="cpu")   the last step only: a floating [N, K] tensor becomes a
-                                    QuantizedTensor (packed values, scales, zeros), computed on
-                                    `compute_device` (the model's GPU, where it has one)
+    Quantize(scheme, compute_device="cpu", kernel=None)   the last step only: a floating [N, K] tensor
+                                    becomes a QuantizedTensor (packed values, scales, zeros), computed
+                                    on `compute_device` (the model's GPU, where it has one), by
+                                    `kernel` where it takes the scheme
 
 Transformations never write into their input (which may be a read-only or shared memory map). A
 pipeline that did anything ends with `.contiguous()` (a no-op when already contiguous); one that ends
@@ -22,12 +23,12 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ferrum.weights.errors import SpecMismatchError, TransformError, UnsupportedError
-from ferrum.weights.quantization.arith import quantize
+from ferrum.weights.quantization.arith import QuantizeKernel, quantize
 from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantScheme
 from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.dtypes import as_dtype, as_shape, dtype_name
@@ -208,10 +209,12 @@ class Dequantize(TensorTransformation):
 @dataclass(frozen=True)
 class Quantize(TensorTransformation):
     """The last step of a spec: its floating [N, K] tensor in `scheme`'s stored layout, quantized in
-    float32 on `compute_device` (the tensor is moved there first; the parts stay there)."""
+    float32 on `compute_device` (the tensor is moved there first; the parts stay there), by `kernel`
+    where it takes the scheme (a faster implementation of the same arithmetic)."""
 
     scheme: QuantScheme
     compute_device: str = "cpu"
+    kernel: QuantizeKernel | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         on = f", on {self.compute_device}" if self.compute_device != "cpu" else ""
@@ -254,7 +257,7 @@ class Quantize(TensorTransformation):
         self._check_in_features(tensor.shape[1], where=where, name=name)
         if self.compute_device != "cpu":
             tensor = tensor.to(self.compute_device)
-        return quantize(tensor, self.scheme)
+        return quantize(tensor, self.scheme, self.kernel)
 
     def _check_in_features(self, k: int, *, where: str, name: str) -> None:
         try:
