@@ -5,6 +5,7 @@ model cannot take."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,29 @@ def test_tensor_parallel_ranks_quantize_their_shards(tmp_path: Path) -> None:
     for got, want in zip(two_logits, one_logits, strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert len(rank_reports) == 2 and all(0.45 < r.nbytes / one_report.nbytes < 0.55 for r in rank_reports)
+
+
+def test_the_layer_ops_quantize_kernel_quantizes_every_layer_on_load(folder: Path) -> None:
+    """load_model hands its LayerOps' `quantize` (the CPU kernels' int4 fit, where they are built) to
+    every layer quantized on load; a kernel that takes a scheme fills the storage, one that returns None
+    leaves it to arith's torch ops."""
+    device = host_device()
+    seen: list[tuple[tuple[int, ...], str]] = []
+
+    def kernel(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor] | None:
+        seen.append((tuple(weight.shape), scheme.method))
+        return dict(quantize(weight, scheme).parts) if scheme.method == "int4" else None
+
+    ops = replace(layer_ops(device), quantize=kernel)
+    model, _ = load_model(load_model_config(folder), local_weights(folder), device, torch.bfloat16, ops,
+                          WeightLoader(), quantization=QuantizationConfig("int4", group_size=128))
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    # every checkpoint tensor of a quantized layer (q, k, v, o, gate, up, down in each of 2 layers)
+    assert len(seen) == 14 and {method for _, method in seen} == {"int4"} and linears
+    reference, _ = _load(folder, QuantizationConfig("int4", group_size=128))
+    for (name, mine), theirs in zip(model.quantized_layers().items(), reference.quantized_layers().values(),
+                                    strict=True):
+        assert torch.equal(mine.dequantized(), theirs.dequantized()), name
 
 
 def test_group_size_not_dividing_a_layer_gives_a_ragged_last_group(folder: Path) -> None:
