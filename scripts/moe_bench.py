@@ -9,9 +9,10 @@ kernels   one MoE layer of each shape (Qwen3-30B-A3B: 128 experts of 768, top 8,
           the bytes of the experts the T tokens pick at the measured copy bandwidth; beside them the plain
           path (each chosen expert's matmuls, eager) and what a CUDA graph ran before the kernels (every
           expert over every token)
-decode    the Qwen3-30B-A3B random checkpoint (written tiled into --ckpt, a tmpfs): batch-1 ms/token
-          against its active-weight floor (attention, router, 8 experts, norms and the head a token
-          reads), and the decode step at batch 16 and 64 against the bytes of the experts they pick
+decode    the --shape random checkpoint (Qwen3-30B-A3B by default; mixtral-8x7b: 93 GB, an H200; written
+          tiled into --ckpt, a tmpfs): batch-1 ms/token against its active-weight floor (attention,
+          router, top-k experts, norms and the head a token reads), and the decode step at batch 16
+          and 64 against the bytes of the experts they pick
 offline   `ferrum bench offline` on it (256 requests, 100-1024 in and out), with its roofline
 """
 
@@ -132,14 +133,21 @@ def bench_layer(shape: str, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tens
                f"{floor / t:.1%} of floor")
 
 
-def checkpoint(root: Path) -> Path:
-    out = root / "qwen3-30b-a3b"
+def checkpoint(root: Path, shape: str) -> Path:
+    out = root / shape
     if not (out / "config.json").exists():
         started = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", "qwen3-30b-a3b",
+        subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", shape,
                         "--out", str(out), "--tiled", "--workers", "8"], check=True)
-        record("decode", "qwen3-30b-a3b checkpoint written (tiled)", round(time.perf_counter() - started, 1), "s")
+        record("decode", f"{shape} checkpoint written (tiled)", round(time.perf_counter() - started, 1), "s")
     return out
+
+
+def expert_shape(c: dict) -> tuple[int, int]:
+    """(experts, each expert's intermediate size) of a config.json (Qwen's names, or Mixtral's)."""
+    if "num_experts" in c:
+        return c["num_experts"], c["moe_intermediate_size"]
+    return c["num_local_experts"], c["intermediate_size"]
 
 
 def active_bytes_per_token(folder: Path) -> float:
@@ -148,8 +156,9 @@ def active_bytes_per_token(folder: Path) -> float:
     c = json.loads((folder / "config.json").read_text())
     h, layers, d = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    attention = h * (q + 2 * kv) + q * h + 2 * d  # q/k norms
-    per_layer = attention + 2 * h + c["num_experts"] * h + c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    experts, inter = expert_shape(c)
+    attention = h * (q + 2 * kv) + q * h + (2 * d if c["model_type"] == "qwen3_moe" else 0)  # q/k norms
+    per_layer = attention + 2 * h + experts * h + c["num_experts_per_tok"] * 3 * h * inter
     return 2.0 * (layers * per_layer + h + c["vocab_size"] * h)
 
 
@@ -174,22 +183,23 @@ def step_time(engine, batch: int, prompt_len: int = 128, new_tokens: int = 64) -
 def phase_decode(args, bandwidth: float) -> None:
     from gpu_suite import batch1_per_token
 
-    folder = checkpoint(args.ckpt)
+    shape = args.shape
+    folder = checkpoint(args.ckpt, shape)
     floor = active_bytes_per_token(folder) / bandwidth
     started = time.perf_counter()
     engine = gpu_engine(folder, max_num_seqs=64, max_model_len=2048)
-    record("decode", "qwen3-30b-a3b engine ready", round(time.perf_counter() - started, 1), "s")
-    experts, top_k, hidden, inter = LAYERS["qwen3-30b-a3b"]
-    expert_bytes = 3 * hidden * inter * 2 * 48
+    record("decode", f"{shape} engine ready", round(time.perf_counter() - started, 1), "s")
+    experts, top_k, hidden, inter = LAYERS[shape]
+    expert_bytes = 3 * hidden * inter * 2 * engine.model_config.num_layers
     base = active_bytes_per_token(folder) - top_k * expert_bytes
     for batch in (16, 64):
         t = step_time(engine, batch)
         touched = experts * (1 - (1 - top_k / experts) ** batch)  # expected distinct experts a layer
         step_floor = (base + touched * expert_bytes) / bandwidth
-        record("decode", f"qwen3-30b-a3b decode step, batch {batch}", round(t * 1e3, 3), "ms",
+        record("decode", f"{shape} decode step, batch {batch}", round(t * 1e3, 3), "ms",
                f"floor {step_floor * 1e3:.3f} ms ({touched:.0f} experts a layer) -> {step_floor / t:.1%}")
     per_token = batch1_per_token(engine)
-    record("decode", "qwen3-30b-a3b batch-1 ms/token", round(per_token * 1e3, 3), "ms",
+    record("decode", f"{shape} batch-1 ms/token", round(per_token * 1e3, 3), "ms",
            f"active floor {floor * 1e3:.3f} ms ({active_bytes_per_token(folder) / 1e9:.2f} GB) -> "
            f"{floor / per_token:.1%} of floor")
     del engine  # released by batch1_per_token: the offline phase's process needs the device's memory
@@ -200,18 +210,19 @@ def phase_decode(args, bandwidth: float) -> None:
 
 
 def phase_offline(args) -> None:
-    folder = checkpoint(args.ckpt)
-    out = args.out / "offline-qwen3-30b-a3b.json"
+    shape = args.shape
+    folder = checkpoint(args.ckpt, shape)
+    out = args.out / f"offline-{shape}.json"
     done = subprocess.run([sys.executable, "-m", "ferrum.cli", "bench", "offline", "--model", str(folder),
                            "--max-model-len", "2048", "--num-prompts", "256", "--output-json", str(out)],
                           capture_output=True, text=True, cwd=ROOT)
     print(done.stdout[-3000:], done.stderr[-2000:])
     if done.returncode or not out.exists():
-        record("offline", "qwen3-30b-a3b", "failed", note=done.stderr[-600:])
+        record("offline", shape, "failed", note=done.stderr[-600:])
         return
     res = json.loads(out.read_text())
     r = res["roofline"]
-    record("offline", "qwen3-30b-a3b bench offline", round(res["output_tokens_per_s"]), "output tok/s",
+    record("offline", f"{shape} bench offline", round(res["output_tokens_per_s"]), "output tok/s",
            f"{res['elapsed_s']:.1f}s; roofline {r['seconds']:.1f}s = {r['fraction']:.1%} "
            f"({r['compute_bound_passes']}/{r['passes']} passes compute-bound); KV {res['kv_cache_tokens']} tokens")
 
@@ -221,6 +232,8 @@ def main() -> None:
     parser.add_argument("--phases", default="kernels,decode,offline")
     parser.add_argument("--ckpt", type=Path, default=Path("/dev/shm/ckpt"))
     parser.add_argument("--out", type=Path, default=Path("moe-bench"))
+    parser.add_argument("--shape", choices=sorted(LAYERS), default="qwen3-30b-a3b",
+                        help="the checkpoint of the decode and offline phases")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
