@@ -9,12 +9,16 @@
 namespace ferrum_cpu {
 namespace {
 
+constexpr int64_t PREFETCH_ROWS = 4;
+
 template <int R>
 void rows_times_weight(const float* x, const int8_t* w, const float* scale, float* y, int64_t N, int64_t K,
                        int64_t group, int64_t n0, int64_t n1) {
   const int64_t groups = K / group, steps = group / 16;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * K;
+    // the rows PREFETCH_ROWS ahead: one stream, whose loads the multiply-adds would not overlap otherwise
+    for (int64_t line = 0; line < K; line += 64) __builtin_prefetch(row + PREFETCH_ROWS * K + line);
     F16 acc[R];
     for (int t = 0; t < R; ++t) acc[t] = zero16();
     for (int64_t g = 0; g < groups; ++g) {
