@@ -14,6 +14,8 @@ decode    the --shape random checkpoint (Qwen3-30B-A3B by default; mixtral-8x7b:
           router, top-k experts, norms and the head a token reads), and the decode step at batch 16
           and 64 against the bytes of the experts they pick
 offline   `ferrum bench offline` on it (256 requests, 100-1024 in and out), with its roofline
+profile   torch.profiler over batch-1 decode steps of the --shape checkpoint as served (CUDA graphs):
+          each kernel's GPU time a layer
 """
 
 from __future__ import annotations
@@ -209,6 +211,30 @@ def phase_decode(args, bandwidth: float) -> None:
     torch.cuda.empty_cache()
 
 
+def phase_profile(args) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from ferrum.engine.sampling_params import SamplingParams
+
+    shape = args.shape
+    folder = checkpoint(args.ckpt, shape)
+    engine = gpu_engine(folder, max_num_seqs=8, max_model_len=2048)
+    layers = engine.model_config.num_layers
+    params = SamplingParams(max_tokens=1800, temperature=0, ignore_eos=True)
+    engine.add_request("profile", list(range(100, 228)), params)
+    for _ in range(10):  # warm-up (a step may decode several tokens)
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tokens = sum(len(out.new_token_ids) for _ in range(10) for out in engine.step())
+        torch.cuda.synchronize()
+    engine.release()
+    for event in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:12]:
+        per_layer = event.self_device_time_total / tokens / layers
+        record("profile", f"{shape} {event.key} ({event.count} launches, {tokens} tokens)", round(per_layer, 2),
+               "us a layer")
+
+
 def phase_offline(args) -> None:
     shape = args.shape
     folder = checkpoint(args.ckpt, shape)
@@ -241,7 +267,8 @@ def main() -> None:
     peaks = measure_peaks(torch.device("cuda"), torch.bfloat16)
     record("env", "peaks", peaks.describe())
     phases = {"kernels": lambda: phase_kernels(args, peaks.bandwidth),
-              "decode": lambda: phase_decode(args, peaks.bandwidth), "offline": lambda: phase_offline(args)}
+              "decode": lambda: phase_decode(args, peaks.bandwidth), "offline": lambda: phase_offline(args),
+              "profile": lambda: phase_profile(args)}
     for phase in args.phases.split(","):
         try:
             phases[phase]()
