@@ -5,6 +5,9 @@
              _weight_int4pack_mm_for_cpu / _weight_int8pack_mm) and a oneDNN-prepacked bf16 linear,
              at the demo model's shapes, 30 copies of each weight so that they stream from memory as a
              model's layers do; 1, 8 and 64 rows
+  model      a model's worth of int4 GEMVs (30 layers x the demo model's 4 projections, 66 MB: more
+             than the cache holds) called in the decode chain's order, with 2 and 1 threads: the
+             GEMVs' streaming rate (the gemv part's 30 copies of one weight stay largely in a VM's cache)
   attention  one decode query over the paged cache at 50, 2,000 and 6,000 tokens of context
              (ferrum_cpu.paged_attention over bf16 and int8 caches, against torch_paged's gather + SDPA)
   engine     the demo model's decode step in process (LLMEngine.step, one sequence, greedy) at 50 and
@@ -106,6 +109,37 @@ def gemv_table() -> None:
                 dense = timed(partial(run_dense, packed, x), 20) / copies
                 print(f"| {n}x{k} | {scheme.describe()} | {rows} | {ours * 1e6:.1f} | {theirs * 1e6:.1f} | "
                       f"{dense * 1e6:.1f} | {theirs / ours:.2f} |")
+
+
+def model_gemvs_table() -> None:
+    print("\n| threads | 120 int4 GEMVs, p50 ms | min ms | GB/s at p50 |")
+    print("|---|---|---|---|")
+    scheme = QuantScheme("int4", group_size=32, params=torch.float16)
+    layers = []
+    for _ in range(30):
+        for n, k in SHAPES[:4]:
+            stored = quantize((torch.randn(n, k) * 0.05).to(torch.bfloat16), scheme)
+            layer = QuantizedLinear(k, n, False, scheme, "cpu_kernels", torch.bfloat16)
+            for name, part in stored.parts.items():
+                getattr(layer, name).copy_(part)
+            layer.prepare()
+            layers.append(layer)
+    xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES[:4]}
+    calls = [(xs[layer.in_features], layer.packed, layer.gemv_scale, layer.gemv_offset, bool(layer.gemv_zero_point),
+              32) for layer in layers]
+    nbytes = sum(layer.packed.nbytes + layer.gemv_scale.nbytes + layer.gemv_offset.nbytes for layer in layers)
+    threads = torch.get_num_threads()
+    for count in (threads, 1):
+        torch.set_num_threads(count)
+        runs = []
+        for _ in range(16):
+            start = time.perf_counter()
+            for call in calls:
+                torch.ops.ferrum_cpu.int4_gemv(*call)
+            runs.append(time.perf_counter() - start)
+        runs.sort()
+        print(f"| {count} | {runs[8] * 1e3:.2f} | {runs[0] * 1e3:.2f} | {nbytes / runs[8] / 1e9:.1f} |", flush=True)
+    torch.set_num_threads(threads)
 
 
 def every_layer(caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, q: torch.Tensor,
@@ -238,7 +272,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
     parser.add_argument("--gguf", default=str(ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    parser.add_argument("--parts", default="gemv,attention,engine,compile")
+    parser.add_argument("--parts", default="gemv,model,attention,engine,compile")
     args = parser.parse_args()
     load_cpu_kernels(Path("~/.cache/ferrum/kernels").expanduser())
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
@@ -246,6 +280,8 @@ def main() -> None:
     parts = args.parts.split(",")
     if "gemv" in parts:
         gemv_table()
+    if "model" in parts:
+        model_gemvs_table()
     if "attention" in parts:
         attention_table()
     if "engine" in parts:
