@@ -445,3 +445,4 @@ def test_int4_fit_on_load_matches_the_torch_fit(ops: object, dtype: torch.dtype,
     assert errors[0] <= errors[1] * 1.001
     assert kernel(weight, QuantScheme("int8")) is None
     assert kernel(weight[:, :500], scheme) is None
+    assert kernel(weight.double(), QuantScheme("int4", group_size=group)) is None  # float64 scales: arith's

@@ -89,11 +89,12 @@ def cpu_ops() -> LayerOps:
 
 def cpu_int4_fit(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor] | None:
     """int4 on load through the CPU kernels (torch.ops.ferrum_cpu.int4_fit): a weight on the CPU whose
-    in-features are whole groups; None for anything else."""
-    if scheme.method != "int4" or weight.device.type != "cpu" or weight.shape[1] % scheme.group_size:
+    in-features are whole groups, its scales in a 16- or 32-bit float; None for anything else."""
+    params = scheme.params or weight.dtype
+    if (scheme.method != "int4" or weight.device.type != "cpu" or weight.shape[1] % scheme.group_size
+            or params not in (torch.float32, torch.bfloat16, torch.float16)):
         return None
-    qweight, scale, zero = torch.ops.ferrum_cpu.int4_fit(weight, scheme.group_size, scheme.symmetric,
-                                                         scheme.params or weight.dtype)
+    qweight, scale, zero = torch.ops.ferrum_cpu.int4_fit(weight, scheme.group_size, scheme.symmetric, params)
     return {"qweight": qweight, "scale": scale, "zero": zero}
 
 
