@@ -45,6 +45,7 @@ from ferrum.kernels.cpu.build import load_cpu_kernels  # noqa: E402
 from ferrum.models.layers.quantized_linear import QuantizedLinear  # noqa: E402
 from ferrum.weights.quantization.arith import quantize  # noqa: E402
 from ferrum.weights.quantization.scheme import QuantScheme  # noqa: E402
+from ferrum.weights.quantization.tensor import QuantizedTensor  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # the demo model's, LM head last
 
@@ -83,6 +84,16 @@ def gathered(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, slot
     return F.scaled_dot_product_attention(q.transpose(0, 1)[None], kd, vd, enable_gqa=True)
 
 
+def prepared_layer(stored: QuantizedTensor, kernels: str) -> QuantizedLinear:
+    """A QuantizedLinear holding `stored`, through `kernels` ("cpu_kernels" or "cpu"), repacked."""
+    n, k = stored.shape
+    layer = QuantizedLinear(k, n, False, stored.scheme, kernels, torch.bfloat16)  # type: ignore[arg-type]
+    for name, part in stored.parts.items():
+        getattr(layer, name).copy_(part)
+    layer.prepare()
+    return layer
+
+
 def gemv_table() -> None:
     print("\n| weight | scheme | rows | cpu_kernels us | torch us | bf16 oneDNN us | torch / ours |")
     print("|---|---|---|---|---|---|---|")
@@ -93,15 +104,8 @@ def gemv_table() -> None:
         packed = [torch.ops.mkldnn._reorder_linear_weight(weight.clone(), 8) for _ in range(copies)]
         for scheme in (QuantScheme("int4", group_size=32), QuantScheme("int8")):
             stored = quantize(weight, scheme)
-            layers: dict[str, list[QuantizedLinear]] = {}
-            for kernels in ("cpu_kernels", "cpu"):
-                layers[kernels] = []
-                for _ in range(copies):
-                    layer = QuantizedLinear(k, n, False, scheme, kernels, torch.bfloat16)  # type: ignore[arg-type]
-                    for name, part in stored.parts.items():
-                        getattr(layer, name).copy_(part)
-                    layer.prepare()
-                    layers[kernels].append(layer)
+            layers = {kernels: [prepared_layer(stored, kernels) for _ in range(copies)]
+                      for kernels in ("cpu_kernels", "cpu")}
             for rows in (1, 8, 64):
                 x = torch.randn(rows, k).to(torch.bfloat16)
                 ours = timed(partial(run_layers, layers["cpu_kernels"], x), 20) / copies
@@ -115,15 +119,8 @@ def model_gemvs_table() -> None:
     print("\n| threads | 120 int4 GEMVs, p50 ms | min ms | GB/s at p50 |")
     print("|---|---|---|---|")
     scheme = QuantScheme("int4", group_size=32, params=torch.float16)
-    layers = []
-    for _ in range(30):
-        for n, k in SHAPES[:4]:
-            stored = quantize((torch.randn(n, k) * 0.05).to(torch.bfloat16), scheme)
-            layer = QuantizedLinear(k, n, False, scheme, "cpu_kernels", torch.bfloat16)
-            for name, part in stored.parts.items():
-                getattr(layer, name).copy_(part)
-            layer.prepare()
-            layers.append(layer)
+    layers = [prepared_layer(quantize((torch.randn(n, k) * 0.05).to(torch.bfloat16), scheme), "cpu_kernels")
+              for _ in range(30) for n, k in SHAPES[:4]]
     xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in SHAPES[:4]}
     calls = [(xs[layer.in_features], layer.packed, layer.gemv_scale, layer.gemv_offset, bool(layer.gemv_zero_point),
               32) for layer in layers]
@@ -164,9 +161,9 @@ def attention_table() -> None:
     the per-layer columns rotate through 30 layers' caches, as a decode step does, so they come from
     memory. The caches are laid out as the engine allocates them for these kernels (block-major); bf16
     and kv_cache_dtype int8 (the VNNI path where the CPU has it)."""
-    print("\n| context | bf16 one cache, warm us | bf16 per layer, 30 caches us | GB/s | int8 per layer us | GB/s | "
-          "int8 / bf16 | gather + SDPA us (bf16, warm) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| context | bf16 one cache, warm us | bf16 per layer, 30 caches us | GB/s | int8 one cache, warm us | "
+          "int8 per layer us | GB/s | int8 / bf16 | gather + SDPA us (bf16, warm) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     heads, kv_heads, dim, block = 9, 3, 64, 16
     blocks = 400
 
@@ -186,12 +183,13 @@ def attention_table() -> None:
         rest = (table, torch.tensor([context], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), block,
                 dim**-0.5)
         warm = timed(partial(torch.ops.ferrum_cpu.paged_attention, out, q, k_cache, v_cache, *rest), 50)
+        warm8 = timed(partial(torch.ops.ferrum_cpu.paged_attention, out, q, *caches["int8"][0], *rest), 50)
         per_layer = {name: timed(partial(every_layer, c, out, q, rest), 5) / len(c) for name, c in caches.items()}
         read = {name: 2 * context * kv_heads * c[0][0].shape[-1] * c[0][0].element_size() for name, c in caches.items()}
         slots = (table[0].long()[:, None] * block + torch.arange(block)).reshape(-1)[:context]
         theirs = timed(partial(gathered, flat[0][0], flat[0][1], q, slots), 50)
         print(f"| {context} | {warm * 1e6:.1f} | {per_layer['bf16'] * 1e6:.1f} | "
-              f"{read['bf16'] / per_layer['bf16'] / 1e9:.1f} | {per_layer['int8'] * 1e6:.1f} | "
+              f"{read['bf16'] / per_layer['bf16'] / 1e9:.1f} | {warm8 * 1e6:.1f} | {per_layer['int8'] * 1e6:.1f} | "
               f"{read['int8'] / per_layer['int8'] / 1e9:.1f} | {per_layer['int8'] / per_layer['bf16']:.2f} | "
               f"{theirs * 1e6:.1f} |")
 

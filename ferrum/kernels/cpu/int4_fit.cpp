@@ -115,14 +115,10 @@ void fit_groups(const float* x, float* imp, float* weighted, int64_t g, bool sym
   }
 }
 
-// v as `params` stores it (a scale: at least the dtype's smallest normal, never rounded to 0)
-template <typename P>
-inline float stored(float v) {
-  return static_cast<float>(P(v));
-}
+// a scale as `params` stores it: at least the dtype's smallest normal, never rounded to 0
 template <typename P>
 inline float stored_scale(float v) {
-  return std::max(stored<P>(v), static_cast<float>(std::numeric_limits<P>::min()));
+  return std::max(rounded<P>(v), static_cast<float>(std::numeric_limits<P>::min()));
 }
 
 // w: `total` groups of g inputs, one after another (a row's groups, then the next row's)
@@ -142,7 +138,7 @@ void fit_all(const T* w, uint8_t* packed, P* scales, P* zeros, int64_t total, in
       fit_groups(x, imp, weighted, g, symmetric, scale, lo);
       for (int64_t l = 0; l < n; ++l) {
         const float s = stored_scale<P>(scale[l]);
-        const float zero = symmetric ? 0.f : stored<P>(lo[l] + 8.f * scale[l]);
+        const float zero = symmetric ? 0.f : rounded<P>(lo[l] + 8.f * scale[l]);
         scales[first + l] = P(s);
         zeros[first + l] = P(zero);
         uint8_t* dst = packed + (first + l) * g / 2;
