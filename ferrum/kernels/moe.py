@@ -119,18 +119,19 @@ def _route_small_kernel(X: tl.tensor, W: tl.tensor, PART: tl.tensor, DONE: tl.te
                         WEIGHTS: tl.tensor, T: tl.tensor, E: tl.tensor, H: tl.tensor, stride_x: tl.tensor,
                         K_PER: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_ALL_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr,
-                        NORMALIZE: tl.constexpr) -> None:
+                        NORMALIZE: tl.constexpr, PICK_T: tl.constexpr) -> None:
     """Steps of at most BLOCK_T tokens, in one launch: each program (tile of experts, slice of the hidden
     features) stores its partial logits as _router_logits_kernel does, then counts itself done; the last
-    program to finish sums them and picks every token's top k (_top_k), then sets the count back to 0
-    for the next launch."""
+    program to finish sums them and picks every token's top k (_top_k, over PICK_T rows: the step's
+    tokens rounded up to a power of two, not the product's 16), then sets the count back to 0 for the
+    next launch."""
     _router_logits(X, W, PART, T, E, H, stride_x, K_PER, 0, tl.program_id(0), tl.program_id(1), BLOCK_T,
                    BLOCK_E, BLOCK_K)
     tl.debug_barrier()  # every thread's partials stored before the count that announces them
     programs = tl.num_programs(0) * tl.num_programs(1)
     done = tl.atomic_add(DONE, 1, sem="acq_rel", scope="gpu")
     if done == programs - 1:
-        _top_k(PART, CHOSEN, WEIGHTS, 0, T, E, tl.num_programs(1), BLOCK_T, BLOCK_ALL_E, TOP_K, BLOCK_TOP, NORMALIZE)
+        _top_k(PART, CHOSEN, WEIGHTS, 0, T, E, tl.num_programs(1), PICK_T, BLOCK_ALL_E, TOP_K, BLOCK_TOP, NORMALIZE)
         tl.atomic_xchg(DONE, 0, sem="relaxed", scope="gpu")
 
 
@@ -160,7 +161,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) ->
         _route_small_kernel[(triton.cdiv(experts, block_e), splits)](
             x, weight, partial, _done_count(x.device), chosen, weights, tokens, experts, hidden, x.stride(0), k_per,
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, BLOCK_ALL_E=max(16, triton.next_power_of_2(experts)),
-            num_warps=4, **picks,
+            num_warps=4, PICK_T=triton.next_power_of_2(tokens), **picks,
         )
         return chosen, weights
     _router_logits_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(experts, block_e), splits)](

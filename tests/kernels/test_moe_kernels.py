@@ -43,7 +43,7 @@ def reference(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate
     return out
 
 
-@pytest.mark.parametrize("tokens", [37, 3])  # two kernels; one launch whose last program picks (twice in a row)
+@pytest.mark.parametrize("tokens", [37, 3, 1])  # two kernels; one launch whose last program picks (twice in a row)
 @pytest.mark.parametrize(("experts", "top_k", "normalize"), [(8, 2, True), (4, 2, False), (40, 6, True)])
 def test_route_picks_the_top_k_of_the_softmax(experts: int, top_k: int, normalize: bool, tokens: int) -> None:
     gen = torch.Generator().manual_seed(experts)
