@@ -38,7 +38,8 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            otherwise the Triton W8A16 GEMM: [BLOCK_N, BLOCK_K] tiles of q converted
                            to x's dtype, tl.dot, the per-channel scale on the sums
                    fp8     M > 16, K and N multiples of 16: W8A8 in float8 e4m3, x per row to fp8
-                           (scale = max|x_row| / 448), then torch._scaled_mm with row-wise scales
+                           (scale = max|x_row| / 448, or a checkpoint's static input scale: every row
+                           by it, clamped), then torch._scaled_mm with row-wise scales
                            (scale_a [M, 1], scale_b [1, N] float32, compute capability 9.0);
                            otherwise (and on 8.9 GPUs) the Triton GEMM (W8A16)
                    int8 / fp8 with group scales (block-scaled checkpoints): M < GROUPED_DEQUANTIZE_FROM the
@@ -171,7 +172,7 @@ def _w8a8_int8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> to
 
 
 def _w8a8_fp8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    xq, x_scale = quantize_rows(x, torch.float8_e4m3fn)
+    xq, x_scale = quantize_rows(x, torch.float8_e4m3fn, w.input_scale)
     y = torch._scaled_mm(xq, w.qweight.t(), scale_a=x_scale[:, None], scale_b=w.scale[None, :],
                          out_dtype=x.dtype)
     if bias is not None:
@@ -179,31 +180,39 @@ def _w8a8_fp8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> tor
     return y
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
+                  static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] in `dtype`: int8 or float8_e4m3fn, scale float32 [M]), x ~ q * scale[:, None],
-    each row scaled so that its largest magnitude is the format's largest (127, 448)."""
+    each row scaled so that its largest magnitude is the format's largest (127, 448); or, given a static
+    scale (float32 [1], a checkpoint's), every row by it, values past the format's largest clamped to it."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=dtype, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(k), 4096)
-    _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8=dtype == torch.float8_e4m3fn,
-                                BLOCK_K=block, num_warps=8 if block >= 2048 else 4)
+    _quantize_rows_kernel[(m,)](x, q, scale, static if static is not None else scale, k, x.stride(0), q.stride(0),
+                                FP8=dtype == torch.float8_e4m3fn, STATIC=static is not None, BLOCK_K=block,
+                                num_warps=8 if block >= 2048 else 4)
     return q, scale
 
 
 @triton.jit
-def _quantize_rows_kernel(X: tl.tensor, Q: tl.tensor, SCALE: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
-                          stride_qm: tl.tensor, FP8: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
-    """One row a program: its largest magnitude, then the row over the scale, rounded (int8: to
-    nearest, ties away from zero; fp8: the conversion's round to nearest even)."""
+def _quantize_rows_kernel(X: tl.tensor, Q: tl.tensor, SCALE: tl.tensor, STATIC_SCALE: tl.tensor, K: tl.tensor,
+                          stride_xm: tl.tensor, stride_qm: tl.tensor, FP8: tl.constexpr, STATIC: tl.constexpr,
+                          BLOCK_K: tl.constexpr) -> None:
+    """One row a program: its largest magnitude (or STATIC: the one given scale), then the row over the
+    scale, clamped to the format's range and rounded (int8: to nearest, ties away from zero; fp8: the
+    conversion's round to nearest even)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_xm
     kk = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)))
     qmax = 448.0 if FP8 else 127.0
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / qmax
+    if STATIC:
+        scale = tl.load(STATIC_SCALE)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / qmax
     tl.store(SCALE + row, scale)
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(x_row + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32) / scale

@@ -2,7 +2,9 @@
 
     int8   qweight int8 [N, K], scale float32 [N]:               w = q * scale
     fp8    qweight float8_e4m3fn [N, K], scale float32 [N]:      w = q * scale
-           (with group_size: scale float32 [N, ceil(K/group_size)], a scale per group of a row's inputs)
+           (with group_size: scale float32 [N, ceil(K/group_size)], a scale per group of a row's inputs;
+           input_scale float32 [1]: a checkpoint's static activation scale, which the W8A8 GEMM quantizes
+           x by instead of per row)
     int4   qweight uint8 [N, K/2] (input 2j in byte j's low nibble, 2j + 1 in its high nibble),
            scale and zero [N, ceil(K/group_size)] in the activations' dtype:  w = (q - 8) * scale + zero,
            input k in group k // group_size (the last group shorter where group_size does not divide K)
@@ -26,6 +28,7 @@ class QuantWeight:
     scale: torch.Tensor
     zero: torch.Tensor | None = None  # int4 only
     group_size: int = 0  # int4's; int8 / fp8: 0 for a scale per row, else inputs per scale
+    input_scale: torch.Tensor | None = None  # fp8: a static activation scale, float32 [1]
 
     @property
     def out_features(self) -> int:

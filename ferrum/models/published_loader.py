@@ -140,6 +140,8 @@ def _sharded(repacked: Repacked, item: PublishedLayer, where: str) -> Repacked:
                 parts[name] = weight.parts[name][:, shard.start // g:-(-shard.end // g)]
     else:
         parts["scale"] = weight.parts["scale"]
+    if "input_scale" in weight.parts:  # per output row: every rank's inputs take it whole
+        parts["input_scale"] = weight.parts["input_scale"]
     return Repacked(QuantizedTensor(scheme, (weight.shape[0], shard.end - shard.start), weight.dtype, parts))
 
 

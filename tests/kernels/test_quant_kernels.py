@@ -244,6 +244,22 @@ def test_rows_quantized_per_token(dtype: torch.dtype) -> None:
     assert bool(((back - x.float()).abs() <= step * 0.5 + 1e-6).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, pytest.param(torch.float8_e4m3fn, marks=gpu_only)], ids=["int8", "fp8"])
+def test_rows_quantized_by_a_static_scale(dtype: torch.dtype) -> None:
+    """A checkpoint's static input scale: every row divided by it, values past the format's range clamped
+    (the second row's), rounded as per token."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 40, generator=gen) * torch.tensor([[1.0], [30.0], [0.01]])).to(DTYPE)
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    static = torch.tensor([4.0 / qmax])  # the first row's values fit, the second's largest do not
+    q, scale = qm.quantize_rows(x.to(DEVICE), dtype, static.to(DEVICE))
+    assert torch.equal(scale.cpu(), static.expand(3))
+    v = (x.float() / static).clamp(-qmax, qmax)
+    want = v.sign() * (v.abs() + 0.5).floor() if dtype == torch.int8 else v.to(dtype).float()
+    assert torch.equal(q.float().cpu(), want)
+    assert float(q.float().abs()[1].max()) == qmax
+
+
 @gpu_only
 @pytest.mark.parametrize("m", [1, 8, 17, 300])
 @pytest.mark.parametrize(("kind", "bound"), [("int4", 1e-2), ("int8", 2e-2), ("fp8", 5e-2), ("int8-g", 1e-2),

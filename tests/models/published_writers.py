@@ -101,6 +101,13 @@ def fp8(n: int, k: int, gen: torch.Generator, per_tensor: bool) -> tuple[dict[st
     return {"weight": q, "weight_scale": s}, q.float() * s
 
 
+def fp8_static(n: int, k: int, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """fp8 with a per-tensor weight scale and a static input_scale [1] (AutoFP8's / vLLM's layout),
+    a different one each module: 0.02-0.05, room for activations up to 9 (448 x 0.02)."""
+    tensors, weight = fp8(n, k, gen, True)
+    return {**tensors, "input_scale": torch.rand(1, generator=gen) * 0.03 + 0.02}, weight
+
+
 def fp8_block(n: int, k: int, block: tuple[int, int], gen: torch.Generator) -> tuple[dict[str, torch.Tensor],
                                                                                    torch.Tensor]:
     """transformers' FineGrainedFP8 / DeepSeek layout: weight_scale_inv [ceil(N/bn), ceil(K/bk)]."""

@@ -189,6 +189,52 @@ def test_compressed_tensors_int8_and_fp8(base: Path, tmp_path: Path) -> None:
     assert {layer.scheme.describe() for layer in model.quantized_layers().values()} == {"int8 (group 32)"}
 
 
+FP8_STATIC = {"quant_method": "fp8", "activation_scheme": "static"}
+
+
+def test_fp8_static_input_scales_are_kept_and_fused_layers_take_their_largest(base: Path, tmp_path: Path) -> None:
+    """activation_scheme static: each layer keeps its checkpoint input_scale per output row (a fused layer
+    its parts' side by side) and its activations take the largest; the weights are served as with dynamic
+    scales (on the CPU, W8A16: the logits equal the dense weights')."""
+    folder = _write(base, tmp_path / "fp8-static", FP8_STATIC, lambda n, k, gen, m: w.fp8_static(n, k, gen))
+    model = _check_equal(folder)
+    stored = load_file(folder / "model.safetensors")
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+             "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+    layers = model.quantized_layers()
+    assert len(layers) == 8 and {layer.scheme.describe() for layer in layers.values()} == {"fp8 (static input scale)"}
+    for name, layer in layers.items():
+        block, projection = name.rsplit(".", 1)
+        scales = [stored[f"model.{block}.{part}.input_scale"] for part in fused[projection]]
+        at = model.shard_rows(projection, layer.out_features) if len(scales) > 1 else [0, layer.out_features]
+        rows = torch.cat([scale.expand(at[i + 1] - at[i]) for i, scale in enumerate(scales)])
+        assert torch.equal(layer.input_scale, rows), name
+        scale = layer.activation_scale()
+        assert scale is not None and torch.equal(scale, torch.stack(scales).amax().reshape(1)), name
+        assert layer.kernel_weight().input_scale is not None
+    dynamic = _load(_write(base, tmp_path / "fp8-dynamic", {"quant_method": "fp8"},
+                           lambda n, k, gen, m: w.fp8(n, k, gen, True)))
+    assert all(layer.activation_scale() is None for layer in dynamic.quantized_layers().values())
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "'model.layers.0.self_attn.k_proj.input_scale' is missing"),
+    ("negative", "'model.layers.1.mlp.up_proj.input_scale': a static input scale must be finite and positive"),
+    ("shape", "'model.layers.0.mlp.down_proj.input_scale' has shape (2,), expected (1,)"),
+])
+def test_bad_fp8_static_input_scale_names_file_and_tensor(base: Path, tmp_path: Path, case: str, message: str) -> None:
+    folder = _write(base, tmp_path / "bad-static", FP8_STATIC, lambda n, k, gen, m: w.fp8_static(n, k, gen))
+    if case == "missing":
+        _edit(folder, lambda s: s.pop("model.layers.0.self_attn.k_proj.input_scale"))
+    elif case == "negative":
+        _edit(folder, lambda s: s.__setitem__("model.layers.1.mlp.up_proj.input_scale", torch.tensor([-0.5])))
+    else:
+        _edit(folder, lambda s: s.__setitem__("model.layers.0.mlp.down_proj.input_scale", torch.ones(2)))
+    with pytest.raises(WeightError) as info:
+        _load(folder)
+    assert str(folder / "model.safetensors") in str(info.value) and message in str(info.value)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_published_layers_on_the_gpu(base: Path, tmp_path: Path) -> None:
     """Each format's storage through the GPU kernels (bf16 activations, float16/float32 scales, act
@@ -204,6 +250,7 @@ def test_published_layers_on_the_gpu(base: Path, tmp_path: Path) -> None:
         "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"},
                 lambda n, k, gen, m: w.awq(n, k, 32, gen)),
         "fp8": ({"quant_method": "fp8"}, lambda n, k, gen, m: w.fp8(n, k, gen, True)),
+        "fp8-static": (FP8_STATIC, lambda n, k, gen, m: w.fp8_static(n, k, gen)),  # 26 rows: the static W8A8
         "fp8-block": ({"quant_method": "fp8", "weight_block_size": [48, 32]},
                       lambda n, k, gen, m: w.fp8_block(n, k, (48, 32), gen)),
         "gptq-8bit-g32": ({**GPTQ_4, "bits": 8}, lambda n, k, gen, m: w.gptq(n, k, 32, 8, True, False, False, gen)),

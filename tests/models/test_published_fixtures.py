@@ -33,13 +33,13 @@ NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.safetensors
 SERVED: dict[str, set[str] | str] = {
     "awq-w4-g32-gemm": "int4 (group 32, asymmetric, float32 scales)",
     "ct-fp8-dynamic": "fp8",
-    "ct-fp8-static-kv": "fp8",
+    "ct-fp8-static-kv": "fp8 (static input scale)",
     "ct-w4a16-channel": {"int4 (group 64, symmetric, bfloat16 scales)", "int4 (group 128, symmetric, bfloat16 scales)"},
     "ct-w4a16-g32": "int4 (group 32, symmetric, bfloat16 scales)",
     "ct-w4a16-g32-asym-ignore": "int4 (group 32, asymmetric, float32 scales)",
     "ct-w8a8-int8": "int8",
     "fp8-block32": "fp8 (group 32)",
-    "fp8-tensor-static": "fp8",
+    "fp8-tensor-static": "fp8 (static input scale)",
     "gptq-w4-channel": {"int4 (group 64, symmetric, float16 scales)", "int4 (group 128, symmetric, float16 scales)"},
     "gptq-w4-g32-asym-descact": "int4 (group 32, asymmetric, float32 scales)",
     "gptq-w4-g32-asym-v2": "int4 (group 32, asymmetric, float32 scales)",
@@ -116,3 +116,20 @@ def test_kv_cache_scales_are_kept() -> None:
                 kept = getattr(attention, name)
                 assert kept is not None and torch.equal(kept.detach().float(), stored.reshape(1)), (i, name)
     assert _model(FIXTURES / "ct-fp8-dynamic").layers[0].get_submodule("self_attn").k_scale is None
+
+
+@pytest.mark.parametrize("name", ["ct-fp8-static-kv", "fp8-tensor-static"])
+def test_static_input_scales_are_kept(name: str) -> None:
+    """llm-compressor's static FP8 activations (and AutoFP8's layout): each quantized layer's activations
+    take the largest input_scale of the checkpoint tensors it fuses, as the GEMMs that quantize them read it."""
+    folder = FIXTURES / name
+    model = _model(folder)
+    stored = load_file(folder / "model.safetensors")
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    layers = model.quantized_layers()
+    assert layers
+    for path, layer in layers.items():
+        block, projection = path.rsplit(".", 1)
+        scales = [stored[f"model.{block}.{part}.input_scale"].float().reshape(1)
+                  for part in fused.get(projection, (projection,))]
+        assert torch.equal(cast(torch.Tensor, layer.activation_scale()), torch.cat(scales).amax().reshape(1)), path

@@ -278,6 +278,7 @@ class QuantizedLinear(nn.Module):
     scales_and_zeros: torch.Tensor
     gemv_scale: torch.Tensor
     gemv_offset: torch.Tensor
+    input_scale: torch.Tensor
     input_order: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
@@ -322,10 +323,22 @@ class QuantizedLinear(nn.Module):
         if self.scheme.method == "int4" or self.scheme.offsets:
             return QuantWeight(self.scheme.method, self.qweight, self.scale, self.zero, self.scheme.group_size)
         return QuantWeight(self.scheme.method, self.qweight, self.scale,
-                           group_size=self.scheme.group_size if self.scheme.per_group else 0)
+                           group_size=self.scheme.group_size if self.scheme.per_group else 0,
+                           input_scale=self.activation_scale())
+
+    def activation_scale(self) -> torch.Tensor | None:
+        """A static input scale (fp8 `static_input`) as the layer's activations take it, float32 [1]: the
+        largest of its rows' (a fused layer's parts may differ); None for dynamic activations."""
+        if not self.scheme.static_input:
+            return None
+        kept = getattr(self, "static_activation_scale", None)
+        return kept if kept is not None else self.input_scale.amax().reshape(1)
 
     def prepare(self) -> None:
-        """Once, after loading: the method's repacking (the CPU's int4 layout)."""
+        """Once, after loading: the static activation scale reduced once, then the method's repacking
+        (the CPU's int4 layout)."""
+        if self.scheme.static_input:
+            self.register_buffer("static_activation_scale", self.input_scale.amax().reshape(1))
         self.method.prepare(self)
 
     def dequantized(self) -> torch.Tensor:

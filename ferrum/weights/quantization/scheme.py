@@ -94,6 +94,9 @@ class QuantScheme:
     params: torch.dtype | None = None  # int4 only: the scales' and zeros' dtype; None: the model's
     per_group: bool = False  # int8 / fp8: a scale per group of group_size inputs (int4 always has groups)
     offsets: bool = False  # int8 per_group: a float32 zero per group too, w = q * scale + zero
+    # fp8: the checkpoint's static activation scale (its input_scale), kept per output row; the GEMMs that
+    # quantize activations (tensor cores, from 17 rows) scale them by it instead of per token
+    static_input: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", parse_method(self.method))
@@ -102,6 +105,8 @@ class QuantScheme:
         if self.offsets and not (self.method == "int8" and self.per_group):
             raise QuantizationConfigError(f"{self.method}: zeros per group (offsets) are for int8 with a scale per "
                                           "group only")
+        if self.static_input and self.method != "fp8":
+            raise QuantizationConfigError(f"{self.method}: a static input scale is served for fp8 only")
         if self.params is not None and (self.method != "int4" or self.params not in _PARAM_DTYPES):
             raise QuantizationConfigError(
                 f"{self.method}: params dtype {self.params} is for int4's scales and zeros, one of "
@@ -146,7 +151,10 @@ class QuantScheme:
             return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}{params})"
         if self.offsets:
             return f"{self.method} (group {self.group_size}, with zeros)"
-        return f"{self.method} (group {self.group_size})" if self.per_group else self.method
+        static = ", static input scale" if self.static_input else ""
+        if self.per_group:
+            return f"{self.method} (group {self.group_size}{static})"
+        return f"{self.method} (static input scale)" if self.static_input else self.method
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
     int8   qweight int8 [N, K]             scale float32 [N] (per_group: [N, ceil(K/g)]; offsets: zero too)
     fp8    qweight float8_e4m3fn [N, K]    scale float32 [N] (per_group: [N, ceil(K/g)])
+           static_input: input_scale float32 [N], each row its checkpoint tensor's activation scale (a fused
+           layer's parts may differ: the layer's activations take their largest)
     int4   qweight uint8 [N, K/2]          scale, zero [N, ceil(K/g)] (in scheme.params, else the weight's dtype)
            byte j of a row holds input 2j in its low nibble and input 2j + 1 in its high nibble;
            input k is in group k // g (the last group holds K - (groups - 1) * g inputs)
@@ -33,6 +35,9 @@ def part_layout(
         return {"qweight": ((n, k), torch.int8), "scale": (scales, torch.float32), "zero": (scales, torch.float32)}
     if scheme.method == "int8":
         return {"qweight": ((n, k), torch.int8), "scale": (scales, torch.float32)}
+    if scheme.method == "fp8" and scheme.static_input:
+        return {"qweight": ((n, k), torch.float8_e4m3fn), "scale": (scales, torch.float32),
+                "input_scale": ((n,), torch.float32)}
     if scheme.method == "fp8":
         return {"qweight": ((n, k), torch.float8_e4m3fn), "scale": (scales, torch.float32)}
     groups, params = scheme.groups(k), scheme.params or dtype

@@ -143,6 +143,22 @@ def expect(problems: list[str], infos: Mapping[str, TensorInfo], tensors: Mappin
         problems.append(f"tensor {name!r} is {str(got_dtype).removeprefix('torch.')}, expected {wanted}")
 
 
+def expect_scalar(problems: list[str], infos: Mapping[str, TensorInfo], tensors: Mapping[str, str], role: str) -> None:
+    """expect() for a per-tensor scale: shape [] or [1], a float dtype."""
+    info = infos.get(role)
+    expect(problems, infos, tensors, role, () if info is not None and tuple(info[0]) == () else (1,),
+           (torch.float32, torch.bfloat16, torch.float16))
+
+
+def static_input_scale(scale: torch.Tensor, name: str, rows: int) -> torch.Tensor:
+    """A checkpoint's static activation scale (tensor `name`, one value) as float32 [rows], the layer's
+    `input_scale` part; RepackError unless it is finite and positive."""
+    value = scale.float().reshape(1)
+    if not bool(torch.isfinite(value).all()) or float(value[0]) <= 0:
+        raise RepackError(f"tensor {name!r}: a static input scale must be finite and positive, got {float(value[0])}")
+    return value.expand(rows).contiguous()
+
+
 def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 words [..., W] -> their values [..., W * 32 / bits] (int32, 0 .. 2^bits - 1): value j of a
     word in bits [bits * j, bits * (j + 1)), as GPTQ, AWQ (before its column order) and compressed-tensors pack."""

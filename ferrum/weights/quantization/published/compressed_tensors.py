@@ -14,8 +14,9 @@ quantized module M (N outputs, K inputs):
 Served as: 4-bit groups or channels in the seam's int4 (zero = -zero_point * scale; scales and zeros
 in the checkpoint's dtype when symmetric, float32 otherwise: exact); 8-bit symmetric integers as int8
 and FP8 as fp8, with float32 scales per output row (channel, tensor) or per group of a row's inputs
-(group; block: each row takes its row block's). Activation schemes
-(static input scales) are not read: Ferrum's kernels quantize activations per token, dynamically;
+(group; block: each row takes its row block's). An FP8 group's static per-tensor input_activations
+(`dynamic: false`: M.input_scale [1]) are kept as the fp8 scheme's static input scale (see fp8.py);
+other activation schemes are read as dynamic: Ferrum's kernels quantize those activations per token;
 `k_scale` / `v_scale` of a `kv_cache_scheme` are loaded into each attention layer (`kv_cache_scales`)
 for an FP8 KV cache; nothing reads them yet.
 """
@@ -34,8 +35,10 @@ from ferrum.weights.quantization.published.base import (
     TensorInfo,
     act_order,
     expect,
+    expect_scalar,
     matching,
     pack_int4_rows,
+    static_input_scale,
     unpack_int32,
 )
 from ferrum.weights.quantization.published.gptq import one_group_size
@@ -60,6 +63,7 @@ class _Group:
     group_size: int
     symmetric: bool
     fmt: str
+    static_input: bool = False  # FP8 weights with static per-tensor FP8 activations (an input_scale a module)
 
 
 def _dtype(config: Mapping[str, Any]) -> torch.dtype:
@@ -82,12 +86,14 @@ class CompressedTensorsFormat(PublishedFormat):
                 raise QuantizationConfigError(f"compressed-tensors config group {label!r} quantizes no weights "
                                               "(activation-only schemes are not served)")
             fmt = str(group.get("format") or default_fmt)
-            self.groups.append(self._group(label, group.get("targets") or (), weights, fmt))
+            self.groups.append(self._group(label, group.get("targets") or (), weights, fmt,
+                                           group.get("input_activations") or {}))
         if not self.groups:
             raise QuantizationConfigError("compressed-tensors quantization_config has no config_groups")
         self.kv_cache = config.get("kv_cache_scheme") is not None
 
-    def _group(self, label: str, targets: Any, weights: Mapping[str, Any], fmt: str) -> _Group:
+    def _group(self, label: str, targets: Any, weights: Mapping[str, Any], fmt: str,
+               activations: Mapping[str, Any]) -> _Group:
         bits, kind = int(weights.get("num_bits", 8)), str(weights.get("type", "int"))
         strategy = str(weights.get("strategy", "tensor"))
         symmetric = bool(weights.get("symmetric", True))
@@ -115,7 +121,10 @@ class CompressedTensorsFormat(PublishedFormat):
         if strategy in ("group", "block") and (group_size < 16 or group_size & (group_size - 1)):
             raise QuantizationConfigError(f"{what}: groups of {group_size} inputs: Ferrum's kernels take "
                                           "power-of-two groups of 16 or more")
-        return _Group(label, tuple(targets), bits, kind, strategy, group_size, symmetric, fmt)
+        static = (kind == "float" and bool(activations) and activations.get("dynamic") is False
+                  and str(activations.get("type", "")) == "float" and str(activations.get("strategy", "")) == "tensor"
+                  and bool(activations.get("symmetric", True)))
+        return _Group(label, tuple(targets), bits, kind, strategy, group_size, symmetric, fmt, static)
 
     @property
     def kv_cache_scales(self) -> bool:
@@ -141,7 +150,9 @@ class CompressedTensorsFormat(PublishedFormat):
         per_group = group.strategy in ("group", "block")
         if group.kind == "float" or group.bits == 8:
             method: QuantMethod = "fp8" if group.kind == "float" else "int8"
-            return QuantScheme(method, group.group_size, per_group=True) if per_group else QuantScheme(method)
+            if per_group:
+                return QuantScheme(method, group.group_size, per_group=True, static_input=group.static_input)
+            return QuantScheme(method, static_input=group.static_input)
         size = group.group_size if group.strategy == "group" else one_group_size(k)
         return QuantScheme("int4", size, group.symmetric, self.checkpoint_dtype if group.symmetric else torch.float32)
 
@@ -153,6 +164,8 @@ class CompressedTensorsFormat(PublishedFormat):
             roles = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
         else:
             roles = ("weight", "weight_scale", "weight_zero_point", "weight_g_idx")
+        if group.static_input:
+            roles += ("input_scale",)
         return {role: f"{module}.{role}" for role in roles}
 
     def optional(self, role: str) -> bool:
@@ -186,6 +199,8 @@ class CompressedTensorsFormat(PublishedFormat):
             problems.append(f"tensor {names['weight_zero_point']!r}: the config says symmetric")
         if "weight_g_idx" in infos:
             expect(problems, infos, names, "weight_g_idx", (k,), (torch.int32, torch.int64))
+        if group.static_input:
+            expect_scalar(problems, infos, names, "input_scale")
         return problems
 
     def repack(self, module: str, n: int, k: int, raw: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Repacked:
@@ -200,8 +215,10 @@ class CompressedTensorsFormat(PublishedFormat):
                 rows = scale.float()
             else:
                 rows = scale.float().reshape(-1).expand(n) if group.strategy == "tensor" else scale.float().reshape(n)
-            return Repacked(QuantizedTensor(scheme, (n, k), dtype,
-                                            {"qweight": raw["weight"], "scale": rows.contiguous()}))
+            parts = {"qweight": raw["weight"], "scale": rows.contiguous()}
+            if group.static_input:
+                parts["input_scale"] = static_input_scale(raw["input_scale"], f"{module}.input_scale", n)
+            return Repacked(QuantizedTensor(scheme, (n, k), dtype, parts))
         if group.fmt == "pack-quantized":
             q = unpack_int32(raw["weight_packed"], group.bits)[:, :k]  # unsigned: signed + 2^(b-1)
         else:
