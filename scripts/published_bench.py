@@ -6,7 +6,8 @@
 Writes, from the random bf16 checkpoint of --shape (scripts/make_random_checkpoint.py), one folder per
 format with random integer codes in that format's documented layout (every linear layer quantized,
 the output head in bf16: GPTQ 4-bit group 128 symmetric (checkpoint_format gptq), AWQ GEMM group 128,
-compressed-tensors W4A16 group 128, FP8 per-tensor), then for each, and for bf16, on-load int4 and
+compressed-tensors W4A16 group 128, FP8 per-tensor with dynamic or (fp8-static) static activation
+scales), then for each, and for bf16, on-load int4 and
 on-load fp8 from the bf16 folder: the start-up time (create_engine, weights to ready) and batch-1
 decode (128-token prompt, 256 tokens) with the fraction of its floor: the bytes of every weight one
 token reads as served (scales and zeros included) over the measured read bandwidth.
@@ -54,13 +55,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
                      "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}},
     "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "fp8-static": {"quant_method": "fp8", "activation_scheme": "static"},
     "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     "gptq-w8": {"quant_method": "gptq", "bits": 8, "group_size": GROUP, "sym": True, "desc_act": False,
                 "checkpoint_format": "gptq"},
 }
 # bytes per weight element of a linear layer as served, and per group of GROUP inputs
 SERVED = {"gptq": (0.5, 4), "ct-w4a16": (0.5, 4), "awq": (0.5, 8), "int4": (0.5, 4), "fp8": (1.0, 0),
-          "bf16": (2.0, 0), "fp8-block": (1.0, 4), "gptq-w8": (1.0, 4),
+          "fp8-static": (1.0, 0), "bf16": (2.0, 0), "fp8-block": (1.0, 4), "gptq-w8": (1.0, 4),
           "gguf-q4k": (0.5, 32)}  # Q4_K as int4 groups of 32 with float32 scales and zeros (8 bytes a group)
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
@@ -96,6 +98,9 @@ def quantized_tensors(fmt: str, module: str, n: int, k: int, gen: torch.Generato
     if fmt == "fp8-block":
         blocks = (-(-n // 128), -(-k // 128))
         return {f"{module}.weight": weight, f"{module}.weight_scale_inv": _scales(blocks, gen, torch.float32)}
+    if fmt == "fp8-static":  # room for activations up to 9 (random weights: their size is arbitrary)
+        return {f"{module}.weight": weight, f"{module}.weight_scale": torch.tensor(0.0003),
+                f"{module}.input_scale": torch.tensor(0.02)}
     return {f"{module}.weight": weight, f"{module}.weight_scale": torch.tensor(0.0003)}
 
 
