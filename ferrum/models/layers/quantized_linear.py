@@ -279,6 +279,7 @@ class QuantizedLinear(nn.Module):
     gemv_scale: torch.Tensor
     gemv_offset: torch.Tensor
     input_scale: torch.Tensor
+    static_activation_scale: torch.Tensor | None
     input_order: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
@@ -294,6 +295,7 @@ class QuantizedLinear(nn.Module):
         self.repacked = False  # prepare() put the storage into the method's own layout
         self.gemv_zero_point = False  # the CPU GEMV's int4 offsets are zeros (else minimums)
         self.register_buffer("input_order", None)
+        self.register_buffer("static_activation_scale", None, persistent=False)  # prepare(): input_scale's largest
 
     def set_input_order(self, order: torch.Tensor | None) -> None:
         """The storage's input j is the layer's input order[j] (int64 [in_features]); None: in order."""
@@ -331,14 +333,15 @@ class QuantizedLinear(nn.Module):
         largest of its rows' (a fused layer's parts may differ); None for dynamic activations."""
         if not self.scheme.static_input:
             return None
-        kept = getattr(self, "static_activation_scale", None)
-        return kept if kept is not None else self.input_scale.amax().reshape(1)
+        if self.static_activation_scale is not None:
+            return self.static_activation_scale
+        return self.input_scale.amax().reshape(1)
 
     def prepare(self) -> None:
         """Once, after loading: the static activation scale reduced once, then the method's repacking
         (the CPU's int4 layout)."""
         if self.scheme.static_input:
-            self.register_buffer("static_activation_scale", self.input_scale.amax().reshape(1))
+            self.static_activation_scale = self.input_scale.amax().reshape(1)
         self.method.prepare(self)
 
     def dequantized(self) -> torch.Tensor:
