@@ -12,7 +12,9 @@ kernels   one MoE layer of each shape (Qwen3-30B-A3B: 128 experts of 768, top 8,
 decode    the --shape random checkpoint (Qwen3-30B-A3B by default; mixtral-8x7b: 93 GB, an H200; written
           tiled into --ckpt, a tmpfs): batch-1 ms/token against its active-weight floor (attention,
           router, top-k experts, norms and the head a token reads), and the decode step at batch 16
-          and 64 against the bytes of the experts they pick
+          and 64 against the bytes of the experts they pick; with --quantization int4,fp8 (on load), each
+          method's batch-1 against its own floor (the projections and experts as stored, the router,
+          norms and head in bf16)
 offline   `ferrum bench offline` on it (256 requests, 100-1024 in and out), with its roofline
 profile   torch.profiler over batch-1 decode steps of the --shape checkpoint as served (CUDA graphs):
           each kernel's GPU time a layer
@@ -152,16 +154,27 @@ def expert_shape(c: dict) -> tuple[int, int]:
     return c["num_local_experts"], c["intermediate_size"]
 
 
-def active_bytes_per_token(folder: Path) -> float:
+# bytes a weight of a quantized linear layer, as served on load: int4 groups of 128 with a bf16 scale and
+# zero each; int8 / fp8 a float32 scale per row (counted per weight over K inputs by `linear_bytes`)
+WEIGHT_BYTES = {"none": 2.0, "int4": 0.5 + 4 / 128, "int8": 1.0, "fp8": 1.0}
+
+
+def linear_bytes(n: int, k: int, method: str) -> float:
+    return n * k * WEIGHT_BYTES[method] + (4 * n if method in ("int8", "fp8") else 0)
+
+
+def active_bytes_per_token(folder: Path, method: str = "none") -> float:
     """The weight bytes one decode token reads: everything but the embedding table and the experts, plus
-    top_k experts of every sparse layer (bf16)."""
+    top_k experts of every sparse layer; the attention projections and the experts in `method` as
+    quantized on load (the router, the norms and the head stay bf16: quantization's default skip)."""
     c = json.loads((folder / "config.json").read_text())
     h, layers, d = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     experts, inter = expert_shape(c)
-    attention = h * (q + 2 * kv) + q * h + (2 * d if c["model_type"] == "qwen3_moe" else 0)  # q/k norms
-    per_layer = attention + 2 * h + experts * h + c["num_experts_per_tok"] * 3 * h * inter
-    return 2.0 * (layers * per_layer + h + c["vocab_size"] * h)
+    dense = 2.0 * ((2 * d if c["model_type"] == "qwen3_moe" else 0) + 2 * h + experts * h)  # q/k norms, norms, router
+    quantized = (linear_bytes(q + 2 * kv, h, method) + linear_bytes(h, q, method)
+                 + c["num_experts_per_tok"] * (linear_bytes(2 * inter, h, method) + linear_bytes(h, inter, method)))
+    return layers * (dense + quantized) + 2.0 * (h + c["vocab_size"] * h)
 
 
 def step_time(engine, batch: int, prompt_len: int = 128, new_tokens: int = 64) -> float:
@@ -183,27 +196,36 @@ def step_time(engine, batch: int, prompt_len: int = 128, new_tokens: int = 64) -
 
 
 def phase_decode(args, bandwidth: float) -> None:
+    for method in args.quantization.split(","):
+        decode_with(args, bandwidth, method)
+
+
+def decode_with(args, bandwidth: float, method: str) -> None:
+    """Batch-1 decode against the active floor (bf16: also the decode step at batch 16 and 64) with the
+    layers quantized on load by `method` (none: bf16)."""
     from gpu_suite import batch1_per_token
 
     shape = args.shape
     folder = checkpoint(args.ckpt, shape)
-    floor = active_bytes_per_token(folder) / bandwidth
+    active = active_bytes_per_token(folder, method)
+    floor = active / bandwidth
+    label = shape if method == "none" else f"{shape} {method}"
     started = time.perf_counter()
-    engine = gpu_engine(folder, max_num_seqs=64, max_model_len=2048)
-    record("decode", f"{shape} engine ready", round(time.perf_counter() - started, 1), "s")
+    settings = {} if method == "none" else {"quantization": {"method": method}}
+    engine = gpu_engine(folder, max_num_seqs=64, max_model_len=2048, **settings)
+    record("decode", f"{label} engine ready", round(time.perf_counter() - started, 1), "s")
     experts, top_k, hidden, inter = LAYERS[shape]
     expert_bytes = 3 * hidden * inter * 2 * engine.model_config.num_layers
     base = active_bytes_per_token(folder) - top_k * expert_bytes
-    for batch in (16, 64):
+    for batch in (16, 64) if method == "none" else ():
         t = step_time(engine, batch)
         touched = experts * (1 - (1 - top_k / experts) ** batch)  # expected distinct experts a layer
         step_floor = (base + touched * expert_bytes) / bandwidth
         record("decode", f"{shape} decode step, batch {batch}", round(t * 1e3, 3), "ms",
                f"floor {step_floor * 1e3:.3f} ms ({touched:.0f} experts a layer) -> {step_floor / t:.1%}")
     per_token = batch1_per_token(engine)
-    record("decode", f"{shape} batch-1 ms/token", round(per_token * 1e3, 3), "ms",
-           f"active floor {floor * 1e3:.3f} ms ({active_bytes_per_token(folder) / 1e9:.2f} GB) -> "
-           f"{floor / per_token:.1%} of floor")
+    record("decode", f"{label} batch-1 ms/token", round(per_token * 1e3, 3), "ms",
+           f"active floor {floor * 1e3:.3f} ms ({active / 1e9:.2f} GB) -> {floor / per_token:.1%} of floor")
     del engine  # released by batch1_per_token: the offline phase's process needs the device's memory
     import gc
 
@@ -258,6 +280,9 @@ def main() -> None:
     parser.add_argument("--phases", default="kernels,decode,offline")
     parser.add_argument("--ckpt", type=Path, default=Path("/dev/shm/ckpt"))
     parser.add_argument("--out", type=Path, default=Path("moe-bench"))
+    parser.add_argument("--quantization", default="none",
+                        help="the decode phase's methods, quantized on load: none (bf16), int4, int8, fp8; "
+                             "comma-separated")
     parser.add_argument("--shape", choices=sorted(LAYERS), default="qwen3-30b-a3b",
                         help="the checkpoint of the decode and offline phases")
     args = parser.parse_args()
