@@ -63,7 +63,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # bytes per weight element of a linear layer as served, and per group of GROUP inputs
 SERVED = {"gptq": (0.5, 4), "ct-w4a16": (0.5, 4), "awq": (0.5, 8), "int4": (0.5, 4), "fp8": (1.0, 0),
           "fp8-static": (1.0, 0), "bf16": (2.0, 0), "fp8-block": (1.0, 4), "gptq-w8": (1.0, 4),
-          "gguf-q4k": (0.5, 32)}  # Q4_K as int4 groups of 32 with float32 scales and zeros (8 bytes a group)
+          "gguf-q4k": (0.5, 12)}  # Q4_K in its own factors: 2 bytes a group of 32, 8 a super-block of 256
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 

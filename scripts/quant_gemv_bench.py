@@ -68,6 +68,14 @@ def random_weight(kind: str, n: int, k: int) -> torch.Tensor | QuantWeight:
         q = (torch.randn(n, k, device=dev) * 64).to(torch.float8_e4m3fn)
         return QuantWeight("fp8", q, torch.rand(n, device=dev) * 1e-3)
     q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
+    if kind == "int4-g32":  # GGUF Q4_1's layout: groups of 32, float32 scales and zeros
+        s32 = torch.rand(n, k // 32, device=dev) * 1e-2
+        return QuantWeight("int4", q, s32, torch.randn(n, k // 32, device=dev) * 1e-3, 32)
+    if kind == "int4-k":  # GGUF Q4_K's own factors (QuantScheme.sub_scales)
+        sub = torch.randint(0, 64, (n, k // 32, 2), dtype=torch.uint8, device=dev)
+        sup = (torch.rand(n, k // 256, 2, device=dev) * 1e-3).half().float()
+        return QuantWeight("int4", q, sub.view(torch.int16)[..., 0], sup.view(torch.int64)[..., 0], 32,
+                           sub_scales=True)
     s = (torch.rand(n, k // GROUP, device=dev) * 1e-2).to(torch.bfloat16)
     return QuantWeight("int4", q, s, (torch.randn(n, k // GROUP, device=dev) * 1e-3).to(torch.bfloat16), GROUP)
 
@@ -87,7 +95,12 @@ def dequantized(w: torch.Tensor | QuantWeight) -> torch.Tensor:
     assert w.zero is not None
     q = torch.stack((w.qweight & 0xF, w.qweight >> 4), dim=-1).reshape(w.qweight.shape[0], -1).float()
     n, k = q.shape
-    grouped = (q.reshape(n, k // GROUP, GROUP) - 8) * w.scale.float()[..., None] + w.zero.float()[..., None]
+    scale, zero, g = w.scale.float(), w.zero.float(), w.group_size
+    if w.sub_scales:  # w = d sc q - dmin m
+        sub = w.scale.view(torch.uint8).reshape(n, k // 32, 2).float()
+        sup = w.zero.view(torch.float32).reshape(n, k // 256, 2).repeat_interleave(8, dim=1)
+        scale, zero = sup[..., 0] * sub[..., 0], 8 * sup[..., 0] * sub[..., 0] - sup[..., 1] * sub[..., 1]
+    grouped = (q.reshape(n, k // g, g) - 8) * scale[..., None] + zero[..., None]
     return grouped.reshape(n, k)
 
 
@@ -114,7 +127,7 @@ CANDIDATES = {  # (features, whole K with norm, whole K without, K slice, warps)
 
 def per_shape(kind: str, bw: float, quick: bool, rows: list[Row], record: dict) -> None:
     config = KernelConfig()
-    default = config.gemv_table(None if kind == "bf16" else kind)  # type: ignore[arg-type]
+    default = config.gemv_table(None if kind == "bf16" else kind[:4])  # type: ignore[arg-type]
     for name, (n_rows, k, gated, norm, residual) in SHAPES.items():
         one = random_weight(kind, n_rows, k)
         size = nbytes(one)
@@ -130,7 +143,7 @@ def per_shape(kind: str, bw: float, quick: bool, rows: list[Row], record: dict) 
             ref = F.silu(ref[:, :n]) * ref[:, n:]
         if residual:
             ref = ref + res.float()
-        tables = [default] + [t for t in CANDIDATES[kind][: 3 if quick else None] if t != default]
+        tables = [default] + [t for t in CANDIDATES[kind[:4]][: 3 if quick else None] if t != default]
         results = []
         extra = {"norm_weight": nw if norm else None, "gated": gated, "residual": res if residual else None}
         for t in tables:
@@ -188,7 +201,7 @@ def _step(h: torch.Tensor, layers: list[dict[str, torch.Tensor | QuantWeight]], 
 def chain(kind: str, bw: float, rows: list[Row], record: dict) -> None:
     """32 layers + bf16 LM head, default tables, batch 1 and 4."""
     config = KernelConfig()
-    t = config.gemv_table(None if kind == "bf16" else kind)  # type: ignore[arg-type]
+    t = config.gemv_table(None if kind == "bf16" else kind[:4])  # type: ignore[arg-type]
     head_t = config.gemv
     layers = [{name: random_weight(kind, n, k) for name, (n, k, *_rest) in SHAPES.items()} for _ in range(LAYERS)]
     head = torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.02

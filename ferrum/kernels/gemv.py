@@ -66,12 +66,25 @@ from ferrum.kernels.config import GemvTable
 from ferrum.kernels.gemv_chunks import chunk_products, chunk_warps, chunk_words
 from ferrum.kernels.kv_fp8 import cache_value, scales_arg
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
-from ferrum.kernels.planes import FP8, INT4, INT8, INT8_ZERO, PER_CHANNEL, PLAIN, fp8_planes, plane
+from ferrum.kernels.planes import (
+    FP8,
+    INT4,
+    INT4_K,
+    INT8,
+    INT8_ZERO,
+    PER_CHANNEL,
+    PLAIN,
+    SUPER_GROUPS,
+    factor_stride,
+    fp8_planes,
+    group_factors,
+    plane,
+)
 from ferrum.kernels.quant_weight import QuantWeight
 
 MAX_ROWS = 16  # the most rows one launch takes (the engine's fused path uses up to KernelConfig.fused_decode_rows)
 
-PLANES = {PLAIN: 1, PER_CHANNEL: 1, INT4: 8, INT8: 4, FP8: 4, INT8_ZERO: 4}  # inputs a word
+PLANES = {PLAIN: 1, PER_CHANNEL: 1, INT4: 8, INT8: 4, FP8: 4, INT8_ZERO: 4, INT4_K: 8}  # inputs a word
 MAGIC = 0x4B000000  # the float 2^23: a small integer OR-ed into its mantissa is 2^23 + it
 
 
@@ -95,7 +108,7 @@ class KernelWeight:
     zero: torch.Tensor
     stride_wn: int
     stride_sn: int
-    quant: int  # PLAIN, PER_CHANNEL, INT4 or INT8
+    quant: int  # PLAIN, PER_CHANNEL, INT4, INT4_K, INT8, FP8 or INT8_ZERO (ferrum.kernels.planes)
     group: int  # int4's inputs per scale, int8 / fp8 with groups theirs; 1: a scale per row
     out_rows: int
     in_features: int
@@ -158,12 +171,23 @@ def kernel_weight(weight: torch.Tensor | QuantWeight) -> KernelWeight:
                          f"a zero, and a power-of-two group size >= 16; got qweight {q.dtype} {tuple(q.shape)} "
                          f"strides {q.stride()}, zero {'missing' if zero is None else 'set'}, group size {g}")
     groups = -(-k // g)  # input k is in group k // g; the last group may hold fewer than g inputs
+    words = q.view(torch.int32)  # K is a multiple of 8: a row is whole words (a word never spans two groups)
+    if weight.sub_scales:
+        supers = -(-groups // SUPER_GROUPS)
+        if (g != 32 or scale.dtype != torch.int16 or zero.dtype != torch.int64 or tuple(scale.shape) != (n, groups)
+                or tuple(zero.shape) != (n, supers) or scale.stride(1) != 1 or zero.stride(1) != 1
+                or zero.stride(0) != -(-scale.stride(0) // SUPER_GROUPS)):
+            raise ValueError(f"int4 weight with sub-scales: expected groups of 32, int16 sub-scales [N, ceil(K/32)] = "
+                             f"[{n}, {groups}] and int64 super-block factors [N, ceil(K/256)] = [{n}, {supers}], both "
+                             f"with unit stride along K and rows of ceil(groups / 8) factors; got group {g}, "
+                             f"{scale.dtype} {tuple(scale.shape)} {scale.stride()} and {zero.dtype} "
+                             f"{tuple(zero.shape)} {zero.stride()}")
+        return KernelWeight(words, scale, zero, words.stride(0), scale.stride(0), INT4_K, g, n, k)
     if (tuple(scale.shape) != (n, groups) or tuple(zero.shape) != (n, groups) or scale.stride(1) != 1
             or zero.stride() != scale.stride() or zero.dtype != scale.dtype):
         raise ValueError(f"int4 weight: scale and zero must be [N, ceil(K/group)] = [{n}, {groups}] with unit stride "
                          f"along the groups and the same strides; got {tuple(scale.shape)} {scale.stride()} and "
                          f"{tuple(zero.shape)} {zero.stride()}")
-    words = q.view(torch.int32)  # K is a multiple of 8: a row is whole words (a word never spans two groups)
     return KernelWeight(words, scale, zero, words.stride(0), scale.stride(0), INT4, g, n, k)
 
 
@@ -355,8 +379,7 @@ def _planes_product(acc: tl.tensor, xf: tl.tensor, w: tl.tensor, s_cols: tl.tens
             gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]
         else:
             gmask = nmask[None, :] & (g >= 0)[:, None]
-        s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
-        z = tl.load(z_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+        s, z = group_factors(s_cols, z_cols, g[:, None], gmask, QUANT)
         acc += part * s[None, :, :] + (x_even + x_odd)[:, :, None] * z[None, :, :]
     elif GROUP > 1:  # int8 with a scale per group (and with INT8_ZERO its zero times the word's x sum)
         acc += part * _word_scales(s_cols, nmask, k0, K, w.shape[0], GROUP, PLANES, WHOLE_K)[None, :, :]
@@ -392,7 +415,8 @@ def _planes_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW:
     w_cols = W + n[None, :].to(tl.int64) * stride_wn
     w_cols2 = W + n2[None, :].to(tl.int64) * stride_wn
     s_cols, s_cols2 = S + (n * stride_sn)[None, :], S + (n2 * stride_sn)[None, :]
-    z_cols, z_cols2 = Z + (n * stride_sn)[None, :], Z + (n2 * stride_sn)[None, :]
+    stride_zn = factor_stride(stride_sn, QUANT)
+    z_cols, z_cols2 = Z + (n * stride_zn)[None, :], Z + (n2 * stride_zn)[None, :]
     acc = tl.zeros([ROWS, KW, BLOCK_N], tl.float32)
     acc2 = tl.zeros([ROWS, KW, BLOCK_N], tl.float32)
     ss = tl.zeros([ROWS, KW], tl.float32)

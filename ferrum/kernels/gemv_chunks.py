@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.pdl import pdl_wait
-from ferrum.kernels.planes import INT4, INT8, INT8_ZERO, plane
+from ferrum.kernels.planes import INT4, INT4_K, INT8, INT8_ZERO, factor_stride, group_factors, plane
 
 CHUNK_WORDS = 4  # words a thread reads at once: 16 bytes
 
@@ -40,7 +40,7 @@ def chunk_words(quant: int, planes: int, group: int, k: int, block_k: int) -> in
     read in K slices of `block_k`; 1 (gemv's one-word planes) for storage read as tiles, groups
     shorter than a chunk or K not whole chunks."""
     inputs = planes * CHUNK_WORDS
-    if quant not in (INT4, INT8, INT8_ZERO):  # fp8's chain ran slower in chunks: 3.12 against 3.00 ms (H100)
+    if quant not in (INT4, INT4_K, INT8, INT8_ZERO):  # fp8's chain ran slower in chunks: 3.12 against 3.00 ms (H100)
         return 1
     if (group != 1 and group < inputs) or block_k < inputs or k % inputs:
         return 1
@@ -109,7 +109,19 @@ def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.te
                    QUANT: tl.constexpr) -> tl.tensor:
     """acc [KT, BLOCK_N] + each chunk's product: x (float32, the even and odd inputs of each word, [KT,
     WPT, PLANES / 2]) times the words w [KT, WPT, BLOCK_N], by planes; with groups, times the chunk's
-    group scale (plus its zero times the chunk's sum of x: int4, int8 with zeros)."""
+    group scale (plus its zero times the chunk's sum of x: int4, int8 with zeros). The group factors are
+    loaded first: issued after the products, their latency stalled every K slice."""
+    KT: tl.constexpr = w.shape[0]
+    ZEROS: tl.constexpr = QUANT == 2 or QUANT == 6 or QUANT == 7  # INT4, INT8_ZERO, INT4_K: a zero per group too
+    s = acc
+    z = acc
+    if GROUP > 1:
+        g = (k0 + PLANES * WPT * tl.arange(0, KT)) // GROUP  # each chunk's group
+        gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]  # chunks past K read none; the last ragged
+        if ZEROS:
+            s, z = group_factors(s_cols, z_cols, g[:, None], gmask, QUANT)
+        else:
+            s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
     if PLANES == 8:  # int4
         x0, x2, x4, x6 = _split4(x_even)
         x1, x3, x5, x7 = _split4(x_odd)
@@ -137,12 +149,7 @@ def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.te
         chunk = tl.sum(part, axis=1) - (65664.0 * sum_even + 384.0 * sum_odd)[:, None]  # sum of x q
     if GROUP == 1:  # a scale per output channel, after the K loop
         return acc + chunk
-    KT: tl.constexpr = w.shape[0]
-    g = (k0 + PLANES * WPT * tl.arange(0, KT)) // GROUP  # each chunk's group
-    gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]  # chunks past K read none; the last may be ragged
-    s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
-    if QUANT == 2 or QUANT == 6:  # INT4, INT8_ZERO: a zero per group too
-        z = tl.load(z_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+    if ZEROS:
         return acc + chunk * s + (sum_even + sum_odd)[:, None] * z
     return acc + chunk * s
 
@@ -199,7 +206,8 @@ def chunk_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: t
     w_cols = W + n[None, None, :].to(tl.int64) * stride_wn
     w_cols2 = W + n2[None, None, :].to(tl.int64) * stride_wn
     s_cols, s_cols2 = S + (n * stride_sn)[None, :], S + (n2 * stride_sn)[None, :]
-    z_cols, z_cols2 = Z + (n * stride_sn)[None, :], Z + (n2 * stride_sn)[None, :]
+    stride_zn = factor_stride(stride_sn, QUANT)
+    z_cols, z_cols2 = Z + (n * stride_zn)[None, :], Z + (n2 * stride_zn)[None, :]
     acc = tl.zeros([KT, BLOCK_N], tl.float32)
     acc2 = tl.zeros([KT, BLOCK_N], tl.float32)
     ss = tl.zeros([KT], tl.float32)

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ferrum.kernels.config import GemvTable
 from ferrum.kernels.gemv import MAGIC, _products, kernel_weight, slicing
+from ferrum.kernels.planes import factor_stride
 from ferrum.kernels.quant_weight import QuantWeight
 
 PER_PAIR_MAX_ROWS = 16  # the most tokens a step may have for the per-pair products
@@ -203,7 +204,8 @@ def _pair_gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OU
     first = tl.load(CHOSEN + pair).to(tl.int64) * rows_e  # the expert's first row of the stack
     one = tl.arange(0, 1)
     xrows = (one + pair // TOP_K).to(tl.int64)
-    acc, acc2 = _products(X, W + first * stride_wn, S + first * stride_sn, Z + first * stride_sn, X, n, n + N, nmask,
+    z_first = Z + first * factor_stride(stride_sn, QUANT)  # INT4_K's super-block factors: a row of their own
+    acc, acc2 = _products(X, W + first * stride_wn, S + first * stride_sn, z_first, X, n, n + N, nmask,
                           xrows, one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1, BLOCK_N, BLOCK_K, False,
                           True, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM)
     y = acc.to(act_ty).to(tl.float32)  # [1, BLOCK_N]
@@ -233,7 +235,8 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
     for j in tl.static_range(TOP_K):
         pair = token * TOP_K + j
         first = tl.load(CHOSEN + pair).to(tl.int64) * rows_e  # the expert's first row of the stack
-        acc, _ = _products(X, W + first * stride_wn, S + first * stride_sn, Z + first * stride_sn, X, n, n, nmask,
+        z_first = Z + first * factor_stride(stride_sn, QUANT)
+        acc, _ = _products(X, W + first * stride_wn, S + first * stride_sn, z_first, X, n, n, nmask,
                            (one + pair).to(tl.int64), one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1,
                            BLOCK_N, BLOCK_K, False, False, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM)
         total += acc.to(act_ty).to(tl.float32) * tl.load(RW + pair).to(act_ty).to(tl.float32)

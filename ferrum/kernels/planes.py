@@ -13,6 +13,8 @@ INT4 = 2  # int32 words of 8 inputs, read as 8 planes; a scale and zero per grou
 INT8 = 3  # int32 words of 4 inputs, read as 4 planes; a scale per row
 FP8 = 5  # int32 words of 4 e4m3 inputs, read as 4 planes; a scale per row
 INT8_ZERO = 6  # as INT8 with a scale and a zero per group (w = q * scale + zero)
+INT4_K = 7  # as INT4, each group's scale and zero from 6-bit sub-scales and a super-block's factors (group_factors)
+SUPER_GROUPS = 8  # INT4_K: groups a super-block (llama.cpp's K-quants: 8 sub-blocks of 32 in 256 inputs)
 
 @triton.jit
 def plane(words: tl.tensor, magic: tl.tensor, i: tl.constexpr, PLANES: tl.constexpr) -> tl.tensor:
@@ -76,3 +78,37 @@ def _fp8_bits_to_float(b: tl.tensor) -> tl.tensor:
     m = (b & 7).to(tl.float32)
     v = tl.where(e == 0, m * 0.001953125, (m + 8.0) * ((e + 117) << 23).to(tl.float32, bitcast=True))
     return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def factor_stride(stride_sn: tl.tensor, QUANT: tl.constexpr) -> tl.tensor:
+    """The row stride of Z given S's (stride_sn): INT4_K's super-block factors are one a SUPER_GROUPS
+    groups (ceil(groups / 8) a row); every other kind's zeros lie as its scales."""
+    if QUANT == 7:
+        return (stride_sn + 7) // 8
+    return stride_sn
+
+
+@triton.jit
+def group_factors(s_cols: tl.tensor, z_cols: tl.tensor, g: tl.tensor, mask: tl.tensor,
+                  QUANT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """The (scale, zero) float32 of groups g of the rows at s_cols / z_cols (S and Z + row * their row
+    strides), w = (q - 8) * scale + zero. INT4 (and INT8_ZERO): as stored. INT4_K (llama.cpp's Q4_K,
+    w = d sc q - dmin m): S holds int16 sc | m << 8 a group (6-bit sub-scale and minimum), Z int64 a
+    super-block, its float32 d in the low word and dmin in the high one (one 8-byte load): scale = d sc
+    and zero = 8 scale - dmin m, exact products (11 by 6 bits) and one rounding of the difference, as
+    float32 storage of the zero would round it. sc and m become floats as 2^23 + u by one logic op and a
+    subtraction, d and dmin by taking a word: the conversion instructions, which the SM runs at a
+    quarter of the rate, cost the GEMV 9% at the Llama-3.1-8B shapes (H200)."""
+    if QUANT == 7:
+        sm = tl.load(s_cols + g, mask=mask, other=0).to(tl.int32)
+        dd = tl.load(z_cols + g // 8, mask=mask, other=0)
+        d = dd.to(tl.int32).to(tl.float32, bitcast=True)
+        dmin = (dd >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        sc = ((sm & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # 2^23
+        m = (((sm >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        s = d * sc
+        return s, 8.0 * s - dmin * m
+    s = tl.load(s_cols + g, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_cols + g, mask=mask, other=0.0).to(tl.float32)
+    return s, z

@@ -69,7 +69,8 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable, KernelConfig
-from ferrum.kernels.gemv import INT4, KernelWeight, gemv, kernel_weight
+from ferrum.kernels.gemv import INT4, INT4_K, KernelWeight, gemv, kernel_weight
+from ferrum.kernels.planes import factor_stride, group_factors
 from ferrum.kernels.quant_weight import QuantWeight
 
 GEMV_ROWS = 1  # up to this many rows: the fused GEMV
@@ -277,14 +278,15 @@ def dequantize_int4(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     block_n, block_k = 32, min(kw.group, 256)
     _dequantize_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         kw.data, kw.scale, kw.zero, out, n, k, kw.stride_wn, kw.stride_sn, out.stride(0), GROUP=kw.group,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, QUANT=kw.quant, num_warps=4)
     return out
 
 
 @triton.jit
 def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, N: tl.tensor, K: tl.tensor,
                             stride_wn: tl.tensor, stride_sn: tl.tensor, stride_on: tl.tensor, GROUP: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr) -> None:
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                            QUANT: tl.constexpr) -> None:
     """One [BLOCK_N, BLOCK_K] block of the dequantized weight (BLOCK_K divides GROUP: within one
     group; unless EVEN_K the last block, in a ragged last group, is masked at K)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -295,8 +297,7 @@ def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.te
     wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (kw < K // 8)[None, :]
     omask = nmask[:, None] if EVEN_K else nmask[:, None] & (kk < K)[None, :]
     words = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kw[None, :], mask=wmask, other=0)
-    s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
-    z = tl.load(Z + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)
+    s, z = group_factors(S + rn * stride_sn, Z + rn * factor_stride(stride_sn, QUANT), k0 // GROUP, nmask, QUANT)
     w = _unpack_int4(words) * s[:, None] + z[:, None]
     tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], w.to(OUT.dtype.element_ty), mask=omask)
 
@@ -310,7 +311,7 @@ def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = Non
     m, k = x.shape
     n = kw.out_rows
     assert k == kw.in_features and x.stride(1) == 1, (x.shape, k)
-    if kw.quant == INT4:
+    if kw.quant in (INT4, INT4_K):
         return _w4a16(x, kw, bias, config or w4a16_config(m, n, k))
     cfg = config or _w8a16_config(m)
     if cfg.split_k != 1:
@@ -350,7 +351,7 @@ def _w4a16(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, cfg: Ge
         x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, dest, m, n, k,
         x.stride(0), *x_strides, kw.stride_wn, kw.stride_sn, out.stride(0),
         GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, EVEN_K=even_k, SPLIT_K=cfg.split_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, QUANT=kw.quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
@@ -413,7 +414,7 @@ def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.
                   stride_x_word: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
                   GROUP: tl.constexpr, BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr) -> None:
+                  GROUP_M: tl.constexpr, QUANT: tl.constexpr) -> None:
     """One [BLOCK_N, BLOCK_M] tile of out^T over split program_id(1)'s share of the K tiles: per K
     tile the [BLOCK_N, BLOCK_K / 8] words, each of its 8 planes dequantized ((q - 8) * scale + zero,
     rounded to x's dtype) and dotted with x's matching columns, loaded transposed [BLOCK_K / 8,
@@ -429,6 +430,7 @@ def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.
     nmask = rn < N
     x_cols = X + rm[None, :].to(tl.int64) * stride_xm
     w_rows = W + rn[:, None].to(tl.int64) * stride_wn
+    s_rows, z_rows = S + rn * stride_sn, Z + rn * factor_stride(stride_sn, QUANT)
     tiles = tl.cdiv(K, BLOCK_K)
     share = tl.cdiv(tiles, SPLIT_K)
     first = tl.program_id(1) * share
@@ -440,12 +442,10 @@ def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.
         xmask = mmask[None, :] if EVEN_K else mmask[None, :] & (kw < K // 8)[:, None]
         words = tl.load(w_rows + kw[None, :], mask=wmask, other=0)
         if BLOCK_K <= GROUP:  # the tile within one group
-            s = tl.load(S + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)[:, None]
-            z = tl.load(Z + rn * stride_sn + k0 // GROUP, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            s, z = group_factors(s_rows, z_rows, k0 // GROUP, nmask, QUANT)
+            s, z = s[:, None], z[:, None]
         else:
-            g = rn[:, None] * stride_sn + (kw * 8 // GROUP)[None, :]
-            s = tl.load(S + g, mask=wmask, other=0.0).to(tl.float32)
-            z = tl.load(Z + g, mask=wmask, other=0.0).to(tl.float32)
+            s, z = group_factors(s_rows[:, None], z_rows[:, None], (kw * 8 // GROUP)[None, :], wmask, QUANT)
         for i in tl.static_range(8):
             w = (_int4_plane(words, i) * s + z).to(X.dtype.element_ty)
             xt = tl.load(x_cols + (k0 + i * stride_x_plane + jj * stride_x_word)[:, None], mask=xmask, other=0.0)

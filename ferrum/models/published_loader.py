@@ -23,6 +23,7 @@ from ferrum.models.llama import LlamaForCausalLM, WeightBinding
 from ferrum.weights.errors import WeightError
 from ferrum.weights.loader import WeightLoader
 from ferrum.weights.quantization.published.base import PublishedFormat, Repacked, RepackError, widen
+from ferrum.weights.quantization.scheme import SUPER_GROUPS
 from ferrum.weights.quantization.tensor import QuantizedTensor
 from ferrum.weights.spec.sources import WeightSource
 from ferrum.weights.spec.tensors import TensorSpec, WeightMetadata
@@ -135,9 +136,15 @@ def _sharded(repacked: Repacked, item: PublishedLayer, where: str) -> Repacked:
         if shard.start % g or (shard.end % g and shard.end != weight.shape[1]):
             raise PublishedWeightsError(where, f"{item.module}: its {weight.scheme.method} groups of {g} straddle two "
                                         "tensor-parallel ranks' inputs")
-        for name in ("scale", "zero"):
+        for name in ("scale", "zero", "sub_scales"):
             if name in weight.parts:
                 parts[name] = weight.parts[name][:, shard.start // g:-(-shard.end // g)]
+        if "super_scales" in weight.parts:  # Q4_K's super-blocks of 8 groups, whole on each rank
+            sg = g * SUPER_GROUPS
+            if shard.start % sg or (shard.end % sg and shard.end != weight.shape[1]):
+                raise PublishedWeightsError(where, f"{item.module}: its Q4_K super-blocks of {sg} inputs straddle two "
+                                            "tensor-parallel ranks' inputs")
+            parts["super_scales"] = weight.parts["super_scales"][:, shard.start // sg:-(-shard.end // sg)]
     else:
         parts["scale"] = weight.parts["scale"]
     if "input_scale" in weight.parts:  # per output row: every rank's inputs take it whole

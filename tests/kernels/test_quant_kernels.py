@@ -46,10 +46,31 @@ def rms_normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w.double() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def q4_k(w: torch.Tensor) -> tuple[QuantWeight, torch.Tensor]:
+    """A weight [N, K] stored as GGUF's Q4_K is served (QuantScheme.sub_scales): random codes, 6-bit sub-scales
+    and minimums and super-block factors (float16 values) about the size of w's (a short last super-block where 256
+    does not divide K), as the kernels take it, and the weight it stands for (float64, on the CPU)."""
+    gen = torch.Generator().manual_seed(w.shape[1])
+    n, k = w.shape
+    scheme = QuantScheme("int4", 32, sub_scales=True)
+    amax = float(w.float().abs().max())
+    parts = {"qweight": torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8),
+             "sub_scales": torch.randint(0, 64, (n, scheme.groups(k), 2), generator=gen, dtype=torch.uint8),
+             "super_scales": (torch.rand(n, scheme.supers(k), 2, generator=gen) * amax / 256).half().float()}
+    qt = QuantizedTensor(scheme, (n, k), w.dtype, parts)
+    assert not qt.layout_problems()
+    d = {name: part.to(DEVICE) for name, part in parts.items()}
+    kernel = QuantWeight("int4", d["qweight"], d["sub_scales"].view(torch.int16)[..., 0],
+                         d["super_scales"].view(torch.int64)[..., 0], 32, sub_scales=True)
+    return kernel, dequantize(qt, torch.float64)
+
+
 def quantized(w: torch.Tensor, kind: str, group: int = GROUP) -> tuple[QuantWeight, torch.Tensor]:
     """w [N, K] in `kind` ("int8-g" / "fp8-g": a scale per group; "int8-gz": and a zero per group, as
-    GGUF's Q5_K has: random, about the size of the weights), as the kernels take it, and the weight it
-    stands for (float64, on the CPU)."""
+    GGUF's Q5_K has: random, about the size of the weights; "int4-k": GGUF's Q4_K, q4_k), as the kernels
+    take it, and the weight it stands for (float64, on the CPU)."""
+    if kind == "int4-k":
+        return q4_k(w)
     zeros = kind == "int8-gz"
     kind = kind.removesuffix("z")
     method, per_group = kind.removesuffix("-g"), kind.endswith("-g")
@@ -70,7 +91,7 @@ TABLES = [  # K = 128, int4 groups of 32
     GemvTable(features_per_program=8, whole_k_with_norm=16, whole_k_without_norm=16, k_slice=16),  # half a group
 ]
 CASES = [(kind, table) for kind in KINDS for table in TABLES if kind == "int4" or table.k_slice != 16]
-CASES += [(kind, table) for kind in ("int8-g", "fp8-g", "int8-gz") for table in TABLES]  # groups of 32
+CASES += [(kind, table) for kind in ("int8-g", "fp8-g", "int8-gz", "int4-k") for table in TABLES]  # groups of 32
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -123,7 +144,7 @@ def test_quantized_gemv_reads_its_rows_from_a_table(kind: str) -> None:
     assert torch.equal(gathered, tg.gemv(table[rows], qw, t, norm_weight=norm))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int8-gz"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8-gz", "int4-k"])
 @pytest.mark.parametrize("table", [GemvTable(), GemvTable(k_slice=32, qkv_two_slices_from=64)], ids=["whole", "sliced"])
 def test_quantized_qkv_projection_with_rope_and_cache_write(kind: str, table: GemvTable) -> None:
     """Against the same kernel on the dequantized weight: same q, same cache contents."""
@@ -181,9 +202,10 @@ def test_grouped_dequantized_by_the_kernel_as_by_the_loader(kind: str) -> None:
     assert rel_err(qm.dequantize_grouped(qw, DTYPE), ref_w) < 4e-3  # the rounding to DTYPE only
 
 
-def test_int4_dequantized_by_the_kernel_as_by_the_loader() -> None:
+@pytest.mark.parametrize("kind", ["int4", "int4-k"])
+def test_int4_dequantized_by_the_kernel_as_by_the_loader(kind: str) -> None:
     gen = torch.Generator().manual_seed(2)
-    qw, ref_w = quantized((torch.randn(40, 128, generator=gen) / 8).to(DTYPE), "int4")
+    qw, ref_w = quantized((torch.randn(40, 384, generator=gen) / 8).to(DTYPE), kind)  # int4-k: 1.5 super-blocks
     assert rel_err(qm.dequantize_int4(qw, DTYPE), ref_w) < 4e-3  # the rounding to DTYPE only (bf16: 2^-9)
 
 
@@ -193,6 +215,7 @@ GEMMS = [  # W8A16: K = 96, a partial tile; W4A16: K = 256, two tiles of four gr
     ("int8-gz", qm.GemmConfig(16, 16, 64, 4, 2)),  # and zeros
     ("int4", qm.GemmConfig(16, 16, 128, 4, 2)),
     ("int4", qm.GemmConfig(16, 16, 128, 4, 2, split_k=3, permute_x=True)),  # the third split has no tile
+    ("int4-k", qm.GemmConfig(16, 16, 128, 4, 2)),  # Q4_K's factors: one super-block of 256
 ]
 
 
@@ -200,7 +223,7 @@ GEMMS = [  # W8A16: K = 96, a partial tile; W4A16: K = 256, two tiles of four gr
 def test_triton_gemm_matches_the_dequantized_weight(kind: str, config: qm.GemmConfig) -> None:
     """The W4A16 / W8A16 GEMM (interpreted: tiny tiles), a partial tile in M and N, bias."""
     gen = torch.Generator().manual_seed(3)
-    m, n, k = 20, 24, 96 if kind != "int4" else 256
+    m, n, k = 20, 24, 96 if not kind.startswith("int4") else 256
     x = torch.randn(m, k, generator=gen).to(DTYPE)
     bias = torch.randn(n, generator=gen).to(DTYPE)
     qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), kind)
@@ -263,7 +286,7 @@ def test_rows_quantized_by_a_static_scale(dtype: torch.dtype) -> None:
 @gpu_only
 @pytest.mark.parametrize("m", [1, 8, 17, 300])
 @pytest.mark.parametrize(("kind", "bound"), [("int4", 1e-2), ("int8", 2e-2), ("fp8", 5e-2), ("int8-g", 1e-2),
-                                             ("fp8-g", 5e-2), ("int8-gz", 1e-2)])
+                                             ("fp8-g", 5e-2), ("int8-gz", 1e-2), ("int4-k", 1e-2)])
 def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
     """Each method's paths (quant_matmul.py's table): the GEMV at 1 row, the Triton GEMM at 8, W8A8 or
     the W4A16 GEMM at 17, W8A8 or dequantize + cuBLAS at 300; the bounds are the module's."""
@@ -288,7 +311,7 @@ LLAMA_8B = [  # (weight rows, K, gated, norm, residual): q/k/v, o, gate/up, down
 
 
 @gpu_only
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "int4-k"])
 def test_quantized_gemv_at_llama_8b_shapes(kind: str) -> None:
     """The default tables at the 8B shapes, batch 1 and 4, with PDL (a slicing that does not
     compile or mis-slices K fails here)."""

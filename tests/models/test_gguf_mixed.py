@@ -100,8 +100,8 @@ def test_mixed_gguf_logits_equal_transformers(mixed: Path, tmp_path: Path) -> No
     model, report = load_model(load_model_config(tmp_path), File(mixed), device, torch.float32, layer_ops(device),
                                WeightLoader())
     served = {name: layer.scheme.describe() for name, layer in model.quantized_layers().items()}
-    assert served["layers.0.self_attn.o_proj"] == "int4 (group 32, asymmetric, float32 scales)"  # Q4_K
-    assert served["layers.0.mlp.gate_up_proj"] == "int4 (group 32, asymmetric, float32 scales)"
+    assert served["layers.0.self_attn.o_proj"] == "int4 (group 32, Q4_K sub-scales)"  # Q4_K, in its own factors
+    assert served["layers.0.mlp.gate_up_proj"] == "int4 (group 32, Q4_K sub-scales)"
     assert served["layers.0.mlp.down_proj"] == "int8 (group 16)"  # Q6_K
     assert served["lm_head"] == "int8 (group 16)"  # Q6_K
     assert served["layers.1.self_attn.o_proj"] == "int4 (group 32, symmetric, float16 scales)"  # Q4_0

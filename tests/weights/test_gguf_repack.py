@@ -2,7 +2,8 @@
 Q5_1 / Q5_K into int8 with group scales and zeros (ferrum.weights.quantization.published.gguf): the
 repacked weight, dequantized, equals gguf-py's own dequantization of the blocks (ggml's reference in
 Python), exactly for the symmetric types, and to float32 rounding of the zero for the others; llama's
-attn_q rows put back in HF order; a layer holding Q5_K multiplies as the dequantized weight does."""
+attn_q rows put back in HF order; a layer holding Q5_K or Q4_K (its own 6-bit sub-scales) multiplies as the
+dequantized weight does."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_repack_equals_ggml_dequantization(kind: str, module: str) -> None:
     assert scheme is not None and scheme.group_size == (16 if kind == "Q6_K" else 32) and scheme.grouped
     assert scheme.method == ("int8" if int8 else "int4") and (int8 or scheme.symmetric == (kind == "Q4_0"))
     assert scheme.offsets == (kind in ("Q5_1", "Q5_K"))
+    assert scheme.sub_scales == (kind == "Q4_K")  # served in its own factors: 4.6 bits a weight
     assert fmt.check(module, N, K, {"blocks": ((N, rows.shape[1]), torch.uint8)}) == []
     repacked = fmt.repack(module, N, K, {"blocks": torch.from_numpy(rows)}, torch.bfloat16).weight
     ref = torch.from_numpy(quants.dequantize(rows, gguf.GGMLQuantizationType[kind]))
@@ -85,11 +87,13 @@ def test_a_file_with_types_ferrum_does_not_run_is_refused_by_name() -> None:
                CONFIG)  # the listed types load
 
 
+@pytest.mark.parametrize("kind", ["Q5_K", "Q4_K"])
 @pytest.mark.parametrize("kernels", ["cpu_kernels", "dequantize", "kernels"])
-def test_a_layer_with_zeros_per_group_multiplies_as_its_dequantized_weight(kernels: str) -> None:
-    """Q5_K in a QuantizedLinear: the symmetric product plus each group's zero times its inputs' sum (the CPU
-    kernels, repacked; the GPU's, interpreted without one) or the weight dequantized with its zeros, against x @
-    gguf-py's dequantization."""
+def test_a_layer_with_zeros_per_group_multiplies_as_its_dequantized_weight(kernels: str, kind: str) -> None:
+    """Q5_K (int8 with zeros) and Q4_K (int4 with its own sub-scales) in a QuantizedLinear: the product with
+    each group's zero (the CPU kernels, repacked; the GPU's GEMV, W4A16 / W8A16 GEMM and dequantize kernel,
+    interpreted without a GPU) or the weight dequantized with its zeros, against x @ gguf-py's
+    dequantization."""
     from pathlib import Path
 
     from ferrum.kernels.cpu.build import compiler, load_cpu_kernels
@@ -104,8 +108,8 @@ def test_a_layer_with_zeros_per_group_multiplies_as_its_dequantized_weight(kerne
             pytest.skip("the CPU kernels need a C++ compiler")
         load_cpu_kernels(Path("~/.cache/ferrum/kernels").expanduser())
     module = "model.layers.0.mlp.up_proj"
-    rows = _blocks("Q5_K", np.random.default_rng(5))
-    fmt = GgufFormat({"architecture": "llama", "tensor_types": {f"{module}.weight": "Q5_K"}}, CONFIG)
+    rows = _blocks(kind, np.random.default_rng(5))
+    fmt = GgufFormat({"architecture": "llama", "tensor_types": {f"{module}.weight": kind}}, CONFIG)
     weight = fmt.repack(module, N, K, {"blocks": torch.from_numpy(rows)}, torch.float32).weight
     device = "cuda" if kernels == "kernels" and torch.cuda.is_available() else "cpu"
     # (Triton's interpreter takes bf16 dot operands as their bits: float16 there)
@@ -115,13 +119,14 @@ def test_a_layer_with_zeros_per_group_multiplies_as_its_dequantized_weight(kerne
         part.copy_(weight.parts[name])
     layer.prepare()
     assert isinstance(layer.method, CpuKernelsMethod) == (kernels == "cpu_kernels")
-    ref_w = torch.from_numpy(quants.dequantize(rows, gguf.GGMLQuantizationType.Q5_K))
+    assert weight.scheme.sub_scales == (kind == "Q4_K")
+    ref_w = torch.from_numpy(quants.dequantize(rows, gguf.GGMLQuantizationType[kind]))
     if kernels != "kernels":  # (in 16 bits the dequantized weight is rounded)
         torch.testing.assert_close(layer.dequantized(), ref_w, rtol=0, atol=1e-6 * ref_w.abs().max().item())
     # the CPU kernels quantize x to int8 in blocks of 32 (two parts): ~1e-4 of the output's scale; the GPU's
     # W8A16 GEMM and dequantize + cuBLAS round the dequantized weight and the output to 16 bits: ~3e-3
     bound = {"cpu_kernels": 1e-3, "dequantize": 1e-5, "kernels": 1e-2}[kernels]
-    for t in (1, 5, 40):  # a decode row, a batch, a prefill (dense paths from 32 rows)
+    for t in (1, 5, 40, 130):  # a decode row, a batch, a prefill (dense paths from 32 rows; int4's from 128)
         x = torch.randn(t, K, generator=torch.Generator().manual_seed(t)).to(dtype)
         ref = x.float() @ ref_w.T
         got = layer(x.to(device)).float().cpu()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrum.kernels.quant_weight import QuantWeight
-from ferrum.weights.quantization.arith import dequantize, unpack_int4
+from ferrum.weights.quantization.arith import dequantize, int4_factors, unpack_int4
 from ferrum.weights.quantization.scheme import QuantScheme
 from ferrum.weights.quantization.tensor import QuantizedTensor, part_layout
 
@@ -127,10 +127,10 @@ class CpuInt4Method(LinearMethod):
             chunk[: real.shape[0], :k] = real
             packed[start:end] = torch._convert_weight_to_int4pack_for_cpu(chunk, 2)
         scales_and_zeros = torch.zeros((groups, padded, 2), dtype=layer.dtype)
-        scales_and_zeros[:, :n, 0] = layer.scale.t()
-        scales_and_zeros[:, :n, 1] = layer.zero.t()
-        for name in ("qweight", "scale", "zero"):
-            delattr(layer, name)
+        scale, zero = int4_factors(layer.storage())
+        scales_and_zeros[:, :n, 0] = scale.t()
+        scales_and_zeros[:, :n, 1] = zero.t()
+        layer.drop_storage()
         layer.register_buffer("packed", packed)
         layer.register_buffer("scales_and_zeros", scales_and_zeros)
         layer.repacked = True
@@ -174,7 +174,7 @@ class CpuKernelsMethod(LinearMethod):
             packed = packed.reshape(-1, blocks, 4, 32).contiguous()
             # w = q * scale + minimum, or (q - 8) * scale + zero: the first form whose values float16
             # holds exactly (GGUF's Q4_1 stores float16 minimums; bf16 models' zeros), else float32
-            scale, zero = layer.scale.float(), layer.zero.float()
+            scale, zero = (t.float() for t in int4_factors(layer.storage()))
             forms = [(scale, zero - 8 * scale, False), (scale, zero, True)]
             exact = [f for f in forms if all(torch.equal(t.half().float(), t) for t in f[:2])]
             scale, offset, zero_point = exact[0] if exact else forms[0]
@@ -182,15 +182,15 @@ class CpuKernelsMethod(LinearMethod):
             layer.register_buffer("gemv_scale", by_lanes(scale).to(params))
             layer.register_buffer("gemv_offset", by_lanes(offset).to(params))
             layer.gemv_zero_point = zero_point
-            delattr(layer, "zero")
+            layer.drop_storage()
         else:
             biased = (layer.qweight.to(torch.int16) + 128).to(torch.uint8)
             values = F.pad(biased, (0, 0, 0, rows - n)).view(-1, 8, blocks, 8, 4)
             packed = values.permute(0, 2, 3, 1, 4).reshape(-1, blocks, 8, 32).contiguous()
             scale = layer.scale.float()
             layer.register_buffer("gemv_scale", by_lanes(scale if scale.dim() == 2 else scale[:, None]))
-        for name in ("qweight", "scale"):
-            delattr(layer, name)
+            for name in ("qweight", "scale"):  # int8 with zeros keeps them (matmul adds their term)
+                delattr(layer, name)
         layer.register_buffer("packed", packed)
         layer.repacked = True
 
@@ -273,6 +273,8 @@ class QuantizedLinear(nn.Module):
     qweight: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    sub_scales: torch.Tensor
+    super_scales: torch.Tensor
     scale_x: torch.Tensor
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
@@ -322,6 +324,9 @@ class QuantizedLinear(nn.Module):
         """The storage as the GPU kernels read it (made on every call: cheap, never stale); with an
         input order, its inputs are the reordered ones (forward reorders x first)."""
         self._check_layout()
+        if self.scheme.sub_scales:  # Q4_K's (sc, m) bytes as one int16 a group, (d, dmin) as one int64 a super-block
+            return QuantWeight("int4", self.qweight, self.sub_scales.view(torch.int16)[..., 0],
+                               self.super_scales.view(torch.int64)[..., 0], self.scheme.group_size, sub_scales=True)
         if self.scheme.method == "int4" or self.scheme.offsets:
             return QuantWeight(self.scheme.method, self.qweight, self.scale, self.zero, self.scheme.group_size)
         return QuantWeight(self.scheme.method, self.qweight, self.scale,
@@ -343,6 +348,11 @@ class QuantizedLinear(nn.Module):
         if self.scheme.static_input:
             self.static_activation_scale = self.input_scale.amax().reshape(1)
         self.method.prepare(self)
+
+    def drop_storage(self) -> None:
+        """The loader's parts deleted (prepare() repacked them into the method's own buffers)."""
+        for name in part_layout(self.scheme, self.out_features, self.in_features, self.dtype):
+            delattr(self, name)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the storage stands for, [out, in] in the model's dtype, its inputs in order (tests, checks)."""

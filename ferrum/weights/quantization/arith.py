@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from ferrum.weights.quantization.scheme import QuantScheme
+from ferrum.weights.quantization.scheme import SUPER_GROUPS, QuantScheme
 from ferrum.weights.quantization.tensor import QuantizedTensor
 
 __all__ = ["FP8_MAX", "QuantizeKernel", "dequantize", "quantize"]
@@ -165,16 +165,29 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
+def int4_factors(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int4 bundle's (scale, zero) per group, [N, groups], w = (q - 8) * scale + zero: as stored, or
+    from Q4_K's sub-scales (float32: scale = d * sc exactly, zero = 8 * scale - dmin * m rounded once, as
+    the kernels compute them)."""
+    if not qt.scheme.sub_scales:
+        return qt.parts["scale"], qt.parts["zero"]
+    sub, factors = qt.parts["sub_scales"].float(), qt.parts["super_scales"].float()
+    groups = sub.shape[1]
+    per_group = factors.repeat_interleave(SUPER_GROUPS, dim=1)[:, :groups]
+    scale = per_group[..., 0] * sub[..., 0]
+    return scale, 8.0 * scale - per_group[..., 1] * sub[..., 1]
+
+
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The weight the bundle stands for, [N, K] in `dtype` (default: the bundle's own)."""
     dtype = dtype or qt.dtype
+    if qt.scheme.method == "int4":
+        scale, zero = (t.float().repeat_interleave(qt.scheme.group_size, dim=1)[:, :qt.shape[1]]
+                       for t in int4_factors(qt))  # input k's group is k // g (the last one may be ragged)
+        return ((unpack_int4(qt.parts["qweight"]).float() - 8.0) * scale + zero).to(dtype)
     q, scale = qt.parts["qweight"], qt.parts["scale"].float()
-    g, k = qt.scheme.group_size, qt.shape[1]
-    if qt.scheme.method in ("int8", "fp8"):
-        per = scale.repeat_interleave(g, dim=1)[:, :k] if qt.scheme.per_group else scale[:, None]
-        if qt.scheme.offsets:
-            return (q.float() * per + qt.parts["zero"].float().repeat_interleave(g, dim=1)[:, :k]).to(dtype)
-        return (q.float() * per).to(dtype)
-    scale = scale.repeat_interleave(g, dim=1)[:, :k]  # input k's group is k // g (the last one may be ragged)
-    zero = qt.parts["zero"].float().repeat_interleave(g, dim=1)[:, :k]
-    return ((unpack_int4(q).float() - 8.0) * scale + zero).to(dtype)
+    g, k = qt.scheme.group_size, qt.shape[1]  # int8, fp8
+    per = scale.repeat_interleave(g, dim=1)[:, :k] if qt.scheme.per_group else scale[:, None]
+    if qt.scheme.offsets:
+        return (q.float() * per + qt.parts["zero"].float().repeat_interleave(g, dim=1)[:, :k]).to(dtype)
+    return (q.float() * per).to(dtype)

@@ -15,6 +15,10 @@ its inputs to the symmetric product.
 
 int4's scales and zeros are stored in the model's dtype unless the scheme names `params`: a published
 checkpoint's values kept exactly (GPTQ's float16 scales, an integer zero point times its scale in float32).
+int4 may instead keep llama.cpp's Q4_K factors as they ship (`sub_scales`, groups of 32): a 6-bit scale sc
+and minimum m per group and d and dmin (float16 values, stored in float32) per super-block of 8 groups,
+w = d * sc * q - dmin * m (the kernels compute scale = d * sc and zero = 8 * scale - dmin * m per group;
+4.75 bits a weight, against 6 for the same values as float32 scales and zeros).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ AUTO = "auto"  # the engine picks for the device (ferrum.engine.auto_quantizatio
 DEFAULT_GROUP_SIZE = 128
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_SKIP: tuple[str, ...] = ("lm_head",)
+SUB_GROUP = 32  # sub_scales: inputs a group (Q4_K's sub-block)
+SUPER_GROUPS = 8  # sub_scales: groups a super-block (Q4_K's 256 inputs; ferrum.kernels.planes says the same)
 
 
 class QuantizationConfigError(ValueError):
@@ -97,6 +103,8 @@ class QuantScheme:
     # fp8: the checkpoint's static activation scale (its input_scale), kept per output row; the GEMMs that
     # quantize activations (tensor cores, from 17 rows) scale them by it instead of per token
     static_input: bool = False
+    # int4: Q4_K's 6-bit sub-scales and minimums per group of 32, d and dmin per super-block of 8 groups
+    sub_scales: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", parse_method(self.method))
@@ -107,6 +115,10 @@ class QuantScheme:
                                           "group only")
         if self.static_input and self.method != "fp8":
             raise QuantizationConfigError(f"{self.method}: a static input scale is served for fp8 only")
+        if self.sub_scales and (self.method != "int4" or self.group_size != SUB_GROUP or self.symmetric
+                                or self.params is not None):
+            raise QuantizationConfigError(f"{self.method}: sub-scales (Q4_K) are for asymmetric int4 with groups of "
+                                          f"{SUB_GROUP} and no params dtype")
         if self.params is not None and (self.method != "int4" or self.params not in _PARAM_DTYPES):
             raise QuantizationConfigError(
                 f"{self.method}: params dtype {self.params} is for int4's scales and zeros, one of "
@@ -139,13 +151,24 @@ class QuantScheme:
         """check_in_features, and for a tensor-parallel shard of the input features: its int4
         groups must be whole (a group never straddles two ranks)."""
         self.check_in_features(in_features, what)
+        if self.sub_scales and in_features % (SUB_GROUP * SUPER_GROUPS):
+            raise QuantizationConfigError(
+                f"{what}: {in_features} input features do not split into Q4_K super-blocks of "
+                f"{SUB_GROUP * SUPER_GROUPS} (a super-block would straddle two ranks)"
+            )
         if self.grouped and in_features % self.group_size:
             raise QuantizationConfigError(
                 f"{what}: {in_features} input features do not split into {self.method} groups of {self.group_size} "
                 "(a group would straddle two ranks)"
             )
 
+    def supers(self, in_features: int) -> int:
+        """sub_scales: the super-blocks of 8 groups a row of `in_features` inputs (the last one possibly short)."""
+        return -(-self.groups(in_features) // SUPER_GROUPS)
+
     def describe(self) -> str:
+        if self.sub_scales:
+            return f"int4 (group {self.group_size}, Q4_K sub-scales)"
         if self.method == "int4":
             params = f", {str(self.params).removeprefix('torch.')} scales" if self.params is not None else ""
             return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}{params})"

@@ -7,6 +7,8 @@
     int4   qweight uint8 [N, K/2]          scale, zero [N, ceil(K/g)] (in scheme.params, else the weight's dtype)
            byte j of a row holds input 2j in its low nibble and input 2j + 1 in its high nibble;
            input k is in group k // g (the last group holds K - (groups - 1) * g inputs)
+           sub_scales: sub_scales uint8 [N, ceil(K/32), 2] (sc, m) and super_scales float32
+           [N, ceil(K/256), 2] (d, dmin) in place of scale and zero
 
 Every part's first dimension is the output channel, so rows [a, b) of the weight are rows [a, b)
 of every part (a fused q/k/v projection is filled one checkpoint tensor at a time), and a group
@@ -41,6 +43,9 @@ def part_layout(
     if scheme.method == "fp8":
         return {"qweight": ((n, k), torch.float8_e4m3fn), "scale": (scales, torch.float32)}
     groups, params = scheme.groups(k), scheme.params or dtype
+    if scheme.sub_scales:
+        return {"qweight": ((n, k // 2), torch.uint8), "sub_scales": ((n, groups, 2), torch.uint8),
+                "super_scales": ((n, scheme.supers(k), 2), torch.float32)}
     return {"qweight": ((n, k // 2), torch.uint8), "scale": ((n, groups), params), "zero": ((n, groups), params)}
 
 

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from ferrum.weights.quantization.arith import unpack_int4
+from ferrum.weights.quantization.arith import int4_factors, unpack_int4
 from ferrum.weights.quantization.scheme import QuantizationConfigError, QuantScheme
 from ferrum.weights.quantization.tensor import QuantizedTensor
 
@@ -193,9 +193,9 @@ def widen(weight: QuantizedTensor, target: QuantScheme) -> QuantizedTensor:
     def per_target_group(part: torch.Tensor) -> torch.Tensor:
         return part.float().repeat_interleave(g // g2, dim=1)[:, :groups].contiguous()
 
-    parts = {"qweight": codes.contiguous(), "scale": per_target_group(weight.parts["scale"])}
+    scale, zero = int4_factors(weight) if scheme.method == "int4" else (weight.parts["scale"], weight.parts.get("zero"))
+    parts = {"qweight": codes.contiguous(), "scale": per_target_group(scale)}
     if target.offsets:
-        zero = weight.parts.get("zero")
         parts["zero"] = per_target_group(zero) if zero is not None and zeros else torch.zeros_like(parts["scale"])
     return QuantizedTensor(target, weight.shape, weight.dtype, parts)
 

@@ -21,9 +21,11 @@ uint8 [rows, bytes per row]:
            w = d * sc * q - dmin * m
 
 are repacked at load into the seam's int4 with groups of 32: Q4_0 symmetric with float16 scales (exact),
-Q4_1 and Q4_K with float32 scales and zero = offset + 8 * scale (the scales exact; the zero exact
-unless the offset and 8 * scale lie more than 2^13 apart in magnitude, then rounded to float32: the
-log counts such groups); Q8_0, Q5_0 and Q6_K into int8 with a float32 scale per group of 32 (Q6_K:
+Q4_1 with float32 scales and zero = offset + 8 * scale (the scales exact; the zero exact unless the
+offset and 8 * scale lie more than 2^13 apart in magnitude, then rounded to float32: the log counts
+such groups), Q4_K with its own factors (`QuantScheme.sub_scales`: the 6-bit sc and m a group of 32,
+d and dmin a super-block, in float32; the kernels form the same float32 scale and zero, 4.75 bits a
+weight against 6 as float32 scales and zeros); Q8_0, Q5_0 and Q6_K into int8 with a float32 scale per group of 32 (Q6_K:
 16) (exact; Q6_K's 6.56 bits a weight become 10); Q5_1 and Q5_K into int8 with a float32 scale and
 zero per group of 32 (`offsets`: codes q - 16, zero = offset + 16 * scale, rounded to float32 where
 float32 does not hold the sum, counted in the log; 5.5-6 bits a weight become 10). A fused projection
@@ -201,6 +203,8 @@ class GgufFormat(PublishedFormat):
             return QuantScheme("int8", INT8_GROUPS[kind], per_group=True)
         if kind in OFFSET_GROUPS:
             return QuantScheme("int8", OFFSET_GROUPS[kind], per_group=True, offsets=True)
+        if kind == "Q4_K":
+            return QuantScheme("int4", 32, sub_scales=True)
         return QuantScheme("int4", 32, kind == "Q4_0", torch.float16 if kind == "Q4_0" else torch.float32)
 
     def stored_name(self, name: str) -> str:
@@ -254,6 +258,14 @@ class GgufFormat(PublishedFormat):
             scale, offset = scale.reshape(n, k // 32), offset.reshape(n, k // 32)
             parts = {"qweight": (q5 - 16).to(torch.int8).reshape(n, k), "scale": scale.float().contiguous(),
                      "zero": _zero(module, offset + 16.0 * scale, torch.float32)}
+            return Repacked(QuantizedTensor(scheme, (n, k), dtype, parts))
+        if kind == "Q4_K":  # its own factors: sc, m a group, d, dmin (float16, held in float32) a super-block
+            blocks = rows.reshape(n * (k // per), size)
+            sc, mn = _k_scales(blocks)
+            codes = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(n, k)
+            parts = {"qweight": pack_int4_rows(codes),
+                     "sub_scales": torch.stack((sc, mn), dim=-1).to(torch.uint8).reshape(n, k // 32, 2),
+                     "super_scales": blocks[:, :4].contiguous().view(torch.float16).float().reshape(n, k // per, 2)}
             return Repacked(QuantizedTensor(scheme, (n, k), dtype, parts))
         q, scale, offset = decode_int4_blocks(kind, rows.reshape(n * (k // per), size))
         scale, offset = scale.reshape(n, k // 32), offset.reshape(n, k // 32)
