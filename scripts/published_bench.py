@@ -227,6 +227,8 @@ def main() -> None:
     p.add_argument("--formats", default="gptq,awq,ct-w4a16,fp8")
     p.add_argument("--tests", action="store_true", help="the published formats' GPU tests first")
     p.add_argument("--no-batch1", action="store_true", help="skip the start-up and batch-1 runs")
+    p.add_argument("--baselines", default="bf16,int4,fp8", help="the runs beside the formats: bf16, on-load int4 "
+                   "and fp8 (the first of them the speed-up's reference)")
     p.add_argument("--offline", default="", help="labels to run `ferrum bench offline` for (256 requests), e.g. "
                    "bf16,int4 on load,gptq")
     args = p.parse_args()
@@ -243,16 +245,16 @@ def main() -> None:
                done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "no output",
                note=done.stdout[-2500:].replace("\n", " | ") if done.returncode else "")
     base = checkpoint(args.shape, args.ckpt)
-    runs: list[tuple[str, Path, dict[str, Any], str]] = [
-        ("bf16", base, {}, "bf16"),
-        ("int4 on load", base, {"quantization": {"method": "int4"}}, "int4"),
-        ("fp8 on load", base, {"quantization": {"method": "fp8"}}, "fp8")]
+    baselines = {"bf16": ("bf16", base, {}, "bf16"),
+                 "int4": ("int4 on load", base, {"quantization": {"method": "int4"}}, "int4"),
+                 "fp8": ("fp8 on load", base, {"quantization": {"method": "fp8"}}, "fp8")}
+    runs: list[tuple[str, Path, dict[str, Any], str]] = [baselines[b] for b in filter(None, args.baselines.split(","))]
     for fmt in filter(None, args.formats.split(",")):
         started = time.perf_counter()
         folder = write_published(base, fmt, args.ckpt / f"{args.shape}-{fmt}")
         record("write", fmt, round(time.perf_counter() - started, 1), "s", str(folder))
         runs.append((fmt, folder, {}, fmt))
-    base_ms = None
+    base_ms, base_label = None, ""
     for label, folder, settings, served in [] if args.no_batch1 else runs:
         try:
             ready, per_token = startup_and_batch1(folder, **settings)
@@ -261,8 +263,9 @@ def main() -> None:
             continue
         floor_b = floor_bytes(folder, served, base)
         floor = floor_b / bandwidth
-        base_ms = per_token if label == "bf16" else base_ms
-        speed = f", {base_ms / per_token:.2f}x bf16" if base_ms else ""
+        if base_ms is None:
+            base_ms, base_label = per_token, label
+        speed = f", {base_ms / per_token:.3f}x {base_label}"
         record("batch1", f"{args.shape} {label}", round(per_token * 1e3, 3), "ms/token",
                f"floor {floor * 1e3:.3f} ms ({floor_b / 1e9:.2f} GB) -> {floor / per_token:.1%} "
                f"of floor{speed}; start-up {ready:.1f}s")

@@ -19,6 +19,10 @@ Measured against reading one word a thread (gemv's planes), on an H100 at the Ll
 - int8: 2.96 -> 2.86 ms, 89% -> 93-94%.
 - fp8 in chunks ran slower (3.12 against 3.00 ms), so it keeps the planes.
 
+The group factors of int4 and grouped int8 are loaded a K slice ahead (ptxas issued them late in the slice
+that uses them; on an H200 the int4 chain 2.067 -> 2.002 ms, benchmarks/quantization.md); Q4_K's
+(INT4_K) at the start of the product that uses them.
+
 One row of x only: with a rows dimension the compiler moved the chunks' products through shared
 memory between layouts (6.2 instructions an input again), so batches of 2-4 rows keep the planes.
 """
@@ -29,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.pdl import pdl_wait
-from ferrum.kernels.planes import INT4, INT4_K, INT8, INT8_ZERO, factor_stride, group_factors, plane
+from ferrum.kernels.planes import INT4, INT4_K, INT8, INT8_ZERO, factor_stride, factors_of, load_factors, plane
 
 CHUNK_WORDS = 4  # words a thread reads at once: 16 bytes
 
@@ -103,25 +107,36 @@ def _load_chunks(w_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tenso
 
 
 @triton.jit
-def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.tensor, s_cols: tl.tensor,
-                   z_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, magic: tl.tensor,
-                   GROUP: tl.constexpr, WPT: tl.constexpr, PLANES: tl.constexpr,
+def _chunk_factors(s_cols: tl.tensor, z_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor,
+                   KT: tl.constexpr, GROUP: tl.constexpr, WPT: tl.constexpr, PLANES: tl.constexpr,
+                   QUANT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """The stored group factors [KT, BLOCK_N] of the K slice at k0's chunks, as loaded (planes.load_factors;
+    GROUP > 1; the scale twice where there are no zeros; chunks past K read none)."""
+    g = (k0 + PLANES * WPT * tl.arange(0, KT)) // GROUP  # each chunk's group
+    gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]  # the last group may be ragged
+    if QUANT == 2 or QUANT == 6 or QUANT == 7:  # INT4, INT8_ZERO, INT4_K: a zero per group too
+        s, z = load_factors(s_cols, z_cols, g[:, None], gmask, QUANT)
+    else:
+        s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0)
+        z = s
+    return s, z
+
+
+@triton.jit
+def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.tensor, s: tl.tensor | None,
+                   z: tl.tensor | None, s_cols: tl.tensor, z_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor,
+                   K: tl.tensor, magic: tl.tensor, GROUP: tl.constexpr, WPT: tl.constexpr, PLANES: tl.constexpr,
                    QUANT: tl.constexpr) -> tl.tensor:
     """acc [KT, BLOCK_N] + each chunk's product: x (float32, the even and odd inputs of each word, [KT,
     WPT, PLANES / 2]) times the words w [KT, WPT, BLOCK_N], by planes; with groups, times the chunk's
-    group scale (plus its zero times the chunk's sum of x: int4, int8 with zeros). The group factors are
-    loaded first: issued after the products, their latency stalled every K slice."""
+    group scale (plus its zero times the chunk's sum of x: int4, int8 with zeros), from s and z [KT, BLOCK_N]
+    as _chunk_factors loaded them, or (None) loaded here first."""
     KT: tl.constexpr = w.shape[0]
-    ZEROS: tl.constexpr = QUANT == 2 or QUANT == 6 or QUANT == 7  # INT4, INT8_ZERO, INT4_K: a zero per group too
-    s = acc
-    z = acc
-    if GROUP > 1:
-        g = (k0 + PLANES * WPT * tl.arange(0, KT)) // GROUP  # each chunk's group
-        gmask = nmask[None, :] & (g < (K + GROUP - 1) // GROUP)[:, None]  # chunks past K read none; the last ragged
-        if ZEROS:
-            s, z = group_factors(s_cols, z_cols, g[:, None], gmask, QUANT)
-        else:
-            s = tl.load(s_cols + g[:, None], mask=gmask, other=0.0).to(tl.float32)
+    scale, zero = acc, acc  # (unread without groups)
+    if GROUP > 1:  # made scales and zeros first: ptxas then issues the loads here, ahead of the products
+        if s is None:
+            s, z = _chunk_factors(s_cols, z_cols, nmask, k0, K, KT, GROUP, WPT, PLANES, QUANT)
+        scale, zero = factors_of(s, z, QUANT)
     if PLANES == 8:  # int4
         x0, x2, x4, x6 = _split4(x_even)
         x1, x3, x5, x7 = _split4(x_odd)
@@ -149,9 +164,9 @@ def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.te
         chunk = tl.sum(part, axis=1) - (65664.0 * sum_even + 384.0 * sum_odd)[:, None]  # sum of x q
     if GROUP == 1:  # a scale per output channel, after the K loop
         return acc + chunk
-    if ZEROS:
-        return acc + chunk * s + (sum_even + sum_odd)[:, None] * z
-    return acc + chunk * s
+    if QUANT == 2 or QUANT == 6 or QUANT == 7:  # INT4, INT8_ZERO, INT4_K: a zero per group too
+        return acc + chunk * scale + (sum_even + sum_odd)[:, None] * zero
+    return acc + chunk * scale
 
 
 @triton.jit
@@ -160,10 +175,13 @@ def _chunk_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, x_row: tl.tenso
                  nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, eps: tl.tensor, magic: tl.tensor,
                  BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
                  WPT: tl.constexpr, PLANES: tl.constexpr, QUANT: tl.constexpr, WHOLE_K: tl.constexpr = False,
-                 w: tl.tensor | None = None,
-                 w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+                 w: tl.tensor | None = None, w2: tl.tensor | None = None, s: tl.tensor | None = None,
+                 z: tl.tensor | None = None, s2: tl.tensor | None = None,
+                 z2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One K slice of the row at x_row: x as [KT, WPT, PLANES / 2] pairs (a chunk's inputs a thread),
-    the norm as gemv's _planes_slice applies it; acc, acc2 [KT, BLOCK_N], ss [KT]."""
+    the norm as gemv's _planes_slice applies it; acc, acc2 [KT, BLOCK_N], ss [KT]. w, w2: the slice's
+    words, and s, z, s2, z2 its group factors (_chunk_factors), where loaded already (None: _chunk_product
+    loads them)."""
     KT: tl.constexpr = BLOCK_K // (PLANES * WPT)
     x_even, x_odd = _load_inputs(x_row, k0, K, KT, WPT, PLANES, WHOLE_K)
     if NORM:
@@ -181,12 +199,12 @@ def _chunk_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, x_row: tl.tenso
             x_odd = nw_odd * x_odd
     if w is None:
         w = _load_chunks(w_cols, nmask, k0, K, BLOCK_K, WPT, PLANES, WHOLE_K)
-    acc = _chunk_product(acc, x_even, x_odd, w, s_cols, z_cols, nmask, k0, K, magic, GROUP, WPT, PLANES, QUANT)
+    acc = _chunk_product(acc, x_even, x_odd, w, s, z, s_cols, z_cols, nmask, k0, K, magic, GROUP, WPT, PLANES, QUANT)
     if GATED:
         if w2 is None:
             w2 = _load_chunks(w_cols2, nmask, k0, K, BLOCK_K, WPT, PLANES, WHOLE_K)
-        acc2 = _chunk_product(acc2, x_even, x_odd, w2, s_cols2, z_cols2, nmask, k0, K, magic, GROUP, WPT, PLANES,
-                              QUANT)
+        acc2 = _chunk_product(acc2, x_even, x_odd, w2, s2, z2, s_cols2, z_cols2, nmask, k0, K, magic, GROUP, WPT,
+                              PLANES, QUANT)
     return acc, acc2, ss
 
 
@@ -211,6 +229,16 @@ def chunk_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: t
     acc = tl.zeros([KT, BLOCK_N], tl.float32)
     acc2 = tl.zeros([KT, BLOCK_N], tl.float32)
     ss = tl.zeros([KT], tl.float32)
+    # group factors loaded a slice ahead (loop-carried, as stored; made scales and zeros where used): loaded
+    # in the slice that uses them, ptxas issued int4's bf16 scales and zeros late in it and their latency
+    # stalled every slice (int4 chain on the H200: 2.067 -> 2.002 ms). INT4_K's (Q4_K) ran slower so
+    # (2.081 -> 2.158 ms): they are loaded at the start of the product that uses them, which ptxas keeps.
+    PREFETCH: tl.constexpr = GROUP > 1 and QUANT != 7
+    s, z, s2, z2 = acc, acc, acc, acc  # (unread without groups)
+    if PREFETCH:
+        s, z = _chunk_factors(s_cols, z_cols, nmask, 0, K, KT, GROUP, WPT, PLANES, QUANT)
+        if GATED:
+            s2, z2 = _chunk_factors(s_cols2, z_cols2, nmask, 0, K, KT, GROUP, WPT, PLANES, QUANT)
     k_begin = 0
     if PDL > 0:  # the first slice's weights are on their way while the kernel before finishes
         w = _load_chunks(w_cols, nmask, 0, K, BLOCK_K, WPT, PLANES, True)
@@ -218,17 +246,44 @@ def chunk_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: t
         if GATED:
             w2 = _load_chunks(w_cols2, nmask, 0, K, BLOCK_K, WPT, PLANES, True)
         pdl_wait(PDL)
-        acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
-                                     nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
-                                     WHOLE_K, w, w2)
+        if PREFETCH:
+            ns, nz, ns2, nz2 = s, z, s2, z2
+            if not WHOLE_K:
+                ns, nz = _chunk_factors(s_cols, z_cols, nmask, BLOCK_K, K, KT, GROUP, WPT, PLANES, QUANT)
+                if GATED:
+                    ns2, nz2 = _chunk_factors(s_cols2, z_cols2, nmask, BLOCK_K, K, KT, GROUP, WPT, PLANES, QUANT)
+            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
+                                         z_cols2, nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES,
+                                         QUANT, WHOLE_K, w, w2, s, z, s2, z2)
+            s, z, s2, z2 = ns, nz, ns2, nz2
+        else:
+            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
+                                         z_cols2, nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES,
+                                         QUANT, WHOLE_K, w, w2)
         k_begin += BLOCK_K
     elif WHOLE_K:
-        acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
-                                     nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
-                                     True)
+        if PREFETCH:
+            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
+                                         z_cols2, nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES,
+                                         QUANT, True, None, None, s, z, s2, z2)
+        else:
+            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
+                                         z_cols2, nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES,
+                                         QUANT, True)
     if not WHOLE_K:
         for k0 in range(k_begin, K, BLOCK_K):
-            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
-                                         nmask, k0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
-                                         False)
+            if PREFETCH:
+                ns, nz = _chunk_factors(s_cols, z_cols, nmask, k0 + BLOCK_K, K, KT, GROUP, WPT, PLANES, QUANT)
+                ns2, nz2 = s2, z2
+                if GATED:  # the next slice's (past K: none read)
+                    ns2, nz2 = _chunk_factors(s_cols2, z_cols2, nmask, k0 + BLOCK_K, K, KT, GROUP, WPT, PLANES,
+                                              QUANT)
+                acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
+                                             z_cols2, nmask, k0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT,
+                                             PLANES, QUANT, False, None, None, s, z, s2, z2)
+                s, z, s2, z2 = ns, nz, ns2, nz2
+            else:
+                acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
+                                             z_cols2, nmask, k0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT,
+                                             PLANES, QUANT, False)
     return tl.sum(acc, axis=0)[None, :], tl.sum(acc2, axis=0)[None, :], tl.sum(ss, axis=0)[None]

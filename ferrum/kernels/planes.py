@@ -90,25 +90,37 @@ def factor_stride(stride_sn: tl.tensor, QUANT: tl.constexpr) -> tl.tensor:
 
 
 @triton.jit
-def group_factors(s_cols: tl.tensor, z_cols: tl.tensor, g: tl.tensor, mask: tl.tensor,
-                  QUANT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """The (scale, zero) float32 of groups g of the rows at s_cols / z_cols (S and Z + row * their row
-    strides), w = (q - 8) * scale + zero. INT4 (and INT8_ZERO): as stored. INT4_K (llama.cpp's Q4_K,
-    w = d sc q - dmin m): S holds int16 sc | m << 8 a group (6-bit sub-scale and minimum), Z int64 a
-    super-block, its float32 d in the low word and dmin in the high one (one 8-byte load): scale = d sc
-    and zero = 8 scale - dmin m, exact products (11 by 6 bits) and one rounding of the difference, as
-    float32 storage of the zero would round it. sc and m become floats as 2^23 + u by one logic op and a
-    subtraction, d and dmin by taking a word: the conversion instructions, which the SM runs at a
-    quarter of the rate, cost the GEMV 9% at the Llama-3.1-8B shapes (H200)."""
+def load_factors(s_cols: tl.tensor, z_cols: tl.tensor, g: tl.tensor, mask: tl.tensor,
+                 QUANT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """The stored factors of groups g of the rows at s_cols / z_cols (S and Z + row * their row strides),
+    as loaded (factors_of makes them the scale and zero): INT4 (and INT8_ZERO) their scale and zero;
+    INT4_K (llama.cpp's Q4_K, w = d sc q - dmin m) S's int16 sc | m << 8 a group (6-bit sub-scale and
+    minimum) and Z's int64 a super-block, float32 d in its low word and dmin in its high one."""
     if QUANT == 7:
-        sm = tl.load(s_cols + g, mask=mask, other=0).to(tl.int32)
-        dd = tl.load(z_cols + g // 8, mask=mask, other=0)
-        d = dd.to(tl.int32).to(tl.float32, bitcast=True)
-        dmin = (dd >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return tl.load(s_cols + g, mask=mask, other=0), tl.load(z_cols + g // 8, mask=mask, other=0)
+    return tl.load(s_cols + g, mask=mask, other=0.0), tl.load(z_cols + g, mask=mask, other=0.0)
+
+
+@triton.jit
+def factors_of(s: tl.tensor, z: tl.tensor, QUANT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """The (scale, zero) float32 of load_factors' values, w = (q - 8) * scale + zero. INT4_K: scale = d sc
+    and zero = 8 scale - dmin m, exact products (11 by 6 bits) and one rounding of the difference, as
+    float32 storage of the zero would round it; sc and m become floats as 2^23 + u by one logic op and a
+    subtraction, d and dmin by taking a word of the int64 (no conversion instructions)."""
+    if QUANT == 7:
+        sm = s.to(tl.int32)
+        d = z.to(tl.int32).to(tl.float32, bitcast=True)
+        dmin = (z >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         sc = ((sm & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # 2^23
         m = (((sm >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        s = d * sc
-        return s, 8.0 * s - dmin * m
-    s = tl.load(s_cols + g, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_cols + g, mask=mask, other=0.0).to(tl.float32)
-    return s, z
+        scale = d * sc
+        return scale, 8.0 * scale - dmin * m
+    return s.to(tl.float32), z.to(tl.float32)
+
+
+@triton.jit
+def group_factors(s_cols: tl.tensor, z_cols: tl.tensor, g: tl.tensor, mask: tl.tensor,
+                  QUANT: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """The (scale, zero) float32 of groups g of the rows at s_cols / z_cols: load_factors, then factors_of."""
+    s, z = load_factors(s_cols, z_cols, g, mask, QUANT)
+    return factors_of(s, z, QUANT)
