@@ -130,3 +130,63 @@ def test_mixed_gguf_logits_equal_transformers(mixed: Path, tmp_path: Path) -> No
     got, _ = runner.execute([ScheduledSequence(s, s.num_tokens) for s in seqs])
     assert (got.float() - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
     assert isinstance(model.lm_head, QuantizedLinear)
+
+
+def _q4_k_logits(path: Path, size: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    from ferrum.engine.observer import StepRecord
+    from tests.engines import local_engine
+
+    engine = local_engine(str(path), tensor_parallel_size=size, dtype="float32", max_num_seqs=4,
+                          max_num_batched_tokens=64, kv_cache_memory_gb=0.01)
+    records: list[StepRecord] = []
+    remove = engine.add_observer(records.append)
+    try:
+        tokens = engine.generate([[5, 17, 2, 7, 30, 3], [9] * 12], SamplingParams(max_tokens=3, temperature=0))
+    finally:
+        remove()
+        engine.release()
+    return tokens, [r.logits for r in records if r.logits is not None and r.logits.numel()]
+
+
+def test_q4_k_at_tensor_parallel_2_gives_one_process_logits(tmp_path: Path) -> None:
+    """Every projection in Q4_K over two ranks (gloo): q/k/v, gate/up and the head split by rows; down_proj's
+    512 inputs as 256 a rank (whole super-blocks: each rank keeps its own factors); o_proj's 256 as 128 a
+    rank (half a super-block: float32 scales and zeros per group of 32, exactly). The logits equal one
+    process's up to summation order."""
+    from tests.weights.test_gguf import MERGES, TOKENS
+    from tests.weights.test_gguf import TYPES as TOKEN_TYPES
+
+    rng = np.random.default_rng(8)
+    path = tmp_path / "q4k.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types(TOKEN_TYPES)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_tensor("token_embd.weight", (rng.standard_normal((len(TOKENS), HIDDEN)) * 0.5).astype(np.float16))
+    writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    writer.add_tensor("output.weight", _blocks(Q.Q4_K, (len(TOKENS), HIDDEN), rng), raw_dtype=Q.Q4_K)
+    for norm in ("attn_norm", "ffn_norm"):
+        writer.add_tensor(f"blk.0.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    for name, shape in SHAPES.items():
+        writer.add_tensor(f"blk.0.{name}.weight", _blocks(Q.Q4_K, shape, rng), raw_dtype=Q.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    one_tokens, one_logits = _q4_k_logits(path, 1)
+    two_tokens, two_logits = _q4_k_logits(path, 2)
+    assert two_tokens == one_tokens and len(two_logits) == len(one_logits) > 0
+    for got, want in zip(two_logits, one_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -179,3 +179,29 @@ def test_widen_refuses_what_it_cannot_hold_exactly() -> None:
     with pytest.raises(RepackError, match="cannot be held exactly"):
         widen(own, QuantScheme("int8", 64, per_group=True, offsets=True))  # a group wider than its own
     assert fmt.common_scheme([fmt.scheme(module, K), None]) is None  # a float part: the layer goes dense
+
+
+def test_a_rank_whose_share_splits_a_q4_k_super_block_takes_float32_factors() -> None:
+    """Tensor parallelism: a row-parallel Q4_K layer whose rank's share of the inputs is not whole super-blocks
+    of 256 (Qwen2.5-7B's o_proj, 3584 inputs, at TP 4: 896) is served in int4 groups of 32 with float32 scales
+    and zeros, the same weight exactly; a share of whole super-blocks keeps Q4_K's own factors."""
+    from ferrum.models.layers.linear import LinearFactory
+    from ferrum.models.layers.parallel import TensorParallel
+    from ferrum.models.layers.quantized_linear import QuantizedLinear
+    from ferrum.weights.quantization.published.base import PublishedLayers, widen
+
+    module = "model.layers.0.mlp.down_proj"
+    fmt = GgufFormat({"architecture": "llama", "tensor_types": {f"{module}.weight": "Q4_K"}}, CONFIG)
+    factory = LinearFactory(published=PublishedLayers(fmt, lambda path: [path]))
+    split = factory.row_parallel(module, 384, N, False, TensorParallel(rank=0, size=2))  # 1.5 super-blocks a rank
+    whole = factory.row_parallel(module, 512, N, False, TensorParallel(rank=1, size=2))
+    own = fmt.scheme(module, K)
+    assert own is not None and own.sub_scales
+    assert isinstance(whole, QuantizedLinear) and isinstance(split, QuantizedLinear)
+    assert whole.scheme == own
+    assert split.scheme == own.expanded() and not own.expanded().sub_scales
+    weight = fmt.repack(module, N, K, {"blocks": torch.from_numpy(_blocks("Q4_K", np.random.default_rng(7)))},
+                        torch.float32).weight
+    wide = widen(weight, own.expanded())
+    assert not wide.layout_problems() and torch.equal(wide.parts["qweight"], weight.parts["qweight"])
+    assert torch.equal(dequantize(wide, torch.float64), dequantize(weight, torch.float64))

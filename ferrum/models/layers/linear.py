@@ -11,6 +11,7 @@ through the kernels chosen once for the Device (`quant_kernels`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -23,9 +24,17 @@ from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.layers.parallel import ParallelLMHead, RowParallelLinear, TensorParallel
 from ferrum.models.layers.quantized_linear import QuantizedExperts, QuantizedLinear, QuantKernels
 from ferrum.weights.quantization.published.base import PublishedLayers
-from ferrum.weights.quantization.scheme import QuantizationConfig, QuantizationConfigError, QuantScheme
+from ferrum.weights.quantization.scheme import (
+    SUB_GROUP,
+    SUPER_GROUPS,
+    QuantizationConfig,
+    QuantizationConfigError,
+    QuantScheme,
+)
 
 __all__ = ["LinearFactory", "check_skip", "gemv_weight", "quant_kernels"]
+
+log = logging.getLogger(__name__)
 
 
 def quant_kernels(device: Device, cpu_kernels: bool = False) -> QuantKernels:
@@ -133,6 +142,11 @@ class LinearFactory:
         else:
             what = (f"{path} (this rank's share of {in_features * tp.size} input features split over "
                     f"tensor_parallel_size={tp.size})")
+            if scheme.sub_scales and in_features % (SUB_GROUP * SUPER_GROUPS):
+                log.info("%s: Q4_K super-blocks of %d inputs straddle two ranks' shares of %d: served with "
+                         "float32 scales and zeros per group of %d (exact; 6 bits a weight against 4.75)", path,
+                         SUB_GROUP * SUPER_GROUPS, in_features, SUB_GROUP)
+                scheme = scheme.expanded()
             scheme.check_shard(in_features, what)
             self._check_in_features(scheme, in_features, what)
         return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype, tp.all_reduce,

@@ -162,6 +162,12 @@ class QuantScheme:
                 "(a group would straddle two ranks)"
             )
 
+    def expanded(self) -> QuantScheme:
+        """sub_scales: the same weight with each group's scale and zero stored in float32 (exact: d * sc
+        takes 17 bits; the zero as the kernels round it), for a tensor-parallel rank whose share of the
+        inputs splits a super-block."""
+        return QuantScheme("int4", self.group_size, params=torch.float32)
+
     def supers(self, in_features: int) -> int:
         """sub_scales: the super-blocks of 8 groups a row of `in_features` inputs (the last one possibly short)."""
         return -(-self.groups(in_features) // SUPER_GROUPS)

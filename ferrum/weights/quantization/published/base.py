@@ -177,10 +177,16 @@ def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
 def widen(weight: QuantizedTensor, target: QuantScheme) -> QuantizedTensor:
     """`weight` in `target`, a scheme that holds it exactly: int4 or int8 (with or without zeros) into int8
     with a float32 scale (and zero) per group of `target.group_size`, which divides the weight's own group
-    size; int4's codes u become u - 8. RepackError where `target` cannot hold it exactly."""
+    size; int4's codes u become u - 8; Q4_K's sub-scales into int4 with float32 scales and zeros
+    (QuantScheme.expanded). RepackError where `target` cannot hold it exactly."""
     scheme = weight.scheme
     if scheme == target:
         return weight
+    if scheme.sub_scales and target == scheme.expanded():  # Q4_K's factors as float32 scales and zeros
+        factors = int4_factors(weight)
+        return QuantizedTensor(target, weight.shape, weight.dtype, {
+            "qweight": weight.parts["qweight"], "scale": factors[0].float().contiguous(),
+            "zero": factors[1].float().contiguous()})
     zeros = scheme.offsets or (scheme.method == "int4" and not scheme.symmetric)  # symmetric int4's are 0
     g, g2 = scheme.group_size, target.group_size
     if (target.method != "int8" or not target.per_group or (zeros and not target.offsets) or g % g2
