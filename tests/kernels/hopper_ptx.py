@@ -5,7 +5,8 @@ set TRITON_INTERPRET=1, under which kernels are interpreted, not compiled):
     python -m tests.kernels.hopper_ptx [--ptx DIR]
 
 Prints one JSON object: for each kernel, the order of its global loads and griddepcontrol
-instructions in the PTX ("load", "wait", "trigger"), and its registers per thread. With --ptx,
+instructions in the PTX ("load", "wait", "trigger"), its registers per thread, and where ptxas put the
+global loads of its longest loop (fractions of the loop body in the SASS). With --ptx,
 also writes each kernel's PTX into DIR (to compare two versions of the kernels).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,6 +84,30 @@ def registers(kernel) -> int | None:
     return None
 
 
+def loop_loads(kernel) -> list[float] | None:
+    """Where the global loads sit in the kernel's longest loop (the K loop of a multi-slice GEMV) in the SASS
+    ptxas made: each load's position as a fraction of the loop body (None: no nvdisasm, or no loop)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        lines = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+    body: list[str] = []
+    for i, line in enumerate(lines):
+        branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if branch is None:
+            continue
+        start = next((j for j, x in enumerate(lines) if x.startswith(branch.group(1) + ":")), len(lines))
+        loop = [x for x in lines[start:i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
+        if start < i and len(loop) > len(body):  # a backward branch: a loop (the longest; not the trap's)
+            body = loop
+    if not body:
+        return None
+    return [n / len(body) for n, x in enumerate(body) if "LDG" in x]
+
+
 def main() -> None:
     gemv = dict(ROWS=1, BLOCK_N=2, BIAS=False, PDL=1)
     kernels = {
@@ -107,6 +133,15 @@ def main() -> None:
             tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
                 gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT4,
                 GROUP=16, PLANES=8)),
+        # 8B down_proj (K = 14336 in 2048-wide slices): int4 with bf16 scales and zeros, and GGUF Q4_K's
+        # own factors (INT4_K: int16 sub-scales, int64 super-block factors)
+        "gemv int4 down_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
+            gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT4,
+            GROUP=128, PLANES=8, WPT=4), num_warps=2),
+        "gemv int4-k down_proj": compile_sm90(
+            tg._gemv_kernel, GEMV_ARGS, [*GEMV_TYPES[:1], "*i32", "*i16", "*i64", *GEMV_TYPES[4:]], dict(
+                gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False,
+                QUANT=tg.INT4_K, GROUP=32, PLANES=8, WPT=4), num_warps=2),
         "gemv int8 down_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*fp32"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT8,
             PLANES=4, WPT=4)),
@@ -131,7 +166,8 @@ def main() -> None:
         for name, kernel in kernels.items():
             with open(os.path.join(folder, name.replace(" ", "_") + ".ptx"), "w") as f:
                 f.write(kernel.asm["ptx"])
-    print(json.dumps({name: dict(order=order(k), registers=registers(k)) for name, k in kernels.items()}))
+    print(json.dumps({name: dict(order=order(k), registers=registers(k), loop_loads=loop_loads(k))
+                      for name, k in kernels.items()}))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def test_projections_issue_their_weight_loads_before_the_wait(compiled: dict) ->
     """The weights do not depend on the kernel before: their loads go out before the wait, so
     they are in flight while that kernel finishes."""
     for name in ("gemv o_proj", "gemv gate_up", "gemv down_proj", "qkv rope", "gemv int4 gate_up",
-                 "gemv int8 down_proj", "gemv fp8 o_proj", "qkv rope int4"):
+                 "gemv int8 down_proj", "gemv fp8 o_proj", "qkv rope int4", "gemv int4 down_proj",
+                 "gemv int4-k down_proj"):
         events = compiled[name]["order"]
         assert events.index("wait") >= 4 and set(events[: events.index("wait")]) <= {"load", "trigger"}, (name, events)
     # gate/up loads two weight rows per feature where o_proj loads one: twice the loads ahead
@@ -49,3 +50,15 @@ def test_decode_attention_reads_the_older_cache_before_the_wait(compiled: dict) 
     wait = events.index("wait")
     assert events[:wait].count("load") >= 3  # length, table, the first block's k and v
     assert "load" in events[wait:]  # q and the k/v of the keys this step may have written after it
+
+
+def test_quantized_k_loops_issue_their_group_factors_with_the_weights(compiled: dict) -> None:
+    """In the K loop of an int4 projection of many slices, ptxas keeps the loads of the group scales and zeros
+    near the top, with the weights' (int4: loaded a slice ahead; Q4_K: at the start of the product): sunk next
+    to their use, late in the loop, their latency stalled every slice (the 8B's int4 down_proj 16.2 -> 13.5 us,
+    Q4_K's 22.5 -> 15.1 us on an H200; benchmarks/quantization.md, published.md)."""
+    for name in ("gemv int4 down_proj", "gemv int4-k down_proj"):
+        loads = compiled[name]["loop_loads"]
+        if loads is None:
+            pytest.skip("Triton's nvdisasm is missing")
+        assert len(loads) >= 16 and max(loads) < 0.25, (name, [round(x, 2) for x in loads])
