@@ -232,7 +232,8 @@ def chunk_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: t
     # group factors loaded a slice ahead (loop-carried, as stored; made scales and zeros where used): loaded
     # in the slice that uses them, ptxas issued int4's bf16 scales and zeros late in it and their latency
     # stalled every slice (int4 chain on the H200: 2.067 -> 2.002 ms). INT4_K's (Q4_K) ran slower so
-    # (2.081 -> 2.158 ms): they are loaded at the start of the product that uses them, which ptxas keeps.
+    # (2.081 -> 2.158 ms, its scales and zeros made before the slice and carried): they are loaded at the
+    # start of the product that uses them, which ptxas keeps.
     PREFETCH: tl.constexpr = GROUP > 1 and QUANT != 7
     s, z, s2, z2 = acc, acc, acc, acc  # (unread without groups)
     if PREFETCH:
