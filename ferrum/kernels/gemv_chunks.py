@@ -123,18 +123,18 @@ def _chunk_factors(s_cols: tl.tensor, z_cols: tl.tensor, nmask: tl.tensor, k0: t
 
 
 @triton.jit
-def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.tensor, s: tl.tensor | None,
-                   z: tl.tensor | None, s_cols: tl.tensor, z_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor,
-                   K: tl.tensor, magic: tl.tensor, GROUP: tl.constexpr, WPT: tl.constexpr, PLANES: tl.constexpr,
-                   QUANT: tl.constexpr) -> tl.tensor:
+def _chunk_product(acc: tl.tensor, x_even: tl.tensor, x_odd: tl.tensor, w: tl.tensor, s: tl.tensor, z: tl.tensor,
+                   s_cols: tl.tensor, z_cols: tl.tensor, nmask: tl.tensor, k0: tl.tensor, K: tl.tensor,
+                   magic: tl.tensor, GROUP: tl.constexpr, WPT: tl.constexpr, PLANES: tl.constexpr,
+                   QUANT: tl.constexpr, AHEAD: tl.constexpr) -> tl.tensor:
     """acc [KT, BLOCK_N] + each chunk's product: x (float32, the even and odd inputs of each word, [KT,
     WPT, PLANES / 2]) times the words w [KT, WPT, BLOCK_N], by planes; with groups, times the chunk's
     group scale (plus its zero times the chunk's sum of x: int4, int8 with zeros), from s and z [KT, BLOCK_N]
-    as _chunk_factors loaded them, or (None) loaded here first."""
+    as _chunk_factors loaded them a slice ahead (AHEAD), else loaded here first."""
     KT: tl.constexpr = w.shape[0]
     scale, zero = acc, acc  # (unread without groups)
     if GROUP > 1:  # made scales and zeros first: ptxas then issues the loads here, ahead of the products
-        if s is None:
+        if not AHEAD:
             s, z = _chunk_factors(s_cols, z_cols, nmask, k0, K, KT, GROUP, WPT, PLANES, QUANT)
         scale, zero = factors_of(s, z, QUANT)
     if PLANES == 8:  # int4
@@ -174,14 +174,13 @@ def _chunk_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, x_row: tl.tenso
                  w_cols2: tl.tensor, s_cols: tl.tensor, s_cols2: tl.tensor, z_cols: tl.tensor, z_cols2: tl.tensor,
                  nmask: tl.tensor, k0: tl.tensor, K: tl.tensor, eps: tl.tensor, magic: tl.tensor,
                  BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
-                 WPT: tl.constexpr, PLANES: tl.constexpr, QUANT: tl.constexpr, WHOLE_K: tl.constexpr = False,
-                 w: tl.tensor | None = None, w2: tl.tensor | None = None, s: tl.tensor | None = None,
-                 z: tl.tensor | None = None, s2: tl.tensor | None = None,
-                 z2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+                 WPT: tl.constexpr, PLANES: tl.constexpr, QUANT: tl.constexpr, WHOLE_K: tl.constexpr,
+                 s: tl.tensor, z: tl.tensor, s2: tl.tensor, z2: tl.tensor, AHEAD: tl.constexpr,
+                 w: tl.tensor | None = None, w2: tl.tensor | None = None) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """One K slice of the row at x_row: x as [KT, WPT, PLANES / 2] pairs (a chunk's inputs a thread),
     the norm as gemv's _planes_slice applies it; acc, acc2 [KT, BLOCK_N], ss [KT]. w, w2: the slice's
-    words, and s, z, s2, z2 its group factors (_chunk_factors), where loaded already (None: _chunk_product
-    loads them)."""
+    words where loaded already; s, z, s2, z2: its group factors where loaded a slice ahead (AHEAD;
+    otherwise _chunk_product loads them)."""
     KT: tl.constexpr = BLOCK_K // (PLANES * WPT)
     x_even, x_odd = _load_inputs(x_row, k0, K, KT, WPT, PLANES, WHOLE_K)
     if NORM:
@@ -199,12 +198,13 @@ def _chunk_slice(acc: tl.tensor, acc2: tl.tensor, ss: tl.tensor, x_row: tl.tenso
             x_odd = nw_odd * x_odd
     if w is None:
         w = _load_chunks(w_cols, nmask, k0, K, BLOCK_K, WPT, PLANES, WHOLE_K)
-    acc = _chunk_product(acc, x_even, x_odd, w, s, z, s_cols, z_cols, nmask, k0, K, magic, GROUP, WPT, PLANES, QUANT)
+    acc = _chunk_product(acc, x_even, x_odd, w, s, z, s_cols, z_cols, nmask, k0, K, magic, GROUP, WPT, PLANES, QUANT,
+                         AHEAD)
     if GATED:
         if w2 is None:
             w2 = _load_chunks(w_cols2, nmask, k0, K, BLOCK_K, WPT, PLANES, WHOLE_K)
         acc2 = _chunk_product(acc2, x_even, x_odd, w2, s2, z2, s_cols2, z_cols2, nmask, k0, K, magic, GROUP, WPT,
-                              PLANES, QUANT)
+                              PLANES, QUANT, AHEAD)
     return acc, acc2, ss
 
 
@@ -247,44 +247,30 @@ def chunk_products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: t
         if GATED:
             w2 = _load_chunks(w_cols2, nmask, 0, K, BLOCK_K, WPT, PLANES, True)
         pdl_wait(PDL)
-        if PREFETCH:
-            ns, nz, ns2, nz2 = s, z, s2, z2
-            if not WHOLE_K:
-                ns, nz = _chunk_factors(s_cols, z_cols, nmask, BLOCK_K, K, KT, GROUP, WPT, PLANES, QUANT)
-                if GATED:
-                    ns2, nz2 = _chunk_factors(s_cols2, z_cols2, nmask, BLOCK_K, K, KT, GROUP, WPT, PLANES, QUANT)
-            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
-                                         z_cols2, nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES,
-                                         QUANT, WHOLE_K, w, w2, s, z, s2, z2)
-            s, z, s2, z2 = ns, nz, ns2, nz2
-        else:
-            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
-                                         z_cols2, nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES,
-                                         QUANT, WHOLE_K, w, w2)
+        ns, nz, ns2, nz2 = s, z, s2, z2
+        if PREFETCH and not WHOLE_K:  # the next slice's
+            ns, nz = _chunk_factors(s_cols, z_cols, nmask, BLOCK_K, K, KT, GROUP, WPT, PLANES, QUANT)
+            if GATED:
+                ns2, nz2 = _chunk_factors(s_cols2, z_cols2, nmask, BLOCK_K, K, KT, GROUP, WPT, PLANES, QUANT)
+        acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                     nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
+                                     WHOLE_K, s, z, s2, z2, PREFETCH, w, w2)
+        s, z, s2, z2 = ns, nz, ns2, nz2
         k_begin += BLOCK_K
     elif WHOLE_K:
-        if PREFETCH:
-            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
-                                         z_cols2, nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES,
-                                         QUANT, True, None, None, s, z, s2, z2)
-        else:
-            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
-                                         z_cols2, nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES,
-                                         QUANT, True)
+        acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                     nmask, 0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
+                                     True, s, z, s2, z2, PREFETCH)
     if not WHOLE_K:
         for k0 in range(k_begin, K, BLOCK_K):
-            if PREFETCH:
+            ns, nz, ns2, nz2 = s, z, s2, z2
+            if PREFETCH:  # the next slice's (past K: none read)
                 ns, nz = _chunk_factors(s_cols, z_cols, nmask, k0 + BLOCK_K, K, KT, GROUP, WPT, PLANES, QUANT)
-                ns2, nz2 = s2, z2
-                if GATED:  # the next slice's (past K: none read)
+                if GATED:
                     ns2, nz2 = _chunk_factors(s_cols2, z_cols2, nmask, k0 + BLOCK_K, K, KT, GROUP, WPT, PLANES,
                                               QUANT)
-                acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
-                                             z_cols2, nmask, k0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT,
-                                             PLANES, QUANT, False, None, None, s, z, s2, z2)
-                s, z, s2, z2 = ns, nz, ns2, nz2
-            else:
-                acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols,
-                                             z_cols2, nmask, k0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT,
-                                             PLANES, QUANT, False)
+            acc, acc2, ss = _chunk_slice(acc, acc2, ss, x_row, NW, w_cols, w_cols2, s_cols, s_cols2, z_cols, z_cols2,
+                                         nmask, k0, K, eps, magic, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
+                                         False, s, z, s2, z2, PREFETCH)
+            s, z, s2, z2 = ns, nz, ns2, nz2
     return tl.sum(acc, axis=0)[None, :], tl.sum(acc2, axis=0)[None, :], tl.sum(ss, axis=0)[None]

@@ -70,14 +70,21 @@ def order(kernel) -> list[str]:
     return events
 
 
-def registers(kernel) -> int | None:
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
+def _cubin_tool(kernel, tool: str, *args: str) -> str | None:
+    """What Triton's bundled `tool` (cuobjdump, nvdisasm) prints for the kernel's cubin; None where it is missing."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    if not os.path.exists(path):
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([path, *args, f.name], capture_output=True, text=True).stdout
+
+
+def registers(kernel) -> int | None:
+    out = _cubin_tool(kernel, "cuobjdump", "-res-usage")
+    if out is None:
+        return None
     for word in out.split():
         if word.startswith("REG:"):
             return int(word[4:])
@@ -87,13 +94,10 @@ def registers(kernel) -> int | None:
 def loop_loads(kernel) -> list[float] | None:
     """Where the global loads sit in the kernel's longest loop (the K loop of a multi-slice GEMV) in the SASS
     ptxas made: each load's position as a fraction of the loop body (None: no nvdisasm, or no loop)."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    if not os.path.exists(nvdisasm):
+    sass = _cubin_tool(kernel, "nvdisasm", "-c")
+    if sass is None:
         return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        lines = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+    lines = sass.splitlines()
     body: list[str] = []
     for i, line in enumerate(lines):
         branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)

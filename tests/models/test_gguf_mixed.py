@@ -64,12 +64,10 @@ def _blocks(kind: Any, shape: tuple[int, int], rng: np.random.Generator) -> np.n
         return raw.reshape(shape[0], -1)
 
 
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = Path(tmp_path_factory.mktemp("gguf-mixed")) / "mixed.gguf"
-    rng = np.random.default_rng(4)
+def _llama_writer(path: Path, blocks: int) -> Any:
+    """A gguf-py writer of a llama file of `blocks` layers of this module's shapes, its hyperparameters written."""
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(len(TYPES))
+    writer.add_block_count(blocks)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
@@ -77,6 +75,14 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
+    return writer
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = Path(tmp_path_factory.mktemp("gguf-mixed")) / "mixed.gguf"
+    rng = np.random.default_rng(4)
+    writer = _llama_writer(path, len(TYPES))
     writer.add_vocab_size(VOCAB)
     writer.add_tensor("token_embd.weight", (rng.standard_normal((VOCAB, HIDDEN)) * 0.5).astype(np.float16))
     writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
@@ -158,15 +164,7 @@ def test_q4_k_at_tensor_parallel_2_gives_one_process_logits(tmp_path: Path) -> N
 
     rng = np.random.default_rng(8)
     path = tmp_path / "q4k.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer = _llama_writer(path, 1)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe")
     writer.add_token_list(TOKENS)
