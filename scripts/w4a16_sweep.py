@@ -4,12 +4,18 @@ from M as w4a16_config takes it) against bf16 cuBLAS on the Llama-3.1-8B project
 shape and M, every candidate's time (the launch, split-K's reduce and permute_x's copy of x included)
 and error against the dequantized weight, the table's own pick (w4a16_config), and the best.
 
-    python scripts/w4a16_sweep.py [--m 16,64] [--shapes qkv,o,gate_up,down] [--quick]
+    python scripts/w4a16_sweep.py [--m 16,64] [--shapes qkv,o,gate_up,down] [--quick] [--permuted-only]
+        [--bf16x2 on|off|both] [--json FILE]
+
+--bf16x2 both: every tiling with the weights dequantized in bf16 pairs (GemmConfig.bf16x2) and in float32,
+and a SUMMARY line per shape and M with the best of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from functools import partial
 from pathlib import Path
@@ -34,11 +40,11 @@ QUICK_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 8, 4)]
 SPLITS = (1, 2, 4, 8)
 
 
-def tilings(m: int, quick: bool) -> list[GemmConfig]:
+def tilings(m: int, quick: bool, permutes: tuple[bool, ...], packed: tuple[bool, ...]) -> list[GemmConfig]:
     block_m = w4a16_config(m, 1, 4096).block_m
-    return [GemmConfig(block_m, bn, bk, warps, stages, split, permute)
+    return [GemmConfig(block_m, bn, bk, warps, stages, split, permute, bf16x2)
             for bn, bk, warps, stages in (QUICK_TILES if quick else TILES)
-            for split in SPLITS for permute in (False, True)]
+            for split in SPLITS for permute in permutes for bf16x2 in packed]
 
 
 def main() -> None:
@@ -46,7 +52,13 @@ def main() -> None:
     p.add_argument("--m", default="16,64")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--quick", action="store_true", help="three tiles a program, not six")
+    p.add_argument("--permuted-only", action="store_true", help="x permuted only (not also read strided)")
+    p.add_argument("--bf16x2", choices=("on", "off", "both"), default="on")
+    p.add_argument("--json", help="write every timing here")
     args = p.parse_args()
+    permutes = (True,) if args.permuted_only else (False, True)
+    packed = {"on": (True,), "off": (False,), "both": (False, True)}[args.bf16x2]
+    rows: list[dict] = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
@@ -59,7 +71,8 @@ def main() -> None:
             base = graph_time(partial(torch.nn.functional.linear, x, w)) * 1e6
             table = w4a16_config(m, n, k)
             results = []
-            for cfg in [table] + [c for c in tilings(m, args.quick) if c != table]:
+            candidates = [dataclasses.replace(table, bf16x2=b) for b in packed]
+            for cfg in candidates + [c for c in tilings(m, args.quick, permutes, packed) if c not in candidates]:
                 try:
                     y = triton_gemm(x, qw, None, cfg).float()
                     err = float((y - ref).norm() / ref.norm())
@@ -69,6 +82,8 @@ def main() -> None:
             if not results:
                 continue
             picked = results[0]
+            rows += [{"shape": name, "n": n, "k": k, "m": m, "us": us, "err": err, "bf16_us": base,
+                      "table": i < len(packed), **dataclasses.asdict(cfg)} for i, (us, err, cfg) in enumerate(results)]
             results.sort(key=lambda r: r[0])
             for us, err, cfg in results:
                 flag = "  WRONG" if err > 1e-2 else ""
@@ -76,6 +91,14 @@ def main() -> None:
             print(f"TABLE {name} M={m}: {picked[0]:.1f} us ({picked[2]}) -> {base / picked[0]:.2f}x cuBLAS", flush=True)
             print(f"BEST {name} M={m}: {results[0][0]:.1f} us ({results[0][2]}) vs bf16 cuBLAS {base:.1f} us -> "
                   f"{base / results[0][0]:.2f}x", flush=True)
+            if len(packed) > 1:
+                best = {b: min((r for r in results if r[2].bf16x2 == b), key=lambda r: r[0]) for b in packed}
+                print(f"SUMMARY {name} M={m}: bf16 cuBLAS {base:.1f} us | " + " | ".join(
+                    f"{'bf16x2' if b else 'float32'} {r[0]:.1f} us err {r[1]:.1e} "
+                    f"(n{r[2].block_n} w{r[2].num_warps} split {r[2].split_k})"
+                    for b, r in best.items()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            few rows of x its narrow N side) and no tl.trans. A K tile's [BLOCK_N,
                            BLOCK_K / 8] words are read as 8 "planes" (input 8j + i of word j: a
                            mask and an OR into a float's mantissa, (q - 8) * scale + zero rounded
-                           to x's dtype, all in the words' own registers), each dotted with x's
+                           to x's dtype, all in the words' own registers; where x, scales and zeros
+                           are bf16, by inline PTX two weights an instruction: a mask-and-OR into
+                           bf16 128's mantissa, a bf16x2 subtract and fma, about 2 instructions a
+                           weight against 5 in float32), each dotted with x's
                            matching columns (a sum over K takes any order of K applied to both
                            sides): 8 tl.dots a tile, no interleave or reshape. x's columns are read
                            strided, or from a copy of x permuted once a call so that a plane's
@@ -24,7 +27,10 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            bias). Tiles by M, N and K: w4a16_config. On an H100 (sweep of 24
                            tilings, scripts/w4a16_sweep.py) the best ran 0.81-1.33x bf16 cuBLAS at
                            16 rows (a Llama-3.1-8B layer's four projections 1.20x) and 0.71-1.08x
-                           at 64 (0.95x), where the interleaving GEMM before it ran 0.38-0.72x
+                           at 64 (0.95x), where the interleaving GEMM before it ran 0.38-0.72x. On
+                           an H200 with the bf16 pairs, a layer's four projections ran 1.22x bf16
+                           cuBLAS at 4 rows, 1.18x at 16 and 0.82x at 64 (dequantized in float32,
+                           best tilings: 0.97x, 0.92x and 0.72x)
                            M >= 128 (but up to 256 rows for N >= 16384, where the GEMM's 128 x 128
                            tiles ran the 8B gate/up in 108 and 218 us at 128 and 256 rows against
                            221 and 254 us): the weight dequantized to x's dtype by one Triton kernel into a
@@ -85,7 +91,9 @@ class GemmConfig:
     """A Triton GEMM's tiling. W4A16 only: block_k a power of two >= 128 (16 words a plane),
     split_k programs along K each summing a share of the K tiles into float32 partials that a
     second kernel adds up, permute_x: x copied once a call so that each plane's columns are
-    contiguous (where K is whole tiles; else x is read strided)."""
+    contiguous (where K is whole tiles; else x is read strided), bf16x2: where x and int4's scales and
+    zeros are bf16 on CUDA, the weights dequantized two an instruction in bf16 (else, and with False, in
+    float32)."""
 
     block_m: int
     block_n: int
@@ -94,13 +102,15 @@ class GemmConfig:
     num_stages: int
     split_k: int = 1
     permute_x: bool = False
+    bf16x2: bool = True
 
 
 def w4a16_config(m: int, n: int, k: int) -> GemmConfig:
     """The W4A16 GEMM's tiles for M rows (2 <= M < DEQUANTIZE_FROM), N outputs and K inputs, the
     rule the H100 sweep picked (scripts/w4a16_sweep.py at M = 16 and 64 on the Llama-3.1-8B
     projections, benchmarks/quantization.md): block_m M rounded up to a power of two (16 to 64).
-    Up to 16 rows: 64 outputs a program, x permuted, K split until there are 512 programs (4 an SM).
+    Up to 16 rows: 64 outputs a program, x permuted, K split until there are 256 programs (2 an SM; on an
+    H200 with the bf16 pairs' dequantization, 512 had been the float32 dequantization's best on the H100).
     More rows: 128 outputs a program (8 warps) for the large projections (N >= 16384 or K >= 8192),
     else 64, x permuted, K split until there are 192 programs. Splits at most 8, each K slice at
     least 512 inputs. Past 64 rows, the wide projections (N >= WIDE_N, up to WIDE_GEMM_UP_TO rows):
@@ -112,7 +122,7 @@ def w4a16_config(m: int, n: int, k: int) -> GemmConfig:
     wide = m > 16 and (n >= 16384 or k >= 8192)
     block_n, warps = (128, 8) if wide else (64, 4)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    want = 512 if m <= 16 else 192
+    want = 256 if m <= 16 else 192
     split_k = 1
     while split_k < 8 and tiles * split_k < want and k // (2 * split_k) >= 512:
         split_k *= 2
@@ -352,6 +362,8 @@ def _w4a16(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, cfg: Ge
         x.stride(0), *x_strides, kw.stride_wn, kw.stride_sn, out.stride(0),
         GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, EVEN_K=even_k, SPLIT_K=cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, QUANT=kw.quant,
+        BF16X2=cfg.bf16x2 and x.is_cuda and kw.quant == INT4 and x.dtype == kw.scale.dtype == kw.zero.dtype
+        == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
@@ -380,6 +392,45 @@ def _int4_plane(words: tl.tensor, PLANE: tl.constexpr) -> tl.tensor:
     else:
         f = ((h & 0xF000) | 0x45000000).to(tl.float32, bitcast=True) - 2056.0  # 2^11 + 8
     return f
+
+
+@triton.jit
+def _int4_planes_bf16x2(words: tl.tensor, s: tl.tensor, z: tl.tensor) -> tuple[tl.tensor, ...]:
+    """The 8 planes of int32 words [R, W] (plane p: input 8j + p, bits 4p..4p+3 of word j) as bf16
+    (q - 8) * s + z, s and z bf16 broadcast to [R, W]: two weights an instruction (CUDA only). Planes p
+    and p + 4 sit in the two half words of (word >> 4p) & 0x000F000F; OR-ed into bf16 128.0's mantissa
+    each is 128 + q exactly, 136 off is q - 8 exactly, and one fma.rn.bf16x2 rounds (q - 8) * s + z
+    once: the value the float32 path rounds to bf16 (up to its one extra rounding of the sum)."""
+    s = tl.broadcast_to(s.to(tl.bfloat16), words.shape)  # group_factors' float32 of bf16 values: exact
+    z = tl.broadcast_to(z.to(tl.bfloat16), words.shape)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 w1, w2, w3, t0, t1, t2, t3, ss, zz, off;
+        mov.b32 ss, {$9, $9};
+        mov.b32 zz, {$10, $10};
+        mov.b32 off, 0x43084308;
+        shr.u32 w1, $8, 4;
+        shr.u32 w2, $8, 8;
+        shr.u32 w3, $8, 12;
+        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xea;
+        lop3.b32 t1, w1, 0x000F000F, 0x43004300, 0xea;
+        lop3.b32 t2, w2, 0x000F000F, 0x43004300, 0xea;
+        lop3.b32 t3, w3, 0x000F000F, 0x43004300, 0xea;
+        sub.rn.bf16x2 t0, t0, off;
+        sub.rn.bf16x2 t1, t1, off;
+        sub.rn.bf16x2 t2, t2, off;
+        sub.rn.bf16x2 t3, t3, off;
+        fma.rn.bf16x2 t0, t0, ss, zz;
+        fma.rn.bf16x2 t1, t1, ss, zz;
+        fma.rn.bf16x2 t2, t2, ss, zz;
+        fma.rn.bf16x2 t3, t3, ss, zz;
+        mov.b32 {$0, $4}, t0;
+        mov.b32 {$1, $5}, t1;
+        mov.b32 {$2, $6}, t2;
+        mov.b32 {$3, $7}, t3;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", args=[words, s, z], dtype=(tl.bfloat16,) * 8,
+        is_pure=True, pack=1)
 
 
 @triton.jit
@@ -414,13 +465,14 @@ def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.
                   stride_x_word: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
                   GROUP: tl.constexpr, BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, QUANT: tl.constexpr) -> None:
+                  GROUP_M: tl.constexpr, QUANT: tl.constexpr, BF16X2: tl.constexpr = False) -> None:
     """One [BLOCK_N, BLOCK_M] tile of out^T over split program_id(1)'s share of the K tiles: per K
     tile the [BLOCK_N, BLOCK_K / 8] words, each of its 8 planes dequantized ((q - 8) * scale + zero,
     rounded to x's dtype) and dotted with x's matching columns, loaded transposed [BLOCK_K / 8,
     BLOCK_M] at k0 + i * stride_x_plane + j * stride_x_word. OUT: out [M, N] in x's dtype (+ bias),
     or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]. Scales: one a row when BLOCK_K divides
-    GROUP, else one a word. Unless EVEN_K the last tile (a ragged last group) is masked at K."""
+    GROUP, else one a word. Unless EVEN_K the last tile (a ragged last group) is masked at K. BF16X2:
+    x, scales and zeros bf16 on CUDA; the planes dequantized two weights an instruction in bf16."""
     pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     KW: tl.constexpr = BLOCK_K // 8
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -446,10 +498,16 @@ def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.
             s, z = s[:, None], z[:, None]
         else:
             s, z = group_factors(s_rows[:, None], z_rows[:, None], (kw * 8 // GROUP)[None, :], wmask, QUANT)
-        for i in tl.static_range(8):
-            w = (_int4_plane(words, i) * s + z).to(X.dtype.element_ty)
-            xt = tl.load(x_cols + (k0 + i * stride_x_plane + jj * stride_x_word)[:, None], mask=xmask, other=0.0)
-            acc = tl.dot(w, xt, acc)
+        if BF16X2:
+            planes = _int4_planes_bf16x2(words, s, z)
+            for i in tl.static_range(8):
+                xt = tl.load(x_cols + (k0 + i * stride_x_plane + jj * stride_x_word)[:, None], mask=xmask, other=0.0)
+                acc = tl.dot(planes[i], xt, acc)
+        else:
+            for i in tl.static_range(8):
+                w = (_int4_plane(words, i) * s + z).to(X.dtype.element_ty)
+                xt = tl.load(x_cols + (k0 + i * stride_x_plane + jj * stride_x_word)[:, None], mask=xmask, other=0.0)
+                acc = tl.dot(w, xt, acc)
     omask = nmask[:, None] & mmask[None, :]
     if SPLIT_K == 1:
         if BIAS:

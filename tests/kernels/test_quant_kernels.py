@@ -304,6 +304,33 @@ def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
         assert rel_err(qm.quant_matmul(xo.to(DEVICE), qo), xo.double() @ ref_o.T) < 1e-2
 
 
+@gpu_only
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("bf16x2", [True, False])
+def test_w4a16_planes_dequantize_as_the_dequantize_kernel(group: int, block_n: int, bf16x2: bool) -> None:
+    """The W4A16 GEMM's planes (bf16x2: by inline PTX, else in float32) with one-hot rows of x: each output
+    is one dequantized weight, exactly as the dequantize kernel gives it (both round (q - 8) * scale + zero
+    once; at most one bf16 step apart where the float32 sum rounds first), for every plane and scale
+    group, a split K included; and an ordinary x within the module's bound."""
+    gen = torch.Generator().manual_seed(group)
+    n, k = 256, 1024
+    qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int4", group)
+    deq = qm.dequantize_int4(qw, DTYPE).float().cpu()
+    cols = torch.randperm(k, generator=gen)
+    for cfg in (qm.GemmConfig(16, block_n, 128, 4, 3, 1, False, bf16x2),
+                qm.GemmConfig(64, block_n, 256, 4, 3, 2, True, bf16x2)):
+        for first in range(0, k, cfg.block_m):
+            x = torch.zeros(cfg.block_m, k, dtype=DTYPE)
+            x[torch.arange(cfg.block_m), cols[first:first + cfg.block_m]] = 1
+            y = qm.triton_gemm(x.to(DEVICE), qw, None, cfg).float().cpu()
+            want = deq[:, cols[first:first + cfg.block_m]].T
+            assert torch.allclose(y, want, rtol=2 ** -7, atol=0), (cfg, first, float((y - want).abs().max()))
+            assert float((y != want).float().mean()) < 1e-3
+        x = torch.randn(20, k, generator=gen).to(DTYPE)
+        assert rel_err(qm.triton_gemm(x.to(DEVICE), qw, None, cfg), x.double() @ ref_w.T) < 1e-2
+
+
 LLAMA_8B = [  # (weight rows, K, gated, norm, residual): q/k/v, o, gate/up, down
     (6144, 4096, False, True, False), (4096, 4096, False, False, True), (2 * 14336, 4096, True, True, False),
     (4096, 14336, False, False, True),
