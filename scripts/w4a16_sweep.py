@@ -5,7 +5,7 @@ shape and M, every candidate's time (the launch, split-K's reduce and permute_x'
 and error against the dequantized weight, the table's own pick (w4a16_config), and the best.
 
     python scripts/w4a16_sweep.py [--m 16,64] [--shapes qkv,o,gate_up,down] [--quick] [--permuted-only]
-        [--bf16x2 on|off|both] [--json FILE]
+        [--bf16x2 on|off|both] [--block-m 16,32,64] [--json FILE]
 
 --bf16x2 both: every tiling with the weights dequantized in bf16 pairs (GemmConfig.bf16x2) and in float32,
 and a SUMMARY line per shape and M with the best of each.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from gemv_bench import graph_time  # noqa: E402 - median of CUDA-graph replays
 
-from ferrum.kernels.quant_matmul import GemmConfig, triton_gemm, w4a16_config  # noqa: E402
+from ferrum.kernels.quant_matmul import GemmConfig, quant_matmul, triton_gemm, w4a16_config  # noqa: E402
 from ferrum.kernels.quant_weight import QuantWeight  # noqa: E402
 from ferrum.weights.quantization.arith import dequantize, quantize  # noqa: E402
 from ferrum.weights.quantization.scheme import QuantScheme  # noqa: E402
@@ -40,9 +40,11 @@ QUICK_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 8, 4)]
 SPLITS = (1, 2, 4, 8)
 
 
-def tilings(m: int, quick: bool, permutes: tuple[bool, ...], packed: tuple[bool, ...]) -> list[GemmConfig]:
-    block_m = w4a16_config(m, 1, 4096).block_m
+def tilings(m: int, quick: bool, permutes: tuple[bool, ...], packed: tuple[bool, ...],
+            block_ms: tuple[int, ...] = ()) -> list[GemmConfig]:
+    """The candidates at M rows: block_m from M as w4a16_config takes it, or each of block_ms."""
     return [GemmConfig(block_m, bn, bk, warps, stages, split, permute, bf16x2)
+            for block_m in block_ms or (w4a16_config(m, 1, 4096).block_m,)
             for bn, bk, warps, stages in (QUICK_TILES if quick else TILES)
             for split in SPLITS for permute in permutes for bf16x2 in packed]
 
@@ -54,10 +56,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="three tiles a program, not six")
     p.add_argument("--permuted-only", action="store_true", help="x permuted only (not also read strided)")
     p.add_argument("--bf16x2", choices=("on", "off", "both"), default="on")
+    p.add_argument("--block-m", default="", help="rows a program, e.g. 16,32,64 (default: w4a16_config's)")
     p.add_argument("--json", help="write every timing here")
     args = p.parse_args()
     permutes = (True,) if args.permuted_only else (False, True)
     packed = {"on": (True,), "off": (False,), "both": (False, True)}[args.bf16x2]
+    block_ms = tuple(int(v) for v in args.block_m.split(",") if v)
     rows: list[dict] = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -69,10 +73,13 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x, deq).float()
             base = graph_time(partial(torch.nn.functional.linear, x, w)) * 1e6
+            served = graph_time(partial(quant_matmul, x, qw)) * 1e6
+            print(f"SERVED {name} M={m}: quant_matmul {served:.1f} us, bf16 cuBLAS {base:.1f} us", flush=True)
             table = w4a16_config(m, n, k)
             results = []
             candidates = [dataclasses.replace(table, bf16x2=b) for b in packed]
-            for cfg in candidates + [c for c in tilings(m, args.quick, permutes, packed) if c not in candidates]:
+            others = tilings(m, args.quick, permutes, packed, block_ms)
+            for cfg in candidates + [c for c in others if c not in candidates]:
                 try:
                     y = triton_gemm(x, qw, None, cfg).float()
                     err = float((y - ref).norm() / ref.norm())

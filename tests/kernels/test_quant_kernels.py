@@ -309,14 +309,16 @@ def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
 @pytest.mark.parametrize("block_n", [32, 64])
 @pytest.mark.parametrize("bf16x2", [True, False])
 def test_w4a16_planes_dequantize_as_the_dequantize_kernel(group: int, block_n: int, bf16x2: bool) -> None:
-    """The W4A16 GEMM's planes (bf16x2: by inline PTX, else in float32) with one-hot rows of x: each output
-    is one dequantized weight, exactly as the dequantize kernel gives it (both round (q - 8) * scale + zero
-    once; at most one bf16 step apart where the float32 sum rounds first), for every plane and scale
-    group, a split K included; and an ordinary x within the module's bound."""
+    """The int4 planes (bf16x2: by inline PTX, else in float32) against (q - 8) * scale + zero rounded
+    once to bf16 (at most one bf16 step apart where the float32 path's sum rounds first): the dequantize
+    kernel's every weight, and the W4A16 GEMM's with one-hot rows of x (each output one weight), for
+    every plane and scale group, a split K included; and an ordinary x within the module's bound."""
     gen = torch.Generator().manual_seed(group)
     n, k = 256, 1024
     qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int4", group)
-    deq = qm.dequantize_int4(qw, DTYPE).float().cpu()
+    deq = ref_w.to(DTYPE).float()
+    got = qm.dequantize_int4(qw, DTYPE).float().cpu()
+    assert torch.allclose(got, deq, rtol=2 ** -7, atol=0) and float((got != deq).float().mean()) < 1e-3
     cols = torch.randperm(k, generator=gen)
     for cfg in (qm.GemmConfig(16, block_n, 128, 4, 3, 1, False, bf16x2),
                 qm.GemmConfig(64, block_n, 256, 4, 3, 2, True, bf16x2)):
