@@ -401,16 +401,19 @@ def _int4_planes_bf16x2(words: tl.tensor, s: tl.tensor, z: tl.tensor) -> tuple[t
     """The 8 planes of int32 words [R, W] (plane p: input 8j + p, bits 4p..4p+3 of word j) as bf16
     (q - 8) * s + z, s and z bf16 broadcast to [R, W]: two weights an instruction (CUDA only). Planes p
     and p + 4 sit in the two half words of (word >> 4p) & 0x000F000F; OR-ed into bf16 128.0's mantissa
-    each is 128 + q exactly, 136 off is q - 8 exactly, and one fma.rn.bf16x2 rounds (q - 8) * s + z
-    once: the value the float32 path rounds to bf16 (up to its one extra rounding of the sum)."""
+    each is 128 + q exactly, 136 off is q - 8 exactly (an fma by 1 and -136: sm_80's bf16x2 has no
+    subtraction, sm_90's does, and bf16 activations imply cc >= 8.0), and one fma.rn.bf16x2 rounds
+    (q - 8) * s + z once: the value the float32 path rounds to bf16 (up to its one extra rounding of
+    the sum)."""
     s = tl.broadcast_to(s.to(tl.bfloat16), words.shape)  # group_factors' float32 of bf16 values: exact
     z = tl.broadcast_to(z.to(tl.bfloat16), words.shape)
     return tl.inline_asm_elementwise(
         asm="""{
-        .reg .b32 w1, w2, w3, t0, t1, t2, t3, ss, zz, off;
+        .reg .b32 w1, w2, w3, t0, t1, t2, t3, ss, zz, one, off;
         mov.b32 ss, {$9, $9};
         mov.b32 zz, {$10, $10};
-        mov.b32 off, 0x43084308;
+        mov.b32 one, 0x3F803F80;
+        mov.b32 off, 0xC308C308;
         shr.u32 w1, $8, 4;
         shr.u32 w2, $8, 8;
         shr.u32 w3, $8, 12;
@@ -418,10 +421,10 @@ def _int4_planes_bf16x2(words: tl.tensor, s: tl.tensor, z: tl.tensor) -> tuple[t
         lop3.b32 t1, w1, 0x000F000F, 0x43004300, 0xea;
         lop3.b32 t2, w2, 0x000F000F, 0x43004300, 0xea;
         lop3.b32 t3, w3, 0x000F000F, 0x43004300, 0xea;
-        sub.rn.bf16x2 t0, t0, off;
-        sub.rn.bf16x2 t1, t1, off;
-        sub.rn.bf16x2 t2, t2, off;
-        sub.rn.bf16x2 t3, t3, off;
+        fma.rn.bf16x2 t0, t0, one, off;
+        fma.rn.bf16x2 t1, t1, one, off;
+        fma.rn.bf16x2 t2, t2, one, off;
+        fma.rn.bf16x2 t3, t3, one, off;
         fma.rn.bf16x2 t0, t0, ss, zz;
         fma.rn.bf16x2 t1, t1, ss, zz;
         fma.rn.bf16x2 t2, t2, ss, zz;
