@@ -3,11 +3,14 @@ launch, on any machine: Triton's bundled ptxas needs no GPU. Run in its own proc
 set TRITON_INTERPRET=1, under which kernels are interpreted, not compiled):
 
     python -m tests.kernels.hopper_ptx [--ptx DIR]
+    python -m tests.kernels.hopper_ptx --w4a16
 
 Prints one JSON object: for each kernel, the order of its global loads and griddepcontrol
 instructions in the PTX ("load", "wait", "trigger"), its registers per thread, and where ptxas put the
 global loads of its longest loop (fractions of the loop body in the SASS). With --ptx,
-also writes each kernel's PTX into DIR (to compare two versions of the kernels).
+also writes each kernel's PTX into DIR (to compare two versions of the kernels). With --w4a16, the
+W4A16 GEMM with its bf16-pair dequantization compiled for sm_80, 86, 89 and 90 instead: per target its
+bf16x2 fma and wgmma instructions in the PTX, and its registers.
 """
 
 from __future__ import annotations
@@ -112,7 +115,29 @@ def loop_loads(kernel) -> list[float] | None:
     return [n / len(body) for n, x in enumerate(body) if "LDG" in x]
 
 
+def w4a16_for(capability: int):
+    """The W4A16 GEMM (16 rows a program, int4 in groups of 128, bf16 x, scales and zeros: the planes in
+    bf16 pairs by inline PTX) compiled for compute capability `capability` (80 = sm_80), without PDL."""
+    from ferrum.kernels import quant_matmul as qm
+
+    fn = qm._w4a16_kernel
+    types = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "B": "*bf16", "OUT": "*fp32"}
+    sig = {p.name: types.get(p.name, "i32") for p in fn.params if not p.is_constexpr and p.name != "stride_x_word"}
+    consts = dict(GROUP=128, BIAS=False, EVEN_K=True, SPLIT_K=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
+                  QUANT=qm.INT4, BF16X2=True, stride_x_word=1)  # x permuted: Triton specialises the stride of 1
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+
+
 def main() -> None:
+    if "--w4a16" in sys.argv:  # the W4A16 GEMM's bf16 pairs for every GPU that serves bf16 (cc >= 8.0)
+        out = {}
+        for cc in (80, 86, 89, 90):
+            kernel = w4a16_for(cc)
+            out[str(cc)] = dict(bf16x2_fma=kernel.asm["ptx"].count("fma.rn.bf16x2"),
+                                wgmma=kernel.asm["ptx"].count("wgmma.mma_async"), registers=registers(kernel))
+        print(json.dumps(out))
+        return
     gemv = dict(ROWS=1, BLOCK_N=2, BIAS=False, PDL=1)
     kernels = {
         # 1B o_proj: all of K in one slice, residual rows from the embedding table (first layer)
