@@ -17,7 +17,7 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            mask and an OR into a float's mantissa, (q - 8) * scale + zero rounded
                            to x's dtype, all in the words' own registers; where x, scales and zeros
                            are bf16, by inline PTX two weights an instruction: a mask-and-OR into
-                           bf16 128's mantissa, a bf16x2 subtract and fma, about 2 instructions a
+                           bf16 128's mantissa, two bf16x2 fmas (- 136; * scale + zero), about 2 instructions a
                            weight against 5 in float32), each dotted with x's
                            matching columns (a sum over K takes any order of K applied to both
                            sides): 8 tl.dots a tile, no interleave or reshape. x's columns are read
