@@ -47,10 +47,10 @@ DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", 
 DECODE_TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i32", "*i32", "fp32"] + ["i32"] * 9
 
 
-def compile_sm90(fn, names: list[str], types: list[str], consts: dict, num_warps: int = 4):
-    """The kernel compiled for sm_90 with PDL; pointers, strides and sizes taken as multiples of
-    16, as Triton's launcher specialises them for the 1B shapes (the block tables' stride is left
-    unspecialised in the kernel)."""
+def compile_sm90(fn, names: list[str], types: list[str], consts: dict, num_warps: int = 4, capability: int = 90):
+    """The kernel compiled for sm_90 with PDL (or for another compute capability, PDL from 90 on); pointers,
+    strides and sizes taken as multiples of 16, as Triton's launcher specialises them for the 1B shapes (the
+    block tables' stride is left unspecialised in the kernel)."""
     sig = dict(zip(names, types, strict=True))
     consts = {**{param.name: param.default for param in fn.params  # constexprs left out: their defaults
                  if param.is_constexpr and param.name not in consts and param.name not in sig}, **consts}
@@ -58,7 +58,8 @@ def compile_sm90(fn, names: list[str], types: list[str], consts: dict, num_warps
                if ty.startswith("*") or (name.startswith("stride") and name != "stride_bt") or name in ("N", "K", "V")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "launch_pdl": True})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": num_warps, "launch_pdl": capability >= 90})
 
 
 def order(kernel) -> list[str]:
@@ -117,16 +118,15 @@ def loop_loads(kernel) -> list[float] | None:
 
 def w4a16_for(capability: int):
     """The W4A16 GEMM (16 rows a program, int4 in groups of 128, bf16 x, scales and zeros: the planes in
-    bf16 pairs by inline PTX) compiled for compute capability `capability` (80 = sm_80), without PDL."""
+    bf16 pairs by inline PTX) compiled for compute capability `capability` (80 = sm_80)."""
     from ferrum.kernels import quant_matmul as qm
 
     fn = qm._w4a16_kernel
     types = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "B": "*bf16", "OUT": "*fp32"}
-    sig = {p.name: types.get(p.name, "i32") for p in fn.params if not p.is_constexpr and p.name != "stride_x_word"}
+    names = [p.name for p in fn.params if not p.is_constexpr and p.name != "stride_x_word"]
     consts = dict(GROUP=128, BIAS=False, EVEN_K=True, SPLIT_K=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
                   QUANT=qm.INT4, BF16X2=True, stride_x_word=1)  # x permuted: Triton specialises the stride of 1
-    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+    return compile_sm90(fn, names, [types.get(name, "i32") for name in names], consts, capability=capability)
 
 
 def main() -> None:
