@@ -5,7 +5,10 @@ shape and M, every candidate's time (the launch, split-K's reduce and permute_x'
 and error against the dequantized weight, the table's own pick (w4a16_config), and the best.
 
     python scripts/w4a16_sweep.py [--m 16,64] [--shapes qkv,o,gate_up,down] [--quick] [--permuted-only]
-        [--bf16x2 on|off|both] [--block-m 16,32,64] [--json FILE]
+        [--bf16x2 on|off|both] [--block-m 16,32,64] [--kernel planes|tiles|both] [--json FILE]
+
+From TILES_FROM rows the weight-tiles kernel's candidates (GemmConfig.weight_tiles: 64- and 128-row tiles,
+splits 1, 2, 4) join the planes kernel's (--kernel picks one or both).
 
 --bf16x2 both: every tiling with the weights dequantized in bf16 pairs (GemmConfig.bf16x2) and in float32,
 and a SUMMARY line per shape and M with the best of each.
@@ -28,7 +31,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from gemv_bench import graph_time  # noqa: E402 - median of CUDA-graph replays
 
-from ferrum.kernels.quant_matmul import GemmConfig, quant_matmul, triton_gemm, w4a16_config  # noqa: E402
+from ferrum.kernels.quant_matmul import TILES_FROM, GemmConfig, quant_matmul, triton_gemm, w4a16_config  # noqa: E402
 from ferrum.kernels.quant_weight import QuantWeight  # noqa: E402
 from ferrum.weights.quantization.arith import dequantize, quantize  # noqa: E402
 from ferrum.weights.quantization.scheme import QuantScheme  # noqa: E402
@@ -38,6 +41,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 4, 3), (128, 256, 8, 3)]
 QUICK_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 8, 4)]
 SPLITS = (1, 2, 4, 8)
+# the weight-tiles kernel's candidates (from TILES_FROM rows): (block_m, block_n, num_warps, num_stages) x split_k
+WEIGHT_TILES = [(64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 4, 2), (128, 128, 8, 3), (64, 128, 4, 3)]
 
 
 def tilings(m: int, quick: bool, permutes: tuple[bool, ...], packed: tuple[bool, ...],
@@ -49,6 +54,14 @@ def tilings(m: int, quick: bool, permutes: tuple[bool, ...], packed: tuple[bool,
             for split in SPLITS for permute in permutes for bf16x2 in packed]
 
 
+def weight_tilings(m: int, packed: tuple[bool, ...]) -> list[GemmConfig]:
+    """The weight-tiles kernel's candidates at M rows (none below TILES_FROM)."""
+    if m < TILES_FROM:
+        return []
+    return [GemmConfig(bm, bn, 128, warps, stages, split, bf16x2=bf16x2, weight_tiles=True)
+            for bm, bn, warps, stages in WEIGHT_TILES if bm <= max(64, m) for split in (1, 2, 4) for bf16x2 in packed]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="16,64")
@@ -57,6 +70,8 @@ def main() -> None:
     p.add_argument("--permuted-only", action="store_true", help="x permuted only (not also read strided)")
     p.add_argument("--bf16x2", choices=("on", "off", "both"), default="on")
     p.add_argument("--block-m", default="", help="rows a program, e.g. 16,32,64 (default: w4a16_config's)")
+    p.add_argument("--kernel", choices=("planes", "tiles", "both"), default="both",
+                   help="candidates of the planes kernel, the weight-tiles kernel (from TILES_FROM rows) or both")
     p.add_argument("--json", help="write every timing here")
     args = p.parse_args()
     permutes = (True,) if args.permuted_only else (False, True)
@@ -78,7 +93,8 @@ def main() -> None:
             table = w4a16_config(m, n, k)
             results = []
             candidates = [dataclasses.replace(table, bf16x2=b) for b in packed]
-            others = tilings(m, args.quick, permutes, packed, block_ms)
+            others = (tilings(m, args.quick, permutes, packed, block_ms) if args.kernel != "tiles" else []) + (
+                weight_tilings(m, packed) if args.kernel != "planes" else [])
             for cfg in candidates + [c for c in others if c not in candidates]:
                 try:
                     y = triton_gemm(x, qw, None, cfg).float()

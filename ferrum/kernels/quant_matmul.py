@@ -8,7 +8,8 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            the stored values exactly. (At 4 rows the GEMV ran 0.4-0.8x bf16 cuBLAS
                            and the earlier W4A16 GEMM, 16-row tiles, 1.2-1.7x on the 8B gate/up; at
                            16 rows the GEMV 5-20x slower than cuBLAS.)
-    M > 1          int4    M < 128: a Triton W4A16 GEMM computing out^T tiles [BLOCK_N, BLOCK_M] =
+    M > 1          int4    M < TILES_FROM (48), or K not whole tiles of 128: the planes kernel, a
+                           Triton W4A16 GEMM computing out^T tiles [BLOCK_N, BLOCK_M] =
                            W_tile @ x_tile^T: the weight on the left, so that it is dot's register
                            operand (Hopper's wgmma takes A from registers: the dequantized weight
                            never goes through shared memory; BLOCK_N fills the MMA's rows and the
@@ -17,27 +18,33 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            mask and an OR into a float's mantissa, (q - 8) * scale + zero rounded
                            to x's dtype, all in the words' own registers; where x, scales and zeros
                            are bf16, by inline PTX two weights an instruction: a mask-and-OR into
-                           bf16 128's mantissa, two bf16x2 fmas (- 136; * scale + zero), about 2 instructions a
-                           weight against 5 in float32), each dotted with x's
+                           bf16 128's mantissa, two bf16x2 fmas (- 136; * scale + zero), about 2
+                           instructions a weight against 5 in float32), each dotted with x's
                            matching columns (a sum over K takes any order of K applied to both
                            sides): 8 tl.dots a tile, no interleave or reshape. x's columns are read
                            strided, or from a copy of x permuted once a call so that a plane's
                            columns are contiguous (permute_x). Split-K where N alone gives few
                            programs: float32 partials [SPLIT, M, N], then a kernel sums them (+
-                           bias). Tiles by M, N and K: w4a16_config. On an H100 (sweep of 24
-                           tilings, scripts/w4a16_sweep.py) the best ran 0.81-1.33x bf16 cuBLAS at
-                           16 rows (a Llama-3.1-8B layer's four projections 1.20x) and 0.71-1.08x
-                           at 64 (0.95x), where the interleaving GEMM before it ran 0.38-0.72x. On
-                           an H200 with the bf16 pairs, a layer's four projections ran 1.22x bf16
-                           cuBLAS at 4 rows, 1.18x at 16 and 0.82x at 64 (dequantized in float32,
-                           best tilings: 0.97x, 0.92x and 0.72x)
-                           M >= 128 (but up to 256 rows for N >= 16384, where the GEMM's 128 x 128
-                           tiles ran the 8B gate/up in 108 and 218 us at 128 and 256 rows against
-                           221 and 254 us): the weight dequantized to x's dtype by one Triton kernel into a
-                           transient [N, K] buffer, then cuBLAS: the dequantization (~0.1 ms for the
-                           8B gate/up) is paid once for all M rows, and cuBLAS's GEMM was about twice
-                           the earlier Triton GEMM's speed there (the buffer is the largest weight in bf16,
-                           235 MB for the 8B gate/up, held by the caching allocator)
+                           bias). Tiles by M, N and K: w4a16_config. On an H200 with the bf16
+                           pairs, a layer's four projections ran 1.22x bf16 cuBLAS at 4 rows and
+                           1.18x at 16.
+                           TILES_FROM <= M < DEQUANTIZE_FROM (129): the weight-tiles kernel, out
+                           tiles [BLOCK_M, BLOCK_N] = x_tile @ W_tile^T with one MMA a K tile: the
+                           planes (bf16 pairs where a K tile has one scale a row, else float32)
+                           joined back into input order in registers, the tile then the MMA's
+                           shared-memory operand, x read as it lies, the next K tiles' loads in
+                           flight under it. Each plane's own MMA, waited for in turn, bounded the
+                           planes kernel here (0.82x bf16 at 64 rows); the tiles ran a Llama-3.1-8B
+                           layer's four projections at 0.91x bf16 at 64 rows (1.17x the planes) and
+                           0.69x at 128 (1.28x dequantize + cuBLAS), H200.
+                           M >= DEQUANTIZE_FROM: the weight dequantized to x's dtype by one Triton
+                           kernel into a transient [N, K] buffer, then cuBLAS: the dequantization
+                           (~0.1 ms for the 8B gate/up) is paid once for all M rows, each tile of
+                           the kernels above once per BLOCK_M rows (at 160-256 rows the best tiles,
+                           128 or 256 rows, ran a layer 1.02-1.11x slower). The dequantization runs
+                           at the rate of a stream of mostly writes (~3 TB/s on an H200, every
+                           tiling alike). The buffer is the largest weight in bf16, 235 MB for the
+                           8B gate/up, held by the caching allocator
                    int8    M > 16, K and N multiples of 8: W8A8, x quantized per row to int8 as it
                            comes (scale = max|x_row| / 127, one Triton kernel), torch._int_mm (int8
                            tensor cores, int32 sums), then * x_scale * w_scale (+ bias) in one kernel;
@@ -80,10 +87,10 @@ from ferrum.kernels.planes import factor_stride, group_factors
 from ferrum.kernels.quant_weight import QuantWeight
 
 GEMV_ROWS = 1  # up to this many rows: the fused GEMV
-DEQUANTIZE_FROM = 128  # int4 from this many rows: dequantize + cuBLAS
+TILES_FROM = 48  # int4 from this many rows (K whole tiles of 128): the weight-tiles W4A16 kernel
+DEQUANTIZE_FROM = 129  # int4 from this many rows: dequantize + cuBLAS
 GROUPED_DEQUANTIZE_FROM = 32  # int8 / fp8 with group scales: from this many rows, dequantize + cuBLAS
-WIDE_GEMM_UP_TO = 256  # ... except the wide projections (N >= WIDE_N) up to this many rows
-WIDE_N = 16384
+WIDE_N = 16384  # outputs from which a projection is "wide" (the 8B's gate/up: 28672)
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,9 @@ class GemmConfig:
     second kernel adds up, permute_x: x copied once a call so that each plane's columns are
     contiguous (where K is whole tiles; else x is read strided), bf16x2: where x and int4's scales and
     zeros are bf16 on CUDA, the weights dequantized two an instruction in bf16 (else, and with False, in
-    float32)."""
+    float32). weight_tiles: W4A16 by the other kernel (_w4a16_tiles_kernel: each K tile's weights
+    dequantized in input order into the MMA's shared-memory operand, out tiles [BLOCK_M, BLOCK_N], x read
+    as it lies; K a multiple of block_k), not by planes (permute_x is then unused)."""
 
     block_m: int
     block_n: int
@@ -103,19 +112,38 @@ class GemmConfig:
     split_k: int = 1
     permute_x: bool = False
     bf16x2: bool = True
+    weight_tiles: bool = False
 
 
 def w4a16_config(m: int, n: int, k: int) -> GemmConfig:
-    """The W4A16 GEMM's tiles for M rows (2 <= M < DEQUANTIZE_FROM), N outputs and K inputs, the
-    rule the H100 sweep picked (scripts/w4a16_sweep.py at M = 16 and 64 on the Llama-3.1-8B
-    projections, benchmarks/quantization.md): block_m M rounded up to a power of two (16 to 64).
-    Up to 16 rows: 64 outputs a program, x permuted, K split until there are 256 programs (2 an SM; on an
-    H200 with the bf16 pairs' dequantization, 512 had been the float32 dequantization's best on the H100).
-    More rows: 128 outputs a program (8 warps) for the large projections (N >= 16384 or K >= 8192),
-    else 64, x permuted, K split until there are 192 programs. Splits at most 8, each K slice at
-    least 512 inputs. Past 64 rows, the wide projections (N >= WIDE_N, up to WIDE_GEMM_UP_TO rows):
-    128 x 128 tiles (measured at 128 and 256 rows); the others keep the 64-row rule.
+    """The W4A16 GEMM's tiles for M rows (2 <= M < DEQUANTIZE_FROM), N outputs and K inputs, the rules the
+    sweeps picked (benchmarks/quantization.md).
+    From TILES_FROM rows, where K is whole tiles of 128: the weight-tiles kernel (an H200 sweep of 2 x 3
+    tilings x 3 stagings x 3 splits at 64, 128 and 256 rows on the Llama-3.1-8B projections, then the
+    rule at 16-256 rows, .../quantization.md 2026-11-29): 64 x 64 tiles (4 warps) up to 64 rows, 4 stages
+    where there are at most 256 programs (2 an SM), else 2 (4 programs an SM fit its shared memory: 448
+    for the 8B's gate/up at 64 rows ran in one wave at 69 us, in two at 3 stages at 87); past 64 rows,
+    128 rows a tile, 128 outputs (8 warps, 3 stages) for the wide projections (N >= WIDE_N), else 64 (4
+    warps, 2 stages); K split until there are 256 programs (at most 4, each K slice at least 512
+    inputs), the wide projections whole.
+    Below TILES_FROM (or K ragged): the planes kernel. Up to 16 rows: 64 outputs a program, x permuted, K
+    split until there are 256 programs (2 an SM; on an H200 with the bf16 pairs' dequantization, 512 had
+    been the float32 dequantization's best on the H100). More rows: 128 outputs a program (8 warps) for
+    the large projections (N >= 16384 or K >= 8192), else 64, x permuted, K split until there are 192
+    programs. Splits at most 8, each K slice at least 512 inputs.
     """
+    if m >= TILES_FROM and k % 128 == 0:
+        wide = n >= WIDE_N
+        if m <= 64:
+            block_m, block_n, warps, stages = 64, 64, 4, 0
+        else:
+            block_m, block_n, warps, stages = (128, 128, 8, 3) if wide else (128, 64, 4, 2)
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split_k = 1
+        while not (wide and m > 64) and split_k < 4 and tiles * split_k < 256 and k // (2 * split_k) >= 512:
+            split_k *= 2
+        stages = stages or (4 if tiles * split_k <= 256 else 2)
+        return GemmConfig(block_m, block_n, 128, warps, stages, split_k, weight_tiles=True)
     if m > 64 and n >= WIDE_N:
         return GemmConfig(128, 128, 128, 8, 3, 1, True)
     block_m = min(max(16, triton.next_power_of_2(m)), 64)
@@ -158,7 +186,7 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = x.new_empty(0, n)
     elif m <= GEMV_ROWS:
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
-    elif w.kind == "int4" and m >= DEQUANTIZE_FROM and not (n >= WIDE_N and m <= WIDE_GEMM_UP_TO):
+    elif w.kind == "int4" and m >= DEQUANTIZE_FROM:
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
     elif w.kind in ("int8", "fp8") and w.group_size and m >= GROUPED_DEQUANTIZE_FROM:
         y = torch.nn.functional.linear(flat, dequantize_grouped(w, flat.dtype), bias)
@@ -350,24 +378,35 @@ def _w4a16(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, cfg: Ge
     if block_k < 128 or block_k & (block_k - 1):
         raise ValueError(f"W4A16 GEMM: block_k must be a power of two >= 128 (16 words a plane: tl.dot's "
                          f"smallest K), got {cfg}")
+    if cfg.weight_tiles and k % block_k:
+        raise ValueError(f"W4A16 GEMM: the weight tiles take K a multiple of block_k, got K = {k} and {cfg}")
     words = block_k // 8
     even_k = k % block_k == 0
-    x_strides = (1, 8)  # (plane, word): x[m, k0 + 8j + i] for plane i, word j of the tile at k0
-    if cfg.permute_x and even_k:  # each plane's columns contiguous: x[m, k0 + i * words + j]
-        x = x.reshape(m, k // block_k, words, 8).transpose(2, 3).reshape(m, k)
-        x_strides = (words, 1)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dest = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    _w4a16_kernel[grid](
-        x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, dest, m, n, k,
-        x.stride(0), *x_strides, kw.stride_wn, kw.stride_sn, out.stride(0),
-        GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, EVEN_K=even_k, SPLIT_K=cfg.split_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, QUANT=kw.quant,
-        BF16X2=cfg.bf16x2 and x.is_cuda and kw.quant == INT4 and x.dtype == kw.scale.dtype == kw.zero.dtype
-        == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    bf16x2 = cfg.bf16x2 and x.is_cuda and kw.quant == INT4 and x.dtype == kw.scale.dtype == kw.zero.dtype \
+        == torch.bfloat16 and not (cfg.weight_tiles and kw.group < block_k)
+    if cfg.weight_tiles:
+        _w4a16_tiles_kernel[grid](
+            x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, dest, m, n, k,
+            x.stride(0), kw.stride_wn, kw.stride_sn, out.stride(0),
+            GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, SPLIT_K=cfg.split_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, QUANT=kw.quant, BF16X2=bf16x2,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        x_strides = (1, 8)  # (plane, word): x[m, k0 + 8j + i] for plane i, word j of the tile at k0
+        if cfg.permute_x and even_k:  # each plane's columns contiguous: x[m, k0 + i * words + j]
+            x = x.reshape(m, k // block_k, words, 8).transpose(2, 3).reshape(m, k)
+            x_strides = (words, 1)
+        _w4a16_kernel[grid](
+            x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, dest, m, n, k,
+            x.stride(0), *x_strides, kw.stride_wn, kw.stride_sn, out.stride(0),
+            GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, EVEN_K=even_k, SPLIT_K=cfg.split_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, QUANT=kw.quant, BF16X2=bf16x2,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if cfg.split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
@@ -449,6 +488,82 @@ def _unpack_int4(words: tl.tensor) -> tl.tensor:
     f2 = ((h & 0xF00) | 0x47000000).to(tl.float32, bitcast=True) - 32776.0  # 2^15 + 8
     f3 = ((h & 0xF000) | 0x45000000).to(tl.float32, bitcast=True) - 2056.0  # 2^11 + 8
     return tl.interleave(tl.interleave(f0, f2), tl.interleave(f1, f3))
+
+
+@triton.jit
+def _int4_tile_bf16x2(words: tl.tensor, s: tl.tensor, z: tl.tensor) -> tl.tensor:
+    """int32 words [R, W] -> bf16 [R, 8W] in input order (input 8j + i at column 8j + i), the bf16x2
+    planes (_int4_planes_bf16x2) joined: a join and a reshape put the second tensor's element beside the
+    first's (the join's index becomes the column's lowest bit, later joins shift it up), so planes p and
+    p + 4 are joined first (bit 2 of the plane), then pairs 2 apart (bit 1), then neighbours (bit 0).
+    Each thread keeps its own elements: no data moves between threads."""
+    p = _int4_planes_bf16x2(words, s, z)
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    a0 = tl.reshape(tl.join(p[0], p[4]), (R, 2 * W))
+    a1 = tl.reshape(tl.join(p[1], p[5]), (R, 2 * W))
+    a2 = tl.reshape(tl.join(p[2], p[6]), (R, 2 * W))
+    a3 = tl.reshape(tl.join(p[3], p[7]), (R, 2 * W))
+    b0 = tl.reshape(tl.join(a0, a2), (R, 4 * W))
+    b1 = tl.reshape(tl.join(a1, a3), (R, 4 * W))
+    return tl.reshape(tl.join(b0, b1), (R, 8 * W))
+
+
+@triton.jit
+def _w4a16_tiles_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
+                        M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
+                        stride_sn: tl.tensor, stride_om: tl.tensor, GROUP: tl.constexpr, BIAS: tl.constexpr,
+                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, QUANT: tl.constexpr,
+                        BF16X2: tl.constexpr) -> None:
+    """One [BLOCK_M, BLOCK_N] tile of out over split program_id(1)'s share of the K tiles (K a multiple
+    of BLOCK_K): per K tile x's [BLOCK_M, BLOCK_K] as it lies, and the [BLOCK_N, BLOCK_K / 8] words
+    dequantized in input order ((q - 8) * scale + zero rounded to x's dtype: BF16X2 by the bf16 pairs,
+    else in float32) into the dot's right operand, which Hopper's wgmma reads from shared memory (the
+    planes kernel's weights stay in registers but each plane is its own MMA; here one MMA a K tile, and
+    the loads of the next stages run under it). OUT as _w4a16_kernel's. Scales: one a row when BLOCK_K
+    divides GROUP, else one a word (then in float32 only: with the bf16 pairs and a scale a word, Triton
+    3.6's TritonGPUOptimizeDotOperands pass fails to compile the kernel; _w4a16 never asks for it)."""
+    pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    KW: tl.constexpr = BLOCK_K // 8
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    jj = tl.arange(0, KW)
+    mmask = rm < M
+    nmask = rn < N
+    x_rows = X + rm[:, None].to(tl.int64) * stride_xm
+    w_rows = W + rn[:, None].to(tl.int64) * stride_wn
+    s_rows, z_rows = S + rn * stride_sn, Z + rn * factor_stride(stride_sn, QUANT)
+    tiles = K // BLOCK_K
+    share = tl.cdiv(tiles, SPLIT_K)
+    first = tl.program_id(1) * share
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for t in range(first, tl.minimum(first + share, tiles)):
+        k0 = t * BLOCK_K
+        x = tl.load(x_rows + (k0 + kk)[None, :], mask=mmask[:, None], other=0.0)
+        words = tl.load(w_rows + (k0 // 8 + jj)[None, :], mask=nmask[:, None], other=0)
+        if BLOCK_K <= GROUP:  # the tile within one group
+            s, z = group_factors(s_rows, z_rows, k0 // GROUP, nmask, QUANT)
+            s, z = s[:, None], z[:, None]
+        else:  # a scale a word
+            s, z = group_factors(s_rows[:, None], z_rows[:, None], ((k0 // 8 + jj) * 8 // GROUP)[None, :],
+                                 nmask[:, None], QUANT)
+        if BF16X2:
+            w = _int4_tile_bf16x2(words, s, z)
+        else:
+            if BLOCK_K > GROUP:  # each word's factors over its 8 inputs
+                s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, KW, 8)), (BLOCK_N, BLOCK_K))
+                z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, KW, 8)), (BLOCK_N, BLOCK_K))
+            w = (_unpack_int4(words) * s + z).to(X.dtype.element_ty)
+        acc = tl.dot(x, tl.trans(w), acc)
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        if BIAS:
+            acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
+    else:
+        tl.store(OUT + (tl.program_id(1) * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=omask)
 
 
 @triton.jit

@@ -9,8 +9,8 @@ Prints one JSON object: for each kernel, the order of its global loads and gridd
 instructions in the PTX ("load", "wait", "trigger"), its registers per thread, and where ptxas put the
 global loads of its longest loop (fractions of the loop body in the SASS). With --ptx,
 also writes each kernel's PTX into DIR (to compare two versions of the kernels). With --w4a16, the
-W4A16 GEMM with its bf16-pair dequantization compiled for sm_80, 86, 89 and 90 instead: per target its
-bf16x2 fma and wgmma instructions in the PTX, and its registers.
+W4A16 GEMMs (planes; weight tiles) with their bf16-pair dequantization compiled for sm_80, 86, 89 and 90
+instead: per kernel and target its bf16x2 fma and wgmma instructions in the PTX, and its registers.
 """
 
 from __future__ import annotations
@@ -116,11 +116,19 @@ def loop_loads(kernel) -> list[float] | None:
     return [n / len(body) for n, x in enumerate(body) if "LDG" in x]
 
 
-def w4a16_for(capability: int):
+def w4a16_for(capability: int, tiles: bool = False):
     """The W4A16 GEMM (16 rows a program, int4 in groups of 128, bf16 x, scales and zeros: the planes in
-    bf16 pairs by inline PTX) compiled for compute capability `capability` (80 = sm_80)."""
+    bf16 pairs by inline PTX) compiled for compute capability `capability` (80 = sm_80); `tiles`: the
+    weight-tiles kernel instead (64 x 64 tiles, the planes joined into the MMA's shared-memory operand)."""
     from ferrum.kernels import quant_matmul as qm
 
+    if tiles:
+        fn = qm._w4a16_tiles_kernel
+        types = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "B": "*bf16", "OUT": "*bf16"}
+        names = [p.name for p in fn.params if not p.is_constexpr]
+        consts = dict(GROUP=128, BIAS=False, SPLIT_K=1, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
+                      QUANT=qm.INT4, BF16X2=True)
+        return compile_sm90(fn, names, [types.get(name, "i32") for name in names], consts, capability=capability)
     fn = qm._w4a16_kernel
     types = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "B": "*bf16", "OUT": "*fp32"}
     names = [p.name for p in fn.params if not p.is_constexpr and p.name != "stride_x_word"]
@@ -133,9 +141,11 @@ def main() -> None:
     if "--w4a16" in sys.argv:  # the W4A16 GEMM's bf16 pairs for every GPU that serves bf16 (cc >= 8.0)
         out = {}
         for cc in (80, 86, 89, 90):
-            kernel = w4a16_for(cc)
-            out[str(cc)] = dict(bf16x2_fma=kernel.asm["ptx"].count("fma.rn.bf16x2"),
-                                wgmma=kernel.asm["ptx"].count("wgmma.mma_async"), registers=registers(kernel))
+            for name, tiles in (("planes", False), ("tiles", True)):
+                kernel = w4a16_for(cc, tiles)
+                out[f"{name} {cc}"] = dict(bf16x2_fma=kernel.asm["ptx"].count("fma.rn.bf16x2"),
+                                           wgmma=kernel.asm["ptx"].count("wgmma.mma_async"),
+                                           registers=registers(kernel))
         print(json.dumps(out))
         return
     gemv = dict(ROWS=1, BLOCK_N=2, BIAS=False, PDL=1)

@@ -65,16 +65,17 @@ def test_quantized_k_loops_issue_their_group_factors_with_the_weights(compiled: 
 
 
 def test_w4a16_bf16_pairs_compile_for_every_gpu_that_serves_bf16() -> None:
-    """The W4A16 GEMM's inline PTX (bf16x2 fma; sm_90's bf16x2 subtraction would not assemble for sm_80-89)
-    through ptxas for sm_80, 86, 89 and 90: 8 fmas a word (4 to subtract 136, 4 by scale and zero), each
-    plane an MMA (wgmma on sm_90)."""
+    """The W4A16 GEMMs' inline PTX (bf16x2 fma; sm_90's bf16x2 subtraction would not assemble for sm_80-89)
+    through ptxas for sm_80, 86, 89 and 90, in the planes kernel and in the weight tiles (their planes
+    joined into input order): 8 fmas a word (4 to subtract 136, 4 by scale and zero), wgmma on sm_90 only."""
     pytest.importorskip("triton", reason="the GPU kernels are Triton (pip install triton)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.hopper_ptx", "--w4a16"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     targets = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(targets) == ["80", "86", "89", "90"]
-    for cc, kernel in targets.items():
-        assert kernel["bf16x2_fma"] >= 8, (cc, kernel)
-    assert targets["90"]["wgmma"] >= 8 and targets["80"]["wgmma"] == 0
+    assert sorted(targets) == sorted(f"{k} {cc}" for k in ("planes", "tiles") for cc in (80, 86, 89, 90))
+    for name, kernel in targets.items():
+        assert kernel["bf16x2_fma"] >= 8, (name, kernel)
+    for k in ("planes", "tiles"):
+        assert targets[f"{k} 90"]["wgmma"] >= 8 and targets[f"{k} 80"]["wgmma"] == 0, targets

@@ -216,10 +216,14 @@ GEMMS = [  # W8A16: K = 96, a partial tile; W4A16: K = 256, two tiles of four gr
     ("int4", qm.GemmConfig(16, 16, 128, 4, 2)),
     ("int4", qm.GemmConfig(16, 16, 128, 4, 2, split_k=3, permute_x=True)),  # the third split has no tile
     ("int4-k", qm.GemmConfig(16, 16, 128, 4, 2)),  # Q4_K's factors: one super-block of 256
+    ("int4", qm.GemmConfig(16, 16, 128, 4, 2, weight_tiles=True)),  # the weight tiles: a scale a word
+    ("int4", qm.GemmConfig(16, 16, 128, 4, 2, split_k=3, weight_tiles=True)),
+    ("int4-k", qm.GemmConfig(16, 16, 128, 4, 2, weight_tiles=True)),
 ]
 
 
-@pytest.mark.parametrize(("kind", "config"), GEMMS, ids=lambda c: c if isinstance(c, str) else f"split{c.split_k}")
+@pytest.mark.parametrize(("kind", "config"), GEMMS, ids=lambda c: c if isinstance(c, str)
+                         else f"split{c.split_k}{'-tiles' if c.weight_tiles else ''}")
 def test_triton_gemm_matches_the_dequantized_weight(kind: str, config: qm.GemmConfig) -> None:
     """The W4A16 / W8A16 GEMM (interpreted: tiny tiles), a partial tile in M and N, bias."""
     gen = torch.Generator().manual_seed(3)
@@ -229,6 +233,18 @@ def test_triton_gemm_matches_the_dequantized_weight(kind: str, config: qm.GemmCo
     qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), kind)
     y = qm.triton_gemm(x.to(DEVICE), qw, bias.to(DEVICE), config)
     assert y.shape == (m, n) and y.dtype == DTYPE
+    assert rel_err(y, x.double() @ ref_w.T + bias.double()) < 1e-2
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_w4a16_weight_tiles_with_a_scale_a_row(split_k: int) -> None:
+    """The weight tiles where a K tile lies within one group (groups of 128): one scale a row a tile."""
+    gen = torch.Generator().manual_seed(9)
+    m, n, k = 20, 24, 256
+    x = torch.randn(m, k, generator=gen).to(DTYPE)
+    bias = torch.randn(n, generator=gen).to(DTYPE)
+    qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int4", 128)
+    y = qm.triton_gemm(x.to(DEVICE), qw, bias.to(DEVICE), qm.GemmConfig(16, 16, 128, 4, 2, split_k, weight_tiles=True))
     assert rel_err(y, x.double() @ ref_w.T + bias.double()) < 1e-2
 
 
@@ -284,7 +300,7 @@ def test_rows_quantized_by_a_static_scale(dtype: torch.dtype) -> None:
 
 
 @gpu_only
-@pytest.mark.parametrize("m", [1, 8, 17, 300])
+@pytest.mark.parametrize("m", [1, 8, 17, 100, 300])
 @pytest.mark.parametrize(("kind", "bound"), [("int4", 1e-2), ("int8", 2e-2), ("fp8", 5e-2), ("int8-g", 1e-2),
                                              ("fp8-g", 5e-2), ("int8-gz", 1e-2), ("int4-k", 1e-2)])
 def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
@@ -311,8 +327,9 @@ def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
 def test_w4a16_planes_dequantize_as_the_dequantize_kernel(group: int, block_n: int, bf16x2: bool) -> None:
     """The int4 planes (bf16x2: by inline PTX, else in float32) against (q - 8) * scale + zero rounded
     once to bf16 (at most one bf16 step apart where the float32 path's sum rounds first): the dequantize
-    kernel's every weight, and the W4A16 GEMM's with one-hot rows of x (each output one weight), for
-    every plane and scale group, a split K included; and an ordinary x within the module's bound."""
+    kernel's every weight, and the W4A16 GEMMs' (planes; weight tiles, their planes joined in input
+    order) with one-hot rows of x (each output one weight), for every plane and scale group, a split K
+    included; and an ordinary x within the module's bound."""
     gen = torch.Generator().manual_seed(group)
     n, k = 256, 1024
     qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int4", group)
@@ -321,7 +338,8 @@ def test_w4a16_planes_dequantize_as_the_dequantize_kernel(group: int, block_n: i
     assert torch.allclose(got, deq, rtol=2 ** -7, atol=0) and float((got != deq).float().mean()) < 1e-3
     cols = torch.randperm(k, generator=gen)
     for cfg in (qm.GemmConfig(16, block_n, 128, 4, 3, 1, False, bf16x2),
-                qm.GemmConfig(64, block_n, 256, 4, 3, 2, True, bf16x2)):
+                qm.GemmConfig(64, block_n, 256, 4, 3, 2, True, bf16x2),
+                qm.GemmConfig(64, block_n, 128, 4, 3, 2, bf16x2=bf16x2, weight_tiles=True)):
         for first in range(0, k, cfg.block_m):
             x = torch.zeros(cfg.block_m, k, dtype=DTYPE)
             x[torch.arange(cfg.block_m), cols[first:first + cfg.block_m]] = 1
@@ -363,13 +381,18 @@ def test_quantized_gemv_at_llama_8b_shapes(kind: str) -> None:
             assert rel_err(y, ref) < 1e-2, (kind, rows_w, k, m)
 
 
-def test_w4a16_tiles_past_64_rows_only_for_wide_projections() -> None:
-    """The 128 x 128 tiles were measured faster than dequantize + cuBLAS only on the wide gate/up
-    (N >= WIDE_N); a narrow projection past 64 rows keeps the 64-row tiles and its K split."""
+def test_w4a16_kernel_by_rows_and_shape() -> None:
+    """The planes below TILES_FROM rows; from there the weight tiles where K is whole tiles of 128 (128
+    x 128 and K whole for the wide gate/up past 64 rows, K split for a narrow projection) up to
+    DEQUANTIZE_FROM (quant_matmul's dequantize + cuBLAS from there), the planes where K is ragged."""
+    assert not qm.w4a16_config(qm.TILES_FROM - 1, 4096, 4096).weight_tiles
     wide = qm.w4a16_config(100, qm.WIDE_N, 4096)
     narrow = qm.w4a16_config(100, 4096, 14336)
-    assert (wide.block_m, wide.block_n, wide.split_k) == (128, 128, 1)
-    assert narrow.block_m == 64 and narrow.split_k > 1
+    assert wide.weight_tiles and (wide.block_m, wide.block_n, wide.split_k) == (128, 128, 1)
+    assert narrow.weight_tiles and narrow.block_m == 128 and narrow.split_k > 1
+    assert qm.w4a16_config(64, 4096, 4096).block_m == 64
+    assert not qm.w4a16_config(100, 4096, 576).weight_tiles  # K ragged (SmolLM2's 576)
+    assert qm.w4a16_config(qm.DEQUANTIZE_FROM - 1, qm.WIDE_N, 4096).weight_tiles
 
 
 def test_int8_with_zeros_in_groups_of_16() -> None:
