@@ -24,8 +24,9 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            sides): 8 tl.dots a tile, no interleave or reshape. x's columns are read
                            strided, or from a copy of x permuted once a call so that a plane's
                            columns are contiguous (permute_x). Split-K where N alone gives few
-                           programs: float32 partials [SPLIT, M, N], then a kernel sums them (+
-                           bias). Tiles by M, N and K: w4a16_config. On an H200 with the bf16
+                           programs: float32 partials [SPLIT, M, N], summed (+ bias) by each
+                           tile's last program to finish (_store_tile; the weight tiles below: by
+                           a second kernel). Tiles by M, N and K: w4a16_config. On an H200 with the bf16
                            pairs, a layer's four projections ran 1.22x bf16 cuBLAS at 4 rows and
                            1.18x at 16.
                            TILES_FROM <= M < DEQUANTIZE_FROM (129): the weight-tiles kernel, out
@@ -383,17 +384,21 @@ def _w4a16(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, cfg: Ge
     words = block_k // 8
     even_k = k % block_k == 0
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    dest = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
+    part = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    # the planes' splits summed by each tile's last program (H200, an 8B layer: 1.01x / 1.04x the second kernel
+    # at 4 / 16 rows); the weight tiles' by the second kernel (their last programs ran 0.98-0.96x at 48-128 rows)
+    last_sums = cfg.split_k > 1 and not cfg.weight_tiles and grid[0] <= SPLIT_COUNTS
+    counts = _split_counts(x.device) if last_sums else part
     bf16x2 = cfg.bf16x2 and x.is_cuda and kw.quant == INT4 and x.dtype == kw.scale.dtype == kw.zero.dtype \
         == torch.bfloat16 and not (cfg.weight_tiles and kw.group < block_k)
     if cfg.weight_tiles:
         _w4a16_tiles_kernel[grid](
-            x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, dest, m, n, k,
+            x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, out, part, counts, m, n, k,
             x.stride(0), kw.stride_wn, kw.stride_sn, out.stride(0),
-            GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, SPLIT_K=cfg.split_k,
+            GROUP=kw.group, BIAS=bias is not None and (cfg.split_k == 1 or last_sums), SPLIT_K=cfg.split_k,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, QUANT=kw.quant, BF16X2=bf16x2,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            LAST_SUMS=last_sums, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
         x_strides = (1, 8)  # (plane, word): x[m, k0 + 8j + i] for plane i, word j of the tile at k0
@@ -401,16 +406,16 @@ def _w4a16(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, cfg: Ge
             x = x.reshape(m, k // block_k, words, 8).transpose(2, 3).reshape(m, k)
             x_strides = (words, 1)
         _w4a16_kernel[grid](
-            x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, dest, m, n, k,
+            x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, out, part, counts, m, n, k,
             x.stride(0), *x_strides, kw.stride_wn, kw.stride_sn, out.stride(0),
-            GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, EVEN_K=even_k, SPLIT_K=cfg.split_k,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, QUANT=kw.quant, BF16X2=bf16x2,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP=kw.group, BIAS=bias is not None and (cfg.split_k == 1 or last_sums), EVEN_K=even_k,
+            SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
+            QUANT=kw.quant, BF16X2=bf16x2, LAST_SUMS=last_sums, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if cfg.split_k > 1:
+    if cfg.split_k > 1 and not last_sums:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            dest, bias if bias is not None else out, out, m * n, n, SPLIT_K=cfg.split_k, BIAS=bias is not None,
+            part, bias if bias is not None else out, out, m * n, n, SPLIT_K=cfg.split_k, BIAS=bias is not None,
             BLOCK=block, num_warps=4)
     return out
 
@@ -511,17 +516,17 @@ def _int4_tile_bf16x2(words: tl.tensor, s: tl.tensor, z: tl.tensor) -> tl.tensor
 
 @triton.jit
 def _w4a16_tiles_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
-                        M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
-                        stride_sn: tl.tensor, stride_om: tl.tensor, GROUP: tl.constexpr, BIAS: tl.constexpr,
-                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, QUANT: tl.constexpr,
-                        BF16X2: tl.constexpr) -> None:
+                        P: tl.tensor, COUNTS: tl.tensor, M: tl.tensor, N: tl.tensor, K: tl.tensor,
+                        stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
+                        GROUP: tl.constexpr, BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, QUANT: tl.constexpr,
+                        BF16X2: tl.constexpr, LAST_SUMS: tl.constexpr) -> None:
     """One [BLOCK_M, BLOCK_N] tile of out over split program_id(1)'s share of the K tiles (K a multiple
     of BLOCK_K): per K tile x's [BLOCK_M, BLOCK_K] as it lies, and the [BLOCK_N, BLOCK_K / 8] words
     dequantized in input order ((q - 8) * scale + zero rounded to x's dtype: BF16X2 by the bf16 pairs,
     else in float32) into the dot's right operand, which Hopper's wgmma reads from shared memory (the
     planes kernel's weights stay in registers but each plane is its own MMA; here one MMA a K tile, and
-    the loads of the next stages run under it). OUT as _w4a16_kernel's. Scales: one a row when BLOCK_K
+    the loads of the next stages run under it). OUT, P, COUNTS as _w4a16_kernel's. Scales: one a row when BLOCK_K
     divides GROUP, else one a word (then in float32 only: with the bf16 pairs and a scale a word, Triton
     3.6's TritonGPUOptimizeDotOperands pass fails to compile the kernel; _w4a16 never asks for it)."""
     pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -557,13 +562,8 @@ def _w4a16_tiles_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, 
                 z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, KW, 8)), (BLOCK_N, BLOCK_K))
             w = (_unpack_int4(words) * s + z).to(X.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc)
-    omask = mmask[:, None] & nmask[None, :]
-    if SPLIT_K == 1:
-        if BIAS:
-            acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
-    else:
-        tl.store(OUT + (tl.program_id(1) * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=omask)
+    _store_tile(acc, OUT, P, B, COUNTS, rm[:, None], rn[None, :], mmask[:, None] & nmask[None, :], M, N, stride_om,
+                SPLIT_K, BIAS, LAST_SUMS)
 
 
 @triton.jit
@@ -581,16 +581,18 @@ def _banded_tile(M: tl.tensor, N: tl.tensor, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
-                  M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_x_plane: tl.tensor,
-                  stride_x_word: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
-                  GROUP: tl.constexpr, BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, QUANT: tl.constexpr, BF16X2: tl.constexpr = False) -> None:
+                  P: tl.tensor, COUNTS: tl.tensor, M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor,
+                  stride_x_plane: tl.tensor, stride_x_word: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor,
+                  stride_om: tl.tensor, GROUP: tl.constexpr, BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, QUANT: tl.constexpr, BF16X2: tl.constexpr = False,
+                  LAST_SUMS: tl.constexpr = False) -> None:
     """One [BLOCK_N, BLOCK_M] tile of out^T over split program_id(1)'s share of the K tiles: per K
     tile the [BLOCK_N, BLOCK_K / 8] words, each of its 8 planes dequantized ((q - 8) * scale + zero,
     rounded to x's dtype) and dotted with x's matching columns, loaded transposed [BLOCK_K / 8,
-    BLOCK_M] at k0 + i * stride_x_plane + j * stride_x_word. OUT: out [M, N] in x's dtype (+ bias),
-    or with SPLIT_K > 1 the float32 partials [SPLIT_K, M, N]. Scales: one a row when BLOCK_K divides
+    BLOCK_M] at k0 + i * stride_x_plane + j * stride_x_word. OUT: out [M, N] in x's dtype (+ bias); with
+    SPLIT_K > 1 each program's float32 partial goes to P [SPLIT_K, M, N] and, with LAST_SUMS, the tile's
+    last program sums them into OUT (_store_tile; else _sum_splits_kernel does). Scales: one a row when BLOCK_K divides
     GROUP, else one a word. Unless EVEN_K the last tile (a ragged last group) is masked at K. BF16X2:
     x, scales and zeros bf16 on CUDA; the planes dequantized two weights an instruction in bf16."""
     pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -628,13 +630,52 @@ def _w4a16_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.
                 w = (_int4_plane(words, i) * s + z).to(X.dtype.element_ty)
                 xt = tl.load(x_cols + (k0 + i * stride_x_plane + jj * stride_x_word)[:, None], mask=xmask, other=0.0)
                 acc = tl.dot(w, xt, acc)
-    omask = nmask[:, None] & mmask[None, :]
+    _store_tile(acc, OUT, P, B, COUNTS, rm[None, :], rn[:, None], nmask[:, None] & mmask[None, :], M, N, stride_om,
+                SPLIT_K, BIAS, LAST_SUMS)
+
+
+@triton.jit
+def _store_tile(acc: tl.tensor, OUT: tl.tensor, P: tl.tensor, B: tl.tensor, COUNTS: tl.tensor, rows: tl.tensor,
+                cols: tl.tensor, mask: tl.tensor, M: tl.tensor, N: tl.tensor, stride_om: tl.tensor,
+                SPLIT_K: tl.constexpr, BIAS: tl.constexpr, LAST_SUMS: tl.constexpr) -> None:
+    """A program's float32 sums acc for out[rows, cols] (rows, cols and mask broadcast to acc's shape) over
+    its share of K. SPLIT_K == 1: (+ bias) rounded into OUT [M, N] (row stride stride_om). Else into P
+    [SPLIT_K, M, N] at split program_id(1); with LAST_SUMS each program then counts itself done on its
+    tile's COUNTS[program_id(0)], and the last of the tile's SPLIT_K sums their partials in split order
+    (as _sum_splits_kernel would, whichever finishes last) (+ bias) into OUT and sets the count back to
+    0 for the next launch: no second kernel."""
     if SPLIT_K == 1:
         if BIAS:
-            acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        tl.store(OUT + rm[None, :].to(tl.int64) * stride_om + rn[:, None], acc.to(OUT.dtype.element_ty), mask=omask)
+            acc += tl.load(B + cols + rows * 0, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + rows.to(tl.int64) * stride_om + cols, acc.to(OUT.dtype.element_ty), mask=mask)
     else:
-        tl.store(OUT + (tl.program_id(1) * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc, mask=omask)
+        part = rows.to(tl.int64) * N + cols
+        tl.store(P + tl.program_id(1) * M * N + part, acc, mask=mask)
+        if LAST_SUMS:
+            tl.debug_barrier()  # every thread's partial stored before the count that announces it
+            done = tl.atomic_add(COUNTS + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT_K - 1:
+                total = tl.zeros(acc.shape, tl.float32)
+                for split in tl.static_range(SPLIT_K):  # (.cg: from L2, where the other programs' partials are)
+                    total += tl.load(P + split * M * N + part, mask=mask, other=0.0, cache_modifier=".cg")
+                if BIAS:
+                    total += tl.load(B + cols + rows * 0, mask=mask, other=0.0).to(tl.float32)
+                tl.store(OUT + rows.to(tl.int64) * stride_om + cols, total.to(OUT.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(COUNTS + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+
+
+SPLIT_COUNTS = 1 << 16  # tiles a split-K launch may count on (one int32 each, a device's, self-resetting)
+_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device) -> torch.Tensor:
+    """The tiles' counts of finished splits (_store_tile): 0 between launches (each tile's last program
+    sets its count back), allocated at the device's first split-K launch (a warm-up, before any graph
+    capture). A device's launches run one after another on the engine's stream."""
+    counts = _SPLIT_COUNTS.get(device)
+    if counts is None:
+        counts = _SPLIT_COUNTS[device] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
+    return counts
 
 
 @triton.jit
