@@ -11,7 +11,9 @@ decode step's MoE layers run inside its CUDA graph.
                renormalised where the model says
     per pair   decode-sized steps (few pairs an expert): a matrix-vector program per (pair, slice of
                outputs) reading only its expert's rows, through the dense GEMV's products
-               (ferrum.kernels.gemv), so any storage that reads (bf16; int8, fp8, int4 planes) serves:
+               (ferrum.kernels.gemv; int4 and int8 words read in chunks of 4 a thread as its one-row
+               products are, ferrum.kernels.gemv_chunks), so any storage that reads (bf16; int8, fp8,
+               int4 planes) serves:
                gate/up with silu(gate) * up, then down times the pair's weight
     grouped    larger steps: the pairs sorted by expert on the device (`align`), each expert's pairs
                in blocks of BLOCK_M rows, one tensor-core product per (block, slice of outputs), the
@@ -34,6 +36,7 @@ import triton.language as tl
 
 from ferrum.kernels.config import GemvTable
 from ferrum.kernels.gemv import MAGIC, _products, kernel_weight, slicing
+from ferrum.kernels.gemv_chunks import chunk_warps, chunk_words
 from ferrum.kernels.planes import factor_stride
 from ferrum.kernels.quant_weight import QuantWeight
 
@@ -194,9 +197,10 @@ def _pair_gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OU
                       N: tl.tensor, K: tl.tensor, rows_e: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
                       stride_sn: tl.tensor, stride_om: tl.tensor, magic: tl.tensor, TOP_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr,
-                      GROUP: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr) -> None:
+                      GROUP: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr, WPT: tl.constexpr = 1) -> None:
     """One program per (pair, BLOCK_N outputs): silu(gate) * up of its expert's gate rows n and up rows
-    N + n (`rows_e` rows an expert) times its token's row of X, into the pair's row of OUT."""
+    N + n (`rows_e` rows an expert) times its token's row of X, into the pair's row of OUT. WPT: int4 /
+    int8 words read WPT at a time (the dense GEMV's chunks, ferrum.kernels.gemv_chunks)."""
     act_ty = X.dtype.element_ty
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,7 +211,7 @@ def _pair_gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OU
     z_first = Z + first * factor_stride(stride_sn, QUANT)  # INT4_K's super-block factors: a row of their own
     acc, acc2 = _products(X, W + first * stride_wn, S + first * stride_sn, z_first, X, n, n + N, nmask,
                           xrows, one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1, BLOCK_N, BLOCK_K, False,
-                          True, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM)
+                          True, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM, WPT)
     y = acc.to(act_ty).to(tl.float32)  # [1, BLOCK_N]
     up = acc2.to(act_ty).to(tl.float32)
     y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
@@ -220,12 +224,13 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
                          stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
                          stride_rm: tl.tensor, magic: tl.tensor, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                         PLANES: tl.constexpr, ASM: tl.constexpr, RESIDUAL: tl.constexpr) -> None:
+                         PLANES: tl.constexpr, ASM: tl.constexpr, RESIDUAL: tl.constexpr,
+                         WPT: tl.constexpr = 1) -> None:
     """One program per (token, BLOCK_N outputs): the down rows n of each of the token's k experts times
     its pair's row of X (the activations), each rounded, times the pair's routing weight (rounded to the
     activations' dtype, as HF rounds it), summed in float32 in the order of the choice and rounded once
     to OUT's dtype (RESIDUAL: plus R's row, rounded again). The per-pair down products, their sum and
-    the residual add in one kernel."""
+    the residual add in one kernel. WPT as _pair_gemv_kernel's."""
     act_ty = X.dtype.element_ty
     token = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -238,7 +243,7 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
         z_first = Z + first * factor_stride(stride_sn, QUANT)
         acc, _ = _products(X, W + first * stride_wn, S + first * stride_sn, z_first, X, n, n, nmask,
                            (one + pair).to(tl.int64), one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1,
-                           BLOCK_N, BLOCK_K, False, False, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM)
+                           BLOCK_N, BLOCK_K, False, False, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM, WPT)
         total += acc.to(act_ty).to(tl.float32) * tl.load(RW + pair).to(act_ty).to(tl.float32)
     y = total.to(act_ty)
     if RESIDUAL:
@@ -374,22 +379,24 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
         table = table or GemvTable()
         cfg = slicing(gu.in_features, 1, table, min_k=gu.planes)
         gu.check_slice(cfg.block_k)
+        wpt = chunk_words(gu.quant, gu.planes, gu.group, hidden, cfg.block_k)
         _pair_gemv_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
             x, gu.data, gu.scale, gu.zero, act, chosen, inter, hidden, 2 * inter, x.stride(0), gu.stride_wn,
             gu.stride_sn, act.stride(0), MAGIC, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             WHOLE_K=cfg.block_k >= hidden, QUANT=gu.quant, GROUP=gu.group, PLANES=gu.planes, ASM=gu.data.is_cuda,
-            num_warps=cfg.num_warps, num_stages=2,
+            WPT=wpt, num_warps=chunk_warps(cfg.block_k, wpt, gu.planes, cfg.num_warps), num_stages=2,
         )
         combined = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         cfg = slicing(inter, 1, table, min_k=dn.planes)
         dn.check_slice(cfg.block_k)
+        wpt = chunk_words(dn.quant, dn.planes, dn.group, inter, cfg.block_k)
         _combine_down_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
             act, dn.data, dn.scale, dn.zero, combined, chosen, weights, residual if residual is not None else x,
             hidden, inter, hidden, act.stride(0), dn.stride_wn, dn.stride_sn, combined.stride(0),
             residual.stride(0) if residual is not None else 0, MAGIC,
             TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_K=cfg.block_k >= inter, QUANT=dn.quant,
-            GROUP=dn.group, PLANES=dn.planes, ASM=dn.data.is_cuda, RESIDUAL=residual is not None,
-            num_warps=cfg.num_warps, num_stages=2,
+            GROUP=dn.group, PLANES=dn.planes, ASM=dn.data.is_cuda, RESIDUAL=residual is not None, WPT=wpt,
+            num_warps=chunk_warps(cfg.block_k, wpt, dn.planes, cfg.num_warps), num_stages=2,
         )
         return combined
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
