@@ -97,13 +97,14 @@ WIDE_N = 16384  # outputs from which a projection is "wide" (the 8B's gate/up: 2
 @dataclass(frozen=True)
 class GemmConfig:
     """A Triton GEMM's tiling. W4A16 only: block_k a power of two >= 128 (16 words a plane),
-    split_k programs along K each summing a share of the K tiles into float32 partials that a
-    second kernel adds up, permute_x: x copied once a call so that each plane's columns are
-    contiguous (where K is whole tiles; else x is read strided), bf16x2: where x and int4's scales and
-    zeros are bf16 on CUDA, the weights dequantized two an instruction in bf16 (else, and with False, in
-    float32). weight_tiles: W4A16 by the other kernel (_w4a16_tiles_kernel: each K tile's weights
-    dequantized in input order into the MMA's shared-memory operand, out tiles [BLOCK_M, BLOCK_N], x read
-    as it lies; K a multiple of block_k), not by planes (permute_x is then unused)."""
+    split_k programs along K each summing a share of the K tiles into float32 partials that the
+    tile's last program (planes) or a second kernel (weight tiles) adds up, permute_x: x copied once
+    a call so that each plane's columns are contiguous (where K is whole tiles; else x is read
+    strided), bf16x2: where x and int4's scales and zeros are bf16 on CUDA, the weights dequantized
+    two an instruction in bf16 (else, and with False, in float32). weight_tiles: W4A16 by the other
+    kernel (_w4a16_tiles_kernel: each K tile's weights dequantized in input order into the MMA's
+    shared-memory operand, out tiles [BLOCK_M, BLOCK_N], x read as it lies; K a multiple of
+    block_k), not by planes (permute_x is then unused)."""
 
     block_m: int
     block_n: int
