@@ -5,6 +5,7 @@ dependent launch, is decided once from the `Device` and the engine's `KernelConf
 
     config.py           KernelConfig, GemvTable: the typed kernel settings (no triton import)
     pdl.py              programmatic dependent launch: the in-kernel wait, the launch option
+    counts.py           the counts by which a launch's last program finds itself (zeros between launches)
     norm.py             RMSNorm (with the residual add), silu * mul
     rope.py             rope on q and k, the KV-cache write
     paged_attention.py  decode and prefill attention over the paged KV cache

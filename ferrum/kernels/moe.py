@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable
+from ferrum.kernels.counts import done_counts
 from ferrum.kernels.gemv import MAGIC, _products, kernel_weight, slicing
 from ferrum.kernels.gemv_chunks import chunk_warps, chunk_words
 from ferrum.kernels.planes import factor_stride
@@ -163,7 +164,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) ->
     picks = dict(TOP_K=top_k, BLOCK_TOP=max(2, triton.next_power_of_2(top_k)), NORMALIZE=normalize)
     if tokens <= block_t:
         _route_small_kernel[(triton.cdiv(experts, block_e), splits)](
-            x, weight, partial, _done_count(x.device), chosen, weights, tokens, experts, hidden, x.stride(0), k_per,
+            x, weight, partial, done_counts(x.device), chosen, weights, tokens, experts, hidden, x.stride(0), k_per,
             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, BLOCK_ALL_E=max(16, triton.next_power_of_2(experts)),
             num_warps=4, PICK_T=triton.next_power_of_2(tokens), **picks,
         )
@@ -177,19 +178,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) ->
         BLOCK_E=max(16, triton.next_power_of_2(experts)), num_warps=4, **picks,
     )
     return chosen, weights
-
-
-_DONE_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _done_count(device: torch.device) -> torch.Tensor:
-    """The count _route_small_kernel's programs take when done: one int32 a device, 0 between launches
-    (the last program sets it back), allocated at the first call (a warm-up, before any graph capture).
-    A device's launches run one after another on the engine's stream."""
-    count = _DONE_COUNTS.get(device)
-    if count is None:
-        count = _DONE_COUNTS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return count
 
 
 @triton.jit

@@ -83,6 +83,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable, KernelConfig
+from ferrum.kernels.counts import COUNTS, done_counts
 from ferrum.kernels.gemv import INT4, INT4_K, KernelWeight, gemv, kernel_weight
 from ferrum.kernels.planes import factor_stride, group_factors
 from ferrum.kernels.quant_weight import QuantWeight
@@ -389,8 +390,8 @@ def _w4a16(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, cfg: Ge
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     # the planes' splits summed by each tile's last program (H200, an 8B layer: 1.01x / 1.04x the second kernel
     # at 4 / 16 rows); the weight tiles' by the second kernel (their last programs ran 0.98-0.96x at 48-128 rows)
-    last_sums = cfg.split_k > 1 and not cfg.weight_tiles and grid[0] <= SPLIT_COUNTS
-    counts = _split_counts(x.device) if last_sums else part
+    last_sums = cfg.split_k > 1 and not cfg.weight_tiles and grid[0] <= COUNTS
+    counts = done_counts(x.device) if last_sums else part
     bf16x2 = cfg.bf16x2 and x.is_cuda and kw.quant == INT4 and x.dtype == kw.scale.dtype == kw.zero.dtype \
         == torch.bfloat16 and not (cfg.weight_tiles and kw.group < block_k)
     if cfg.weight_tiles:
@@ -663,20 +664,6 @@ def _store_tile(acc: tl.tensor, OUT: tl.tensor, P: tl.tensor, B: tl.tensor, COUN
                     total += tl.load(B + cols + rows * 0, mask=mask, other=0.0).to(tl.float32)
                 tl.store(OUT + rows.to(tl.int64) * stride_om + cols, total.to(OUT.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(COUNTS + tl.program_id(0), 0, sem="relaxed", scope="gpu")
-
-
-SPLIT_COUNTS = 1 << 16  # tiles a split-K launch may count on (one int32 each, a device's, self-resetting)
-_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counts(device: torch.device) -> torch.Tensor:
-    """The tiles' counts of finished splits (_store_tile): 0 between launches (each tile's last program
-    sets its count back), allocated at the device's first split-K launch (a warm-up, before any graph
-    capture). A device's launches run one after another on the engine's stream."""
-    counts = _SPLIT_COUNTS.get(device)
-    if counts is None:
-        counts = _SPLIT_COUNTS[device] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
-    return counts
 
 
 @triton.jit
