@@ -396,11 +396,11 @@ def _w4a16(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None, cfg: Ge
         == torch.bfloat16 and not (cfg.weight_tiles and kw.group < block_k)
     if cfg.weight_tiles:
         _w4a16_tiles_kernel[grid](
-            x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, out, part, counts, m, n, k,
+            x, kw.data, kw.scale, kw.zero, bias if bias is not None else x, out, part, m, n, k,
             x.stride(0), kw.stride_wn, kw.stride_sn, out.stride(0),
-            GROUP=kw.group, BIAS=bias is not None and (cfg.split_k == 1 or last_sums), SPLIT_K=cfg.split_k,
+            GROUP=kw.group, BIAS=bias is not None and cfg.split_k == 1, SPLIT_K=cfg.split_k,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, QUANT=kw.quant, BF16X2=bf16x2,
-            LAST_SUMS=last_sums, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
         x_strides = (1, 8)  # (plane, word): x[m, k0 + 8j + i] for plane i, word j of the tile at k0
@@ -518,19 +518,21 @@ def _int4_tile_bf16x2(words: tl.tensor, s: tl.tensor, z: tl.tensor) -> tl.tensor
 
 @triton.jit
 def _w4a16_tiles_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.tensor, OUT: tl.tensor,
-                        P: tl.tensor, COUNTS: tl.tensor, M: tl.tensor, N: tl.tensor, K: tl.tensor,
+                        P: tl.tensor, M: tl.tensor, N: tl.tensor, K: tl.tensor,
                         stride_xm: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor, stride_om: tl.tensor,
                         GROUP: tl.constexpr, BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, QUANT: tl.constexpr,
-                        BF16X2: tl.constexpr, LAST_SUMS: tl.constexpr) -> None:
+                        BF16X2: tl.constexpr) -> None:
     """One [BLOCK_M, BLOCK_N] tile of out over split program_id(1)'s share of the K tiles (K a multiple
     of BLOCK_K): per K tile x's [BLOCK_M, BLOCK_K] as it lies, and the [BLOCK_N, BLOCK_K / 8] words
     dequantized in input order ((q - 8) * scale + zero rounded to x's dtype: BF16X2 by the bf16 pairs,
     else in float32) into the dot's right operand, which Hopper's wgmma reads from shared memory (the
     planes kernel's weights stay in registers but each plane is its own MMA; here one MMA a K tile, and
-    the loads of the next stages run under it). OUT, P, COUNTS as _w4a16_kernel's. Scales: one a row when BLOCK_K
-    divides GROUP, else one a word (then in float32 only: with the bf16 pairs and a scale a word, Triton
-    3.6's TritonGPUOptimizeDotOperands pass fails to compile the kernel; _w4a16 never asks for it)."""
+    the loads of the next stages run under it). OUT and P as _w4a16_kernel's; its splits are summed by
+    _sum_splits_kernel (a tile's last program summing them ran 0.96-0.99x at 48-128 rows). Scales: one
+    a row when BLOCK_K divides GROUP, else one a word (then in float32 only: with the bf16 pairs and a
+    scale a word, Triton 3.6's TritonGPUOptimizeDotOperands pass fails to compile the kernel; _w4a16
+    never asks for it)."""
     pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     KW: tl.constexpr = BLOCK_K // 8
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -564,8 +566,8 @@ def _w4a16_tiles_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, 
                 z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, KW, 8)), (BLOCK_N, BLOCK_K))
             w = (_unpack_int4(words) * s + z).to(X.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc)
-    _store_tile(acc, OUT, P, B, COUNTS, rm[:, None], rn[None, :], mmask[:, None] & nmask[None, :], M, N, stride_om,
-                SPLIT_K, BIAS, LAST_SUMS)
+    _store_tile(acc, OUT, P, B, P, rm[:, None], rn[None, :], mmask[:, None] & nmask[None, :], M, N, stride_om,
+                SPLIT_K, BIAS, False)
 
 
 @triton.jit

@@ -124,11 +124,10 @@ def w4a16_for(capability: int, tiles: bool = False):
 
     if tiles:
         fn = qm._w4a16_tiles_kernel
-        types = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "B": "*bf16", "OUT": "*bf16", "P": "*fp32",
-                 "COUNTS": "*i32"}
+        types = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "B": "*bf16", "OUT": "*bf16", "P": "*fp32"}
         names = [p.name for p in fn.params if not p.is_constexpr]
         consts = dict(GROUP=128, BIAS=False, SPLIT_K=2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
-                      QUANT=qm.INT4, BF16X2=True, LAST_SUMS=True)
+                      QUANT=qm.INT4, BF16X2=True)
         return compile_sm90(fn, names, [types.get(name, "i32") for name in names], consts, capability=capability)
     fn = qm._w4a16_kernel
     types = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "B": "*bf16", "OUT": "*bf16", "P": "*fp32",
