@@ -217,7 +217,7 @@ def decode_with(args, bandwidth: float, method: str) -> None:
     experts, top_k, hidden, inter = LAYERS[shape]
     expert_bytes = 3 * hidden * inter * 2 * engine.model_config.num_layers
     base = active_bytes_per_token(folder) - top_k * expert_bytes
-    for batch in (16, 64) if method == "none" else ():
+    for batch in args.step_batches if method == "none" else ():
         t = step_time(engine, batch)
         touched = experts * (1 - (1 - top_k / experts) ** batch)  # expected distinct experts a layer
         step_floor = (base + touched * expert_bytes) / bandwidth
@@ -283,6 +283,8 @@ def main() -> None:
     parser.add_argument("--quantization", default="none",
                         help="the decode phase's methods, quantized on load: none (bf16), int4, int8, fp8; "
                              "comma-separated")
+    parser.add_argument("--step-batches", type=lambda s: [int(b) for b in s.split(",") if b], default=[16, 64],
+                        help="the bf16 decode phase's step batches (comma-separated; empty: batch 1 only)")
     parser.add_argument("--shape", choices=sorted(LAYERS), default="qwen3-30b-a3b",
                         help="the checkpoint of the decode and offline phases")
     args = parser.parse_args()

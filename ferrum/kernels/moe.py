@@ -38,6 +38,8 @@ from ferrum.kernels.config import GemvTable
 from ferrum.kernels.counts import done_counts
 from ferrum.kernels.gemv import MAGIC, _products, kernel_weight, slicing
 from ferrum.kernels.gemv_chunks import chunk_warps, chunk_words
+from ferrum.kernels.norm import rms_norm
+from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 from ferrum.kernels.planes import factor_stride
 from ferrum.kernels.quant_weight import QuantWeight
 
@@ -57,23 +59,54 @@ def _router_logits_kernel(X: tl.tensor, W: tl.tensor, PART: tl.tensor, T: tl.ten
 @triton.jit
 def _router_logits(X: tl.tensor, W: tl.tensor, PART: tl.tensor, T: tl.tensor, E: tl.tensor, H: tl.tensor,
                    stride_x: tl.tensor, K_PER: tl.tensor, token_tile: tl.tensor, expert_tile: tl.tensor,
-                   split: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr) -> None:
+                   split: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NW: tl.tensor = None, XN: tl.tensor = None, eps: tl.tensor = 0.0, NORM: tl.constexpr = False,
+                   BLOCK_H: tl.constexpr = 16, NORM_T: tl.constexpr = 1) -> None:
+    """NORM: X's rows RMS-normed first with the weight NW (as ferrum.kernels.norm rounds them), the
+    programs of expert tile 0 storing their slice of the normed rows into XN (stride_x too) for the
+    experts' kernels."""
     rows = token_tile * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = expert_tile * BLOCK_E + tl.arange(0, BLOCK_E)
     rmask = rows < T
     emask = cols < E
     acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
     first = split * K_PER
+    rstd = tl.zeros([BLOCK_T], tl.float32)
+    if NORM:
+        rstd = _row_rstd(X, rows, token_tile * BLOCK_T, T, H, stride_x, eps, BLOCK_H, NORM_T)
     for k0 in range(0, K_PER, BLOCK_K):
         k = first + k0 + tl.arange(0, BLOCK_K)
         kmask = k < H
-        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(W + cols[None, :].to(tl.int64) * H + k[:, None], mask=kmask[:, None] & emask[None, :],
-                    other=0.0).to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
+        w = tl.load(W + cols[None, :].to(tl.int64) * H + k[:, None], mask=kmask[:, None] & emask[None, :], other=0.0)
+        xmask = rmask[:, None] & kmask[None, :]
+        x_at = rows[:, None].to(tl.int64) * stride_x + k[None, :]
+        x = tl.load(X + x_at, mask=xmask, other=0.0)
+        if NORM:
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            x = (tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)[None, :] * normed).to(x.dtype)
+            if expert_tile == 0:
+                tl.store(XN + x_at, x, mask=xmask)
+        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
     out = (split * T + rows[:, None]).to(tl.int64) * E + cols[None, :]
     tl.store(PART + out, acc, mask=rmask[:, None] & emask[None, :])
+
+
+@triton.jit
+def _row_rstd(X: tl.tensor, rows: tl.tensor, first: tl.tensor, T: tl.tensor, H: tl.tensor, stride_x: tl.tensor,
+              eps: tl.tensor, BLOCK_H: tl.constexpr, NORM_T: tl.constexpr) -> tl.tensor:
+    """1 / RMS over its H features of each of `rows` [BLOCK_T] of X (the tile's rows from `first`; rows
+    past T: unused), read NORM_T rows at a time (the step's tokens rounded up to a power of two), in
+    unrolled chunks of at most 4096 values (all loads issued before the sums)."""
+    r = first + tl.arange(0, NORM_T)
+    chunk: tl.constexpr = min(BLOCK_H, max(16, 4096 // NORM_T))
+    sumsq = tl.zeros([NORM_T], tl.float32)
+    for c in tl.static_range(BLOCK_H // chunk):
+        h = c * chunk + tl.arange(0, chunk)
+        x = tl.load(X + r[:, None].to(tl.int64) * stride_x + h[None, :], mask=(r < T)[:, None] & (h < H)[None, :],
+                    other=0.0).to(tl.float32)
+        sumsq += tl.sum(x * x, axis=1)
+    part = 1.0 / tl.sqrt(sumsq / H + eps)  # [NORM_T]
+    return tl.sum(tl.where(r[None, :] == rows[:, None], part[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -121,17 +154,21 @@ def _top_k(PART: tl.tensor, CHOSEN: tl.tensor, WEIGHTS: tl.tensor, first: tl.ten
 
 @triton.jit
 def _route_small_kernel(X: tl.tensor, W: tl.tensor, PART: tl.tensor, DONE: tl.tensor, CHOSEN: tl.tensor,
-                        WEIGHTS: tl.tensor, T: tl.tensor, E: tl.tensor, H: tl.tensor, stride_x: tl.tensor,
-                        K_PER: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_ALL_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr,
-                        NORMALIZE: tl.constexpr, PICK_T: tl.constexpr) -> None:
+                        WEIGHTS: tl.tensor, NW: tl.tensor, XN: tl.tensor, T: tl.tensor, E: tl.tensor, H: tl.tensor,
+                        stride_x: tl.tensor, K_PER: tl.tensor, eps: tl.tensor, BLOCK_T: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ALL_E: tl.constexpr, TOP_K: tl.constexpr,
+                        BLOCK_TOP: tl.constexpr, NORMALIZE: tl.constexpr, PICK_T: tl.constexpr,
+                        NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 16) -> None:
     """Steps of at most BLOCK_T tokens, in one launch: each program (tile of experts, slice of the hidden
     features) stores its partial logits as _router_logits_kernel does, then counts itself done; the last
     program to finish sums them and picks every token's top k (_top_k, over PICK_T rows: the step's
     tokens rounded up to a power of two, not the product's 16), then sets the count back to 0 for the
-    next launch."""
+    next launch. NORM: the rows RMS-normed first (_router_logits), so the norm needs no kernel of its own.
+    Launched plainly, not with programmatic dependent launch: on an H200 the Qwen3-30B-A3B shape's batch-1
+    step was 0.17-0.54 ms slower with it (its early start lets the experts' 8 x 2I / BLOCK_N waiting programs
+    launch during the projection before; benchmarks/moe.md)."""
     _router_logits(X, W, PART, T, E, H, stride_x, K_PER, 0, tl.program_id(0), tl.program_id(1), BLOCK_T,
-                   BLOCK_E, BLOCK_K)
+                   BLOCK_E, BLOCK_K, NW, XN, eps, NORM, BLOCK_H, PICK_T)
     tl.debug_barrier()  # every thread's partials stored before the count that announces them
     programs = tl.num_programs(0) * tl.num_programs(1)
     done = tl.atomic_add(DONE, 1, sem="acq_rel", scope="gpu")
@@ -150,6 +187,25 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) ->
     tiles of tokens, of experts and slices of the hidden features (a decode step's one token still
     spreads over many programs: the router is latency, not bytes), then the top k of their sums: for at
     most 16 tokens in one launch (the last program to finish picks), else two kernels."""
+    routed = route_normed(x, weight, top_k, normalize)
+    return routed.chosen, routed.weights
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What `route_normed` returns: each token's chosen experts [T, k] int32 and their weights [T, k]
+    float32, and the rows the experts take ([T, H]: x itself, or x RMS-normed)."""
+
+    chosen: torch.Tensor
+    weights: torch.Tensor
+    x: torch.Tensor
+
+
+def route_normed(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
+                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> Routed:
+    """`route`, with the block's RMSNorm (weight `norm_weight`) applied to x first where given: for at most
+    16 tokens inside the router's one launch, which also writes the normed rows the experts take (one
+    kernel fewer a layer); for more, the norm kernel first."""
     tokens, hidden = x.shape
     experts = weight.shape[0]
     assert weight.shape[1] == hidden and weight.is_contiguous() and x.stride(1) == 1
@@ -163,12 +219,17 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) ->
     partial = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
     picks = dict(TOP_K=top_k, BLOCK_TOP=max(2, triton.next_power_of_2(top_k)), NORMALIZE=normalize)
     if tokens <= block_t:
+        normed = torch.empty_like(x) if norm_weight is not None else x
         _route_small_kernel[(triton.cdiv(experts, block_e), splits)](
-            x, weight, partial, done_counts(x.device), chosen, weights, tokens, experts, hidden, x.stride(0), k_per,
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, BLOCK_ALL_E=max(16, triton.next_power_of_2(experts)),
-            num_warps=4, PICK_T=triton.next_power_of_2(tokens), **picks,
+            x, weight, partial, done_counts(x.device), chosen, weights,
+            norm_weight if norm_weight is not None else weight, normed, tokens, experts, hidden, x.stride(0), k_per,
+            eps, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, BLOCK_ALL_E=max(16, triton.next_power_of_2(experts)),
+            num_warps=4, PICK_T=triton.next_power_of_2(tokens), NORM=norm_weight is not None,
+            BLOCK_H=triton.next_power_of_2(hidden), **picks,
         )
-        return chosen, weights
+        return Routed(chosen, weights, normed)
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)[0]
     _router_logits_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(experts, block_e), splits)](
         x, weight, partial, tokens, experts, hidden, x.stride(0), k_per,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, num_warps=4,
@@ -177,7 +238,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) ->
         partial, chosen, weights, tokens, experts, splits, BLOCK_T=block_t,
         BLOCK_E=max(16, triton.next_power_of_2(experts)), num_warps=4, **picks,
     )
-    return chosen, weights
+    return Routed(chosen, weights, x)
 
 
 @triton.jit
@@ -185,10 +246,13 @@ def _pair_gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OU
                       N: tl.tensor, K: tl.tensor, rows_e: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
                       stride_sn: tl.tensor, stride_om: tl.tensor, magic: tl.tensor, TOP_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr,
-                      GROUP: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr, WPT: tl.constexpr = 1) -> None:
+                      GROUP: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr, WPT: tl.constexpr = 1,
+                      PDL: tl.constexpr = 0) -> None:
     """One program per (pair, BLOCK_N outputs): silu(gate) * up of its expert's gate rows n and up rows
     N + n (`rows_e` rows an expert) times its token's row of X, into the pair's row of OUT. WPT: int4 /
-    int8 words read WPT at a time (the dense GEMV's chunks, ferrum.kernels.gemv_chunks)."""
+    int8 words read WPT at a time (the dense GEMV's chunks, ferrum.kernels.gemv_chunks). PDL: waits for
+    the kernel before first (which rows to read comes from the router)."""
+    pdl_wait(PDL)
     act_ty = X.dtype.element_ty
     pair = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,12 +277,13 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
                          stride_rm: tl.tensor, magic: tl.tensor, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                          PLANES: tl.constexpr, ASM: tl.constexpr, RESIDUAL: tl.constexpr,
-                         WPT: tl.constexpr = 1) -> None:
+                         WPT: tl.constexpr = 1, PDL: tl.constexpr = 0) -> None:
     """One program per (token, BLOCK_N outputs): the down rows n of each of the token's k experts times
     its pair's row of X (the activations), each rounded, times the pair's routing weight (rounded to the
     activations' dtype, as HF rounds it), summed in float32 in the order of the choice and rounded once
     to OUT's dtype (RESIDUAL: plus R's row, rounded again). The per-pair down products, their sum and
-    the residual add in one kernel. WPT as _pair_gemv_kernel's."""
+    the residual add in one kernel. WPT and PDL as _pair_gemv_kernel's."""
+    pdl_wait(PDL)
     act_ty = X.dtype.element_ty
     token = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -343,14 +408,14 @@ def _dot_precision(x: torch.Tensor) -> str:
 
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
             down: torch.Tensor | QuantWeight, num_experts: int, table: GemvTable | None = None,
-            per_pair: bool | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+            per_pair: bool | None = None, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """The experts' weighted sum for each token of x [T, H]: chosen / weights [T, k] from `route`,
     gate_up [E * 2I, H] and down [E * H, I] stacked (tensors in x's dtype, or QuantWeights of the stacks
     for the per-pair products). `per_pair`: force one way (None: per pair while the pairs are few against
     the experts; ferrum.models.layers.moe hands larger steps their quantized stacks dequantized). Returns
     [T, H] in x's dtype, plus `residual` [T, H] (rounded after the sum, as adding it afterwards would).
     Per pair, the down products, the sum over each token's experts and the residual are one kernel
-    (_combine_down_kernel)."""
+    (_combine_down_kernel). pdl: the per-pair kernels launched with programmatic dependent launch."""
     tokens, hidden = x.shape
     top_k = chosen.shape[1]
     pairs = tokens * top_k
@@ -373,6 +438,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
             gu.stride_sn, act.stride(0), MAGIC, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             WHOLE_K=cfg.block_k >= hidden, QUANT=gu.quant, GROUP=gu.group, PLANES=gu.planes, ASM=gu.data.is_cuda,
             WPT=wpt, num_warps=chunk_warps(cfg.block_k, wpt, gu.planes, cfg.num_warps), num_stages=2,
+            PDL=pdl_mode(pdl), **pdl_launch(pdl),
         )
         combined = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         cfg = slicing(inter, 1, table, min_k=dn.planes)
@@ -385,6 +451,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
             TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_K=cfg.block_k >= inter, QUANT=dn.quant,
             GROUP=dn.group, PLANES=dn.planes, ASM=dn.data.is_cuda, RESIDUAL=residual is not None, WPT=wpt,
             num_warps=chunk_warps(cfg.block_k, wpt, dn.planes, cfg.num_warps), num_stages=2,
+            PDL=pdl_mode(pdl), **pdl_launch(pdl),
         )
         return combined
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)

@@ -1,9 +1,9 @@
 """GPU: the decode of a few rows (up to `KernelConfig.fused_decode_rows`) as a chain of fused
 matrix-vector kernels (ferrum.kernels.gemv), each projection with its neighbours fused in: the
 norm before it in its prologue, rope and the KV-cache write (q/k/v), or the residual add or
-silu * mul after it in its epilogue; a mixture of experts' layer takes the norm kernel, then its own
-kernels (ferrum.kernels.moe: the router's top k and the chosen experts' rows read per pair, the last
-of them adding the residual). At these batch sizes a step is a chain of weight reads, and
+silu * mul after it in its epilogue; a mixture of experts' layer runs its own kernels
+(ferrum.kernels.moe: the norm and the router's top k in one, the chosen experts' rows read per pair,
+the last of them adding the residual). At these batch sizes a step is a chain of weight reads, and
 these kernels read the weights faster than cuBLAS while launching a third as many kernels.
 Equal to the layered forward up to rounding order.
 
@@ -63,7 +63,6 @@ class FusedDecode:
         """The logits (float32) of decoding `input_ids` [M], as compute_logits(forward(...)); into
         `into` [M, vocab] when given."""
         from ferrum.kernels.gemv import gemv, qkv_rope_store
-        from ferrum.kernels.norm import rms_norm
 
         model, pdl = self.model, self.pdl
         tp = model.tp
@@ -92,8 +91,8 @@ class FusedDecode:
             rows = None
             if split:
                 h = tp.all_reduce(h)
-            if isinstance(mlp, MoE):  # the norm, then the experts' kernels (summed across ranks) with the residual
-                h = mlp(rms_norm(h, norm2.weight, norm2.eps)[0], residual=h)
+            if isinstance(mlp, MoE):  # the norm in the router's kernel, then the experts' (summed across ranks)
+                h = mlp.decode(h, norm2.weight, norm2.eps, pdl)
                 continue
             w, table = self.weight(mlp.gate_up_proj)
             act = gemv(h, w, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight, eps=norm2.eps, gated=True,

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ferrum.kernels import gemv as tg
-from ferrum.kernels import greedy, paged_attention
+from ferrum.kernels import greedy, moe, paged_attention
 
 GEMV_ARGS = ["X", "W", "S", "Z", "B", "R", "NW", "OUT", "IDX", "M", "N", "K",
              "stride_xm", "stride_wn", "stride_sn", "stride_rm", "stride_om", "eps", "magic"]
@@ -42,6 +42,12 @@ QKV_TYPES = (["*bf16"] * 6 + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16"
 def quantized(types: list[str], weight: str, scale: str) -> list[str]:
     """The signature with the weight (W) and its scale and zero (S, Z) of a quantized kind."""
     return [types[0], weight, scale, scale, *types[4:]]
+PAIR_ARGS = ["X", "W", "S", "Z", "OUT", "CHOSEN", "N", "K", "rows_e", "stride_xm", "stride_wn", "stride_sn",
+             "stride_om", "magic"]
+PAIR_TYPES = ["*bf16"] * 5 + ["*i32"] + ["i32"] * 8
+COMBINE_ARGS = ["X", "W", "S", "Z", "OUT", "CHOSEN", "RW", "R", "N", "K", "rows_e", "stride_xm", "stride_wn",
+                "stride_sn", "stride_om", "stride_rm", "magic"]
+COMBINE_TYPES = ["*bf16"] * 5 + ["*i32", "*fp32", "*bf16"] + ["i32"] * 9
 DECODE_ARGS = ["Q", "KC", "VC", "OUT", "PART_ACC", "PART_ML", "TABLES", "LENS", "scale", "window", "step_keys",
                "stride_qt", "stride_qh", "stride_kc", "stride_kh", "stride_bt", "stride_ot", "stride_oh"]
 DECODE_TYPES = ["*bf16"] * 4 + ["*fp32", "*fp32", "*i32", "*i32", "fp32"] + ["i32"] * 9
@@ -198,6 +204,12 @@ def main() -> None:
                                       ["PART_ACC", "PART_ML", "OUT", "stride_ot", "stride_oh"],
                                       ["*fp32", "*fp32", "*bf16", "i32", "i32"],
                                       dict(D=64, SPLITS=32, BLOCK_S=32, PDL=1), num_warps=1),
+        # Qwen3-30B-A3B's MoE experts at batch 1 (the router is launched plainly: ferrum.kernels.moe)
+        "moe pair gate_up": compile_sm90(moe._pair_gemv_kernel, PAIR_ARGS, PAIR_TYPES, dict(
+            TOP_K=8, BLOCK_N=4, BLOCK_K=2048, WHOLE_K=True, QUANT=tg.PLAIN, GROUP=1, PLANES=1, ASM=True, PDL=1)),
+        "moe combine down": compile_sm90(moe._combine_down_kernel, COMBINE_ARGS, COMBINE_TYPES, dict(
+            TOP_K=8, BLOCK_N=4, BLOCK_K=1024, WHOLE_K=True, QUANT=tg.PLAIN, GROUP=1, PLANES=1, ASM=True,
+            RESIDUAL=True, PDL=1)),
         "argmax": compile_sm90(greedy._argmax_chunks_kernel, ["LOGITS", "VALS", "IDX", "stride_l", "V"],
                                ["*fp32", "*fp32", "*i32", "i32", "i32"], dict(CHUNK=4008, BLOCK=1024, PDL=1)),
     }

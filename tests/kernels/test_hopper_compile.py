@@ -45,6 +45,13 @@ def test_projections_issue_their_weight_loads_before_the_wait(compiled: dict) ->
     assert ahead["gemv gate_up"] > ahead["gemv o_proj"]
 
 
+def test_moe_experts_wait_before_any_load(compiled: dict) -> None:
+    """Which experts' rows the per-pair kernels read comes from the router, the kernel before: they wait first."""
+    for name in ("moe pair gate_up", "moe combine down"):
+        events = compiled[name]["order"]
+        assert "load" not in events[: events.index("wait")], (name, events)
+
+
 def test_decode_attention_reads_the_older_cache_before_the_wait(compiled: dict) -> None:
     events = compiled["decode attention"]["order"]
     wait = events.index("wait")

@@ -64,6 +64,30 @@ def test_route_picks_the_top_k_of_the_softmax(experts: int, top_k: int, normaliz
         assert int(done_counts(xd.device)[0].item()) == 0  # set back for the next launch
 
 
+@pytest.mark.parametrize("tokens", [1, 6, 20])  # one launch (1: a row at once; 6: rows in chunks); 20: norm kernel
+def test_route_normed_norms_in_the_router_and_hands_the_rows_on(tokens: int) -> None:
+    """The decode chain's router: RMSNorm inside its one launch. The rows it hands the experts equal the
+    norm kernel's within one rounding of the activations' dtype, and the picks equal routing those rows."""
+    from ferrum.kernels.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, experts, top_k = 640, 24, 4  # 640: five slices, and a row not a power of two
+    x = (torch.randn(tokens, hidden, generator=gen) * 3).to(DTYPE).to(DEVICE)
+    w = (torch.randn(experts, hidden, generator=gen) / 8).to(DTYPE).to(DEVICE)
+    norm_weight = (1 + torch.randn(hidden, generator=gen) / 4).to(DTYPE).to(DEVICE)
+    want_x = rms_norm(x, norm_weight, 1e-5)[0]
+    for _ in range(2):  # twice: the launch set its count back
+        routed = moe.route_normed(x, w, top_k, True, norm_weight, 1e-5)
+        assert routed.x.shape == x.shape and routed.x.dtype == x.dtype
+        assert not torch.equal(routed.x, x)
+        step = torch.finfo(DTYPE).eps * want_x.double().abs().cpu()
+        assert bool(((routed.x.double() - want_x.double()).abs().cpu() <= step).all())
+        chosen, weights = moe.route(routed.x, w, top_k, True)
+        assert torch.equal(routed.chosen, chosen)
+        torch.testing.assert_close(routed.weights, weights, atol=1e-6, rtol=1e-6)
+    assert int(done_counts(x.device)[0].item()) == 0
+
+
 @pytest.mark.parametrize(("tokens", "per_pair"), [(1, True), (5, True), (1, False), (5, False), (40, False)])
 def test_experts_match_one_by_one(tokens: int, per_pair: bool) -> None:
     """Mixtral-like 8 experts top 2 and the dims not powers of two; the grouped path's blocks of 16 and of

@@ -81,8 +81,8 @@ def test_logits_match_hf_in_a_mixed_batch(pair, path: str) -> None:
 
 
 def test_fused_decode_chain_matches_hf(pair) -> None:
-    """The GPU's few-row decode chain (interpreted without a GPU), each MoE layer through the norm kernel and
-    the experts' kernels per pair: two sequences over one step against HF."""
+    """The GPU's few-row decode chain (interpreted without a GPU), each MoE layer through the router's kernel
+    (the block's norm inside it) and the experts' kernels per pair: two sequences over one step against HF."""
     worst = fused_decode_error(pair[0], pair[1], steps=1)
     print(f"{pair[1].name}: largest logit difference {worst:.2e}")
     assert worst < ATOL

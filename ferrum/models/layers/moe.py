@@ -154,6 +154,30 @@ class MoE(nn.Module):
         out = self.compute(self, x, residual if alone else None)
         if alone:
             return out
+        return self.after_experts(out, x, residual)
+
+    def decode(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
+        """The GPU's fused decode chain (ferrum.models.fused_decode): the block's output plus its residual
+        `h` [T, H] (the hidden states before the block's RMSNorm, weight `norm_weight`). The norm runs in
+        the router's kernel, which hands the normed rows to the experts; `pdl`: the per-pair experts' kernels
+        launched with programmatic dependent launch (the router is not: ferrum.kernels.moe)."""
+        from ferrum.kernels import moe as kernels
+
+        config = self.moe
+        routed = kernels.route_normed(h, self.gate.weight, config.top_k, config.normalize, norm_weight, eps)
+        small = kernels.per_pair_fits(h.shape[0], config.top_k, config.num_experts)
+        alone = self.shared_expert is None and self.tp.size == 1
+        out = kernels.experts(routed.x, routed.chosen, routed.weights,
+                              _kernel_stack(self.experts_gate_up, small, h.dtype),
+                              _kernel_stack(self.experts_down, small, h.dtype), config.num_experts, per_pair=small,
+                              residual=h if alone else None, pdl=pdl and small)
+        if alone:
+            return out
+        return self.after_experts(out, routed.x, h)
+
+    def after_experts(self, out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The routed experts' sum `out` plus the shared expert of x (the normed rows), summed across ranks,
+        plus `residual` where given."""
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         out = self.tp.all_reduce(out)
