@@ -40,10 +40,12 @@ from ferrum.kernels.gemv import MAGIC, _products, kernel_weight, slicing
 from ferrum.kernels.gemv_chunks import chunk_warps, chunk_words
 from ferrum.kernels.norm import rms_norm
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
-from ferrum.kernels.planes import factor_stride
+from ferrum.kernels.planes import PLAIN, factor_stride
 from ferrum.kernels.quant_weight import QuantWeight
 
 PER_PAIR_MAX_ROWS = 16  # the most tokens a step may have for the per-pair products
+COMBINE_SLICE = 256  # inputs a slice of the down products' weights in the activations' dtype (all k experts')
+COMBINE_UNROLLED_K = 2048  # up to this expert size their slices are unrolled, every load issued at once
 
 
 @triton.jit
@@ -181,6 +183,13 @@ ROUTER_SLICE = 128  # hidden features a program of the router's logits reads (51
 ROUTER_PARTIAL_ELEMENTS = 1 << 21  # at most this many float32 partial logits (8 MiB): fewer slices on long steps
 
 
+def router_warps(tokens: int, experts: int) -> int:
+    """A router program's warps: 1 for a single token over many experts, whose pick then reduces within one
+    warp (Qwen3-30B-A3B's 128 experts on an H200: 2.759 -> 2.713 ms a token at batch 1), else 4 (1 warp was
+    4-6 us slower at 4-16 tokens on Qwen3 and 0.9 us slower for 1 token over Mixtral's 8; benchmarks/moe.md)."""
+    return 1 if tokens == 1 and experts >= 64 else 4
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], the router's weight [E, H] (any float dtype) -> chosen experts [T, k] int32 and their
     softmax weights [T, k] float32 (renormalised over the chosen when `normalize`). The logits split over
@@ -224,7 +233,8 @@ def route_normed(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: b
             x, weight, partial, done_counts(x.device), chosen, weights,
             norm_weight if norm_weight is not None else weight, normed, tokens, experts, hidden, x.stride(0), k_per,
             eps, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, BLOCK_ALL_E=max(16, triton.next_power_of_2(experts)),
-            num_warps=4, PICK_T=triton.next_power_of_2(tokens), NORM=norm_weight is not None,
+            num_warps=router_warps(tokens, experts), PICK_T=triton.next_power_of_2(tokens),
+            NORM=norm_weight is not None,
             BLOCK_H=triton.next_power_of_2(hidden), **picks,
         )
         return Routed(chosen, weights, normed)
@@ -277,32 +287,68 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
                          stride_rm: tl.tensor, magic: tl.tensor, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                          PLANES: tl.constexpr, ASM: tl.constexpr, RESIDUAL: tl.constexpr,
-                         WPT: tl.constexpr = 1, PDL: tl.constexpr = 0) -> None:
+                         WPT: tl.constexpr = 1, PDL: tl.constexpr = 0, BLOCK_TOP: tl.constexpr = 2,
+                         K_SLICES: tl.constexpr = 0) -> None:
     """One program per (token, BLOCK_N outputs): the down rows n of each of the token's k experts times
     its pair's row of X (the activations), each rounded, times the pair's routing weight (rounded to the
-    activations' dtype, as HF rounds it), summed in float32 in the order of the choice and rounded once
-    to OUT's dtype (RESIDUAL: plus R's row, rounded again). The per-pair down products, their sum and
-    the residual add in one kernel. WPT and PDL as _pair_gemv_kernel's."""
+    activations' dtype, as HF rounds it), summed in float32 and rounded once to OUT's dtype (RESIDUAL:
+    plus R's row, rounded again). The per-pair down products, their sum and the residual add in one
+    kernel. Weights in the activations' dtype: the k experts' rows are loaded at once, as one
+    [BLOCK_TOP, BLOCK_N, BLOCK_K] tile a K slice (K_SLICES > 0: that many slices unrolled, all loads at
+    once), and reduced once (expert by expert, each expert's loads waited behind the previous expert's
+    reduction: k memory round trips in a row). Quantized: expert by expert, in the order of the choice.
+    WPT and PDL as _pair_gemv_kernel's."""
     pdl_wait(PDL)
     act_ty = X.dtype.element_ty
     token = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    one = tl.arange(0, 1)
-    total = tl.zeros([1, BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        first = tl.load(CHOSEN + pair).to(tl.int64) * rows_e  # the expert's first row of the stack
-        z_first = Z + first * factor_stride(stride_sn, QUANT)
-        acc, _ = _products(X, W + first * stride_wn, S + first * stride_sn, z_first, X, n, n, nmask,
-                           (one + pair).to(tl.int64), one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1,
-                           BLOCK_N, BLOCK_K, False, False, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM, WPT)
-        total += acc.to(act_ty).to(tl.float32) * tl.load(RW + pair).to(act_ty).to(tl.float32)
+    if QUANT == 0:  # PLAIN (ferrum.kernels.planes): the activations' dtype
+        j = tl.arange(0, BLOCK_TOP)
+        jmask = j < TOP_K
+        pairs = token * TOP_K + j
+        experts = tl.load(CHOSEN + pairs, mask=jmask, other=0).to(tl.int64)
+        w_rows = W + (experts[:, None] * rows_e + n[None, :]) * stride_wn  # [BLOCK_TOP, BLOCK_N]
+        x_rows = X + pairs.to(tl.int64)[:, None] * stride_xm  # [BLOCK_TOP, 1]
+        wmask = (jmask[:, None] & nmask[None, :])[:, :, None]
+        products = tl.zeros([BLOCK_TOP, BLOCK_N, BLOCK_K], tl.float32)
+        if K_SLICES > 0:  # short K: the slices unrolled, every load issued before the products
+            for i in tl.static_range(K_SLICES):
+                products = _expert_slice(products, w_rows, x_rows, wmask, jmask, i * BLOCK_K, K, BLOCK_K)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                products = _expert_slice(products, w_rows, x_rows, wmask, jmask, k0, K, BLOCK_K)
+        acc = tl.sum(products, axis=2)  # [BLOCK_TOP, BLOCK_N]
+        rw = tl.load(RW + pairs, mask=jmask, other=0.0).to(act_ty).to(tl.float32)
+        total = tl.sum(acc.to(act_ty).to(tl.float32) * rw[:, None], axis=0)[None, :]
+    else:
+        one = tl.arange(0, 1)
+        total = tl.zeros([1, BLOCK_N], tl.float32)
+        for jj in tl.static_range(TOP_K):
+            pair = token * TOP_K + jj
+            first = tl.load(CHOSEN + pair).to(tl.int64) * rows_e  # the expert's first row of the stack
+            z_first = Z + first * factor_stride(stride_sn, QUANT)
+            acc1, _ = _products(X, W + first * stride_wn, S + first * stride_sn, z_first, X, n, n, nmask,
+                                (one + pair).to(tl.int64), one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1,
+                                BLOCK_N, BLOCK_K, False, False, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM, WPT)
+            total += acc1.to(act_ty).to(tl.float32) * tl.load(RW + pair).to(act_ty).to(tl.float32)
     y = total.to(act_ty)
     if RESIDUAL:
         y = (y.to(tl.float32) + tl.load(R + token * stride_rm + n[None, :], mask=nmask[None, :],
                                         other=0.0).to(tl.float32)).to(act_ty)
     tl.store(OUT + token * stride_om + n[None, :], y, mask=nmask[None, :])
+
+
+@triton.jit
+def _expert_slice(products: tl.tensor, w_rows: tl.tensor, x_rows: tl.tensor, wmask: tl.tensor, jmask: tl.tensor,
+                  k0: tl.tensor, K: tl.tensor, BLOCK_K: tl.constexpr) -> tl.tensor:
+    """products [BLOCK_TOP, BLOCK_N, BLOCK_K] + the weight rows w_rows [BLOCK_TOP, BLOCK_N] times their pair's
+    row of x (x_rows [BLOCK_TOP, 1]) over inputs k0..k0+BLOCK_K, elementwise (reduced by the caller)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    w = tl.load(w_rows[:, :, None] + k[None, None, :], mask=wmask & kmask[None, None, :], other=0.0)
+    x = tl.load(x_rows + k[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
+    return products + w.to(tl.float32) * x.to(tl.float32)[:, None, :]
 
 
 @dataclass(frozen=True)
@@ -444,14 +490,19 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
         cfg = slicing(inter, 1, table, min_k=dn.planes)
         dn.check_slice(cfg.block_k)
         wpt = chunk_words(dn.quant, dn.planes, dn.group, inter, cfg.block_k)
+        block_k, k_slices = cfg.block_k, 0
+        if dn.quant == PLAIN and inter <= COMBINE_UNROLLED_K:  # all k experts' rows at once, in unrolled slices
+            block_k = min(COMBINE_SLICE, triton.next_power_of_2(inter))
+            k_slices = triton.cdiv(inter, block_k)
         _combine_down_kernel[(tokens, triton.cdiv(hidden, cfg.block_n))](
             act, dn.data, dn.scale, dn.zero, combined, chosen, weights, residual if residual is not None else x,
             hidden, inter, hidden, act.stride(0), dn.stride_wn, dn.stride_sn, combined.stride(0),
             residual.stride(0) if residual is not None else 0, MAGIC,
-            TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_K=cfg.block_k >= inter, QUANT=dn.quant,
+            TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=block_k, WHOLE_K=block_k >= inter, K_SLICES=k_slices,
+            QUANT=dn.quant,
             GROUP=dn.group, PLANES=dn.planes, ASM=dn.data.is_cuda, RESIDUAL=residual is not None, WPT=wpt,
             num_warps=chunk_warps(cfg.block_k, wpt, dn.planes, cfg.num_warps), num_stages=2,
-            PDL=pdl_mode(pdl), **pdl_launch(pdl),
+            PDL=pdl_mode(pdl), BLOCK_TOP=max(2, triton.next_power_of_2(top_k)), **pdl_launch(pdl),
         )
         return combined
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)

@@ -45,7 +45,8 @@ def reference(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate
 
 
 @pytest.mark.parametrize("tokens", [37, 3, 1])  # two kernels; one launch whose last program picks (twice in a row)
-@pytest.mark.parametrize(("experts", "top_k", "normalize"), [(8, 2, True), (4, 2, False), (40, 6, True)])
+@pytest.mark.parametrize(("experts", "top_k", "normalize"),  # 128 at 1 token: one warp a program (router_warps)
+                         [(8, 2, True), (4, 2, False), (40, 6, True), (128, 8, True)])
 def test_route_picks_the_top_k_of_the_softmax(experts: int, top_k: int, normalize: bool, tokens: int) -> None:
     gen = torch.Generator().manual_seed(experts)
     x = torch.randn(tokens, 384, generator=gen).to(DTYPE)  # 384: three slices of the hidden features
@@ -108,6 +109,22 @@ def test_experts_match_one_by_one(tokens: int, per_pair: bool) -> None:
     added = moe.experts(d(x), d(chosen), d(weights), d(gate_up), d(down), experts, TABLE, per_pair=per_pair,
                         residual=d(residual))
     assert torch.equal(added.cpu(), (out.cpu() + residual).cpu())
+
+
+@pytest.mark.parametrize("inter", [300, 2100])  # two unrolled slices of 256; past 2048, a loop of slices
+def test_down_products_of_every_chosen_expert_at_once(inter: int) -> None:
+    """The per-pair down products with weights in the activations' dtype read all k experts' rows together
+    (k = 3: a tile of 4, one masked) in unrolled slices, or in a loop of them for larger experts."""
+    gen = torch.Generator().manual_seed(inter)
+    experts, top_k, hidden, tokens = 6, 3, 48, 2
+    x = torch.randn(tokens, hidden, generator=gen).to(DTYPE)
+    gate_up = (torch.randn(experts * 2 * inter, hidden, generator=gen) / 8).to(DTYPE)
+    down = (torch.randn(experts * hidden, inter, generator=gen) / (2 * inter**0.5)).to(DTYPE)
+    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, top_k, generator=gen)
+    out = moe.experts(x.to(DEVICE), chosen.to(DEVICE), weights.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE),
+                      experts, TABLE, per_pair=True)
+    assert rel_err(out, reference(x, chosen, weights.to(DTYPE), gate_up, down, experts)) < 1e-2
 
 
 def test_float32_experts_are_exact_to_float32() -> None:
