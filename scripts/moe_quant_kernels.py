@@ -3,7 +3,7 @@ int4 (groups of 128) and int8 expert stacks on a CUDA GPU: the quantized words r
 (the dense GEMV's, ferrum.kernels.gemv_chunks; as served) against one word a thread (chunk_words forced to 1),
 at 1 and 4 tokens with random distinct experts. Prints each one's time (CUDA-graph median), its fraction of
 the chosen experts' bytes at the measured read bandwidth, and its error against the same kernels over the
-stacks dequantized to bf16.
+stacks dequantized to bf16 (whose time comes first).
 
     python scripts/moe_quant_kernels.py
 """
@@ -57,7 +57,8 @@ def main() -> None:
             weights = torch.softmax(torch.randn(tokens, TOP_K, device="cuda"), -1)
             ref = moe.experts(x, chosen, weights, d_gu, d_dn, EXPERTS, per_pair=True).float()
             floor = len(set(chosen.flatten().tolist())) * 3 * HIDDEN * INTER * weight_bytes / bandwidth
-            cells = []
+            t_bf16 = graph_time(partial(moe.experts, x, chosen, weights, d_gu, d_dn, EXPERTS, per_pair=True))
+            cells = [f"the bf16 stacks {t_bf16 * 1e6:.1f} us"]
             for name, words in (("one word a thread", lambda *a: 1), ("chunks (served)", served)):
                 moe.chunk_words = words
                 try:

@@ -166,5 +166,10 @@ def test_quantized_experts_per_pair(kind: str) -> None:
     weights = torch.rand(3, top_k, generator=gen)
     out = moe.experts(x.to(DEVICE), chosen.to(DEVICE), weights.to(DEVICE), gate_up, down, experts, TABLE)
     assert rel_err(out, reference(x, chosen, weights.to(DTYPE), gate_up_ref, down_ref, experts)) < 1e-2
+    # the residual added by the down products' kernel, as adding it afterwards would
+    residual = torch.randn(3, hidden, generator=gen).to(DTYPE).to(DEVICE)
+    added = moe.experts(x.to(DEVICE), chosen.to(DEVICE), weights.to(DEVICE), gate_up, down, experts, TABLE,
+                        residual=residual)
+    assert torch.equal(added.cpu(), (out + residual).cpu())
     with pytest.raises(ValueError, match="grouped expert products take weights in the activations' dtype"):
         moe.experts(x.to(DEVICE), chosen.to(DEVICE), weights.to(DEVICE), gate_up, down, experts, per_pair=False)
