@@ -295,9 +295,10 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
     plus R's row, rounded again). The per-pair down products, their sum and the residual add in one
     kernel. Weights in the activations' dtype: the k experts' rows are loaded at once, as one
     [BLOCK_TOP, BLOCK_N, BLOCK_K] tile a K slice (K_SLICES > 0: that many slices unrolled, all loads at
-    once), and reduced once (expert by expert, each expert's loads waited behind the previous expert's
-    reduction: k memory round trips in a row). Quantized: expert by expert, in the order of the choice.
-    WPT and PDL as _pair_gemv_kernel's."""
+    once), and reduced once; expert by expert, each expert's loads would wait behind the previous
+    expert's reduction, k memory round trips in a row. Quantized stacks go expert by expert, in the order
+    of the choice (ferrum.kernels.gemv's products take one weight at a time). WPT and PDL as
+    _pair_gemv_kernel's."""
     pdl_wait(PDL)
     act_ty = X.dtype.element_ty
     token = tl.program_id(0)
