@@ -819,12 +819,13 @@ class _GrowingFile:
             self._fd = None
 
     def fd(self) -> int:
-        """Opened on first use (after some bytes arrived, so the file exists). The partial may be
-        renamed to the blob between reading the path and opening it: then the new path is read."""
+        """Opened on first use (after some bytes arrived, so the file exists). The commit may rename the
+        partial to the blob at any moment, and the download's `path` names the blob only after it: a
+        missing partial is looked for as the blob."""
         if self._fd is None:
-            for _ in range(3):
+            for path in (self._download.path, self._download.blob_path):
                 try:
-                    self._fd = os.open(self._download.path, os.O_RDONLY | os.O_CLOEXEC)
+                    self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                     break
                 except FileNotFoundError:
                     continue

@@ -192,6 +192,12 @@ class Download:
         return self._transfer.path
 
     @property
+    def blob_path(self) -> Path:
+        """Where the file lies once committed. The commit renames the partial there in a worker thread, and
+        `path` names the blob only once that thread has returned: a reader that finds no partial looks here."""
+        return self._transfer.cache.blob_path(self._transfer.key)
+
+    @property
     def complete(self) -> bool:
         return self._transfer.committed
 

@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +144,36 @@ async def test_nothing_is_in_blobs_before_verification(tmp_path: Path) -> None:
         path = await download.result()
     assert path.read_bytes() == data and partial_names(config) == set()
     assert blob_names(config) == {f"sha256-{hashlib.sha256(data).hexdigest()}"}
+
+
+async def test_a_reader_opening_the_file_while_the_commit_renames_it_finds_the_blob(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit renames the partial to the blob in a worker thread, and the download's path names the
+    blob only once that thread returns. The loader's reader (the streamed load's file) opening the file in
+    that window opens the blob (it reported the file gone, seen in CI under load)."""
+    from ferrum.weights.loader import _GrowingFile
+
+    data = payload(4)
+    config = make_config(tmp_path)
+    obj = MemoryObject("obj", data, sha256=hashlib.sha256(data).hexdigest())
+    renamed, release = threading.Event(), threading.Event()
+    commit = DownloadCache.commit
+
+    def held_commit(self: DownloadCache, key: str, fd: int) -> Path:
+        blob = commit(self, key, fd)
+        renamed.set()
+        release.wait(30)
+        return blob
+
+    monkeypatch.setattr(DownloadCache, "commit", held_commit)
+    async with await Downloader(config).open(obj) as download:
+        assert await asyncio.to_thread(renamed.wait, 30)
+        assert download.path.name.endswith(".partial") and not download.path.exists()  # the window
+        async with _GrowingFile(download) as file:
+            assert os.pread(file.fd(), 64, 1000) == data[1000:1064]
+        release.set()
+        assert (await download.result()) == download.blob_path
 
 
 async def test_a_wrong_md5_leaves_nothing(tmp_path: Path) -> None:

@@ -193,7 +193,7 @@ async def test_stalled_server_times_out(bucket: S3Bucket, s3_proxy: FaultServer,
         await obj.read_range(0, 8)
     elapsed = time.monotonic() - started
     assert "timed out" in str(failure.value) and len(s3_proxy.requests) == 0  # the proxy never got to answer
-    assert 0.6 <= elapsed < 2.5, elapsed
+    assert 0.6 <= elapsed < 5.0, elapsed  # two 0.3 s timeouts, not the 30 s stall (2.7 s seen on a loaded CI machine)
 
 
 async def test_endpoint_from_the_standard_chain(bucket: S3Bucket, tmp_path: Path,
@@ -224,7 +224,7 @@ async def test_body_stalling_mid_range_times_out(bucket: S3Bucket, s3_proxy: Fau
         await obj.read_range(0, 100_000)
     elapsed = time.monotonic() - started
     assert "timed out" in str(failure.value)
-    assert 0.6 <= elapsed < 2.5, elapsed
+    assert 0.6 <= elapsed < 5.0, elapsed  # two 0.3 s timeouts, not the 30 s stall (2.7 s seen on a loaded CI machine)
     first, second = (r.range or "" for r in s3_proxy.requests)
     resumed_at = int(second.removeprefix("bytes=").split("-")[0])
     assert first == "bytes=0-99999" and 0 < resumed_at <= 40_000, "the retry resumes near the stall"
