@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.kv_fp8 import cache_scale, scales_arg
+from ferrum.kernels.kv_fp8 import cache_scale, cache_value, scales_arg
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 
 
@@ -73,6 +73,27 @@ def _softmax_step(q: tl.tensor, k: tl.tensor, v: tl.tensor, valid: tl.tensor, ke
     return m_new, sums, acc
 
 
+@triton.jit
+def _roped(ROWS: tl.tensor, mask: tl.tensor, d: tl.tensor, pos: tl.tensor, COS: tl.tensor, SIN: tl.tensor,
+           stride_cs: tl.tensor, NW: tl.tensor, eps: tl.tensor, ty: tl.constexpr, D: tl.constexpr,
+           QK_NORM: tl.constexpr) -> tl.tensor:
+    """The heads whose rows start at ROWS ([R, 1] pointers; `mask` [R, 1]), RMS-normed per head (QK_NORM,
+    weight NW) and rotated at position `pos`, [R, D] in dtype `ty`: rounded as ferrum.kernels.rope's
+    _rotated, each dim with its partner (d + D/2 mod D) loaded alongside."""
+    half: tl.constexpr = D // 2
+    partner = (d + half) % D
+    x = tl.load(ROWS + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ROWS + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+        x = ((x * rstd).to(ty).to(tl.float32) * tl.load(NW + d).to(tl.float32)[None, :]).to(ty).to(tl.float32)
+        xp = ((xp * rstd).to(ty).to(tl.float32) * tl.load(NW + partner).to(tl.float32)[None, :]).to(ty).to(tl.float32)
+    c = tl.load(COS + pos * stride_cs + d % half).to(ty).to(tl.float32)[None, :]
+    s = tl.load(SIN + pos * stride_cs + d % half).to(ty).to(tl.float32)[None, :]
+    sign = tl.where(d < half, -1.0, 1.0)[None, :]
+    return (x * c + sign * (xp * s)).to(ty)
+
+
 # The block-table width changes from step to step: no specialising on it (a fresh compile mid-serving)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, OUT: tl.tensor, PART_ACC: tl.tensor,
@@ -81,7 +102,9 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
                    stride_kh: tl.tensor, stride_bt: tl.tensor, stride_ot: tl.tensor, stride_oh: tl.tensor,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr = 0) -> None:
+                   PDL: tl.constexpr = 0, POS: tl.tensor = None, COS: tl.tensor = None, SIN: tl.tensor = None,
+                   SLOTS: tl.tensor = None, QNW: tl.tensor = None, KNW: tl.tensor = None, eps: tl.tensor = 0.0,
+                   stride_cs: tl.tensor = 0, ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False) -> None:
     """One program per (sequence, kv head, split): its G query heads against one slice of the
     sequence's cache (of its last `window` keys where window > 0). With one split the result is final;
     with several, each writes its partial (running max, sum, unnormalised output) for
@@ -94,7 +117,13 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
     write at most `step_keys` (the call's rows) keys of any one sequence (one in a decode; a prompt chunk's
     or a draft's rows write theirs, which later rows of the chunk read: DecodeGraphs.run_rows, verify
     steps). The lengths and tables come from before the step (host copies, or the last step's
-    _advance_kernel, which a plain kernel at the start of each step waits for)."""
+    _advance_kernel, which a plain kernel at the start of each step waits for).
+
+    ROPE: Q is the step's q/k/v projection [B, (H + 2 KV) D], not yet rotated, each row one decode of its
+    own sequence (step_keys 1): every program norms (QK_NORM) and rotates its q heads itself, and the
+    program whose slice holds the row's new key (position length - 1) rotates its k head, writes k and v
+    into the row's slot and reads them back from there as any other key (after a barrier: the block's
+    own writes). That is the rope kernel (ferrum.kernels.rope) folded into this one."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -110,19 +139,36 @@ def _decode_kernel(Q: tl.tensor, KC: tl.tensor, VC: tl.tensor, KVS: tl.tensor, O
     n = begin + tl.arange(0, BLOCK_N)  # the first block of keys
     valid = n < end
     off = _kv_offsets(table, n, valid, kvh, stride_kc, stride_kh, D, PAGE)
-    if PDL > 0:
+    if PDL > 0 or ROPE:
         new = n >= length - step_keys  # keys this step may have written: read once the kernels before are done
         old = (valid & ~new)[:, None]
         k = tl.load(KC + off, mask=old, other=0.0)
         v = tl.load(VC + off, mask=old, other=0.0)
         pdl_wait(PDL)
+        if ROPE:
+            last = length - 1
+            if (begin <= last) & (last < end):  # this program's slice holds the row's new key: write it
+                num_heads = tl.num_programs(1) * G
+                row = Q + b * stride_qt
+                kr = _roped(row + (num_heads + kvh) * D, tl.full([1, 1], 1, tl.int1), d, tl.load(POS + b), COS,
+                            SIN, stride_cs, KNW, eps, Q.dtype.element_ty, D, QK_NORM)
+                slot = tl.load(SLOTS + b).to(tl.int64) * stride_kc + kvh * stride_kh + d[None, :]
+                tl.store(KC + slot, cache_value(kr, KC, KVS, 0))
+                vr = tl.load(row + (num_heads + tl.num_programs(1) + kvh) * D + d[None, :])
+                tl.store(VC + slot, cache_value(vr, VC, KVS, 1))
+                tl.debug_barrier()  # the block's writes above visible to all its threads' loads below
         now = (valid & new)[:, None]
         k = tl.where(now, tl.load(KC + off, mask=now, other=0.0), k)
         v = tl.where(now, tl.load(VC + off, mask=now, other=0.0), v)
     else:
         k = tl.load(KC + off, mask=valid[:, None], other=0.0)
         v = tl.load(VC + off, mask=valid[:, None], other=0.0)
-    q = tl.load(Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    q_rows = Q + b * stride_qt + (kvh * G + g)[:, None] * stride_qh
+    if ROPE:
+        q = _roped(q_rows, gmask[:, None], d, tl.load(POS + b), COS, SIN, stride_cs, QNW, eps, Q.dtype.element_ty, D,
+                   QK_NORM)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0)
     if KC.dtype.element_ty == tl.float8e4nv:  # the dot products in float16 (the module's docstring)
         q = q.to(tl.float16)
     qk_scale = scale * 1.4426950408889634 * cache_scale(KC, KVS, 0)
@@ -192,20 +238,56 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q: [B, H, D], one query token per sequence; context_lens[b] >= 1 tokens in the cache;
     block_n: cache tokens per step of each program's loop; kv_scale: an fp8 cache's k and v scales;
     window: the layer's sliding window (the query sees its last `window` keys), None for all."""
-    batch, heads, dim = q.shape
+    out = torch.empty_like(q) if out is None else out
+    _decode(q, q.shape[1], k_cache, v_cache, block_tables, context_lens, page, scale, splits, out, block_n,
+            num_warps, pdl, kv_scale, window, q.shape[0], {})
+    return out
+
+
+def paged_decode_rope(qkv: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, page: int, scale: float,
+                      splits: int = 1, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                      eps: float = 1e-6, block_n: int = 64, num_warps: int = 4, pdl: bool = False,
+                      kv_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Decode attention straight from the q/k/v projection qkv [B, (H + 2 KV) D], each row the one new token
+    of its own sequence (at positions[b] = context_lens[b] - 1, its k and v going to slot slots[b]): q and k
+    normed per head (q_norm, k_norm: Qwen3) and rotated, k and v written into the cache, then attention as
+    paged_decode: the rope kernel (ferrum.kernels.rope.rope_and_store) folded in (_decode_kernel's ROPE).
+    Not for rows of which several belong to one sequence (a row would not see the others' keys).
+    Returns the output [B, H, D]."""
+    batch = qkv.shape[0]
+    dim = k_cache.shape[2]
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * k_cache.shape[1]) * dim
+    assert (q_norm is None) == (k_norm is None)
+    out = torch.empty(batch, num_heads, dim, dtype=qkv.dtype, device=qkv.device)
+    rope = {"POS": positions, "COS": cos, "SIN": sin, "SLOTS": slots,
+            "QNW": q_norm if q_norm is not None else qkv, "KNW": k_norm if k_norm is not None else qkv,
+            "eps": eps, "stride_cs": cos.stride(0), "ROPE": True, "QK_NORM": q_norm is not None}
+    _decode(qkv, num_heads, k_cache, v_cache, block_tables, context_lens, page, scale, splits, out, block_n,
+            num_warps, pdl, kv_scale, window, 1, rope, stride_qh=dim)
+    return out
+
+
+def _decode(q: torch.Tensor, heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, page: int, scale: float, splits: int, out: torch.Tensor, block_n: int,
+            num_warps: int, pdl: bool, kv_scale: torch.Tensor | None, window: int | None, step_keys: int,
+            rope: dict[str, object], stride_qh: int | None = None) -> None:
+    """Launches _decode_kernel (and with splits, _decode_reduce_kernel) into `out` [B, H, D]."""
+    batch, dim = out.shape[0], out.shape[2]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    out = torch.empty_like(q) if out is None else out
     part_acc = part_ml = out
     if splits > 1:
         part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, scales_arg(kv_scale, k_cache), out, part_acc, part_ml, block_tables, context_lens, scale,
-        window or 0, batch, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        window or 0, step_keys, q.stride(0), q.stride(1) if stride_qh is None else stride_qh, k_cache.stride(0),
+        k_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=_dot_precision(q), PDL=pdl_mode(pdl), num_warps=num_warps, num_stages=2, **pdl_launch(pdl),
+        PRECISION=_dot_precision(out), PDL=pdl_mode(pdl), num_warps=num_warps, num_stages=2, **rope,
+        **pdl_launch(pdl),
     )
     if splits > 1:
         _decode_reduce_kernel[(batch, heads)](
@@ -213,7 +295,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             D=dim, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl_mode(pdl), num_warps=1,
             **pdl_launch(pdl),
         )
-    return out
 
 
 @triton.jit(do_not_specialize=["stride_bt"])

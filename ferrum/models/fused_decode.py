@@ -1,7 +1,8 @@
 """GPU: the decode of a few rows (up to `KernelConfig.fused_decode_rows`) as a chain of fused
 matrix-vector kernels (ferrum.kernels.gemv), each projection with its neighbours fused in: the
-norm before it in its prologue, rope and the KV-cache write (q/k/v), or the residual add or
-silu * mul after it in its epilogue; a mixture of experts' layer runs its own kernels
+norm before it in its prologue, rope and the KV-cache write (q/k/v; with per-head q/k norms, as
+Qwen3 has, those in the decode attention kernel instead), or the residual add or silu * mul after it
+in its epilogue; a mixture of experts' layer runs its own kernels
 (ferrum.kernels.moe: the norm and the router's top k in one, the chosen experts' rows read per pair,
 the last of them adding the residual). At these batch sizes a step is a chain of weight reads, and
 these kernels read the weights faster than cuBLAS while launching a third as many kernels.
@@ -82,10 +83,10 @@ class FusedDecode:
                                    cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim, table,
                                    x_rows=rows, pdl=pdl, kv_scale=attn.kv_scale)
                 out = batch.attend_stored(attn, q, cache)
-            else:  # per-head q/k norms need whole heads: a separate rope kernel
+            else:  # per-head q/k norms need whole heads: norms, rope and the cache write in the attention kernel
                 qkv = gemv(h, w, table, bias=attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps,
                            x_rows=rows, pdl=pdl)
-                out = batch.attend(attn, qkv, cache)
+                out = batch.attend_decodes(attn, qkv, cache)
             w, table = self.weight(attn.o_proj)
             h = gemv(out, w, table, residual=h if lead else None, residual_rows=rows, pdl=pdl)
             rows = None

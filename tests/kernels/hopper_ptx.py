@@ -200,6 +200,13 @@ def main() -> None:
             QUANT=tg.INT4, GROUP=128, PLANES=8, WPT=4), num_warps=1),
         "decode attention": compile_sm90(paged_attention._decode_kernel, DECODE_ARGS, DECODE_TYPES, dict(
             G=4, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=32, SPLITS=32, PRECISION="tf32", PDL=1)),
+        # Qwen3's: its per-head norms, rope and the cache write folded in (paged_decode_rope)
+        "decode attention rope": compile_sm90(
+            paged_attention._decode_kernel,
+            DECODE_ARGS + ["POS", "COS", "SIN", "SLOTS", "QNW", "KNW", "eps", "stride_cs"],
+            DECODE_TYPES + ["*i64", "*fp32", "*fp32", "*i64", "*bf16", "*bf16", "fp32", "i32"],
+            dict(G=8, BLOCK_G=16, D=128, PAGE=16, BLOCK_N=32, SPLITS=32, PRECISION="tf32", PDL=1, ROPE=True,
+                 QK_NORM=True)),
         "decode reduce": compile_sm90(paged_attention._decode_reduce_kernel,
                                       ["PART_ACC", "PART_ML", "OUT", "stride_ot", "stride_oh"],
                                       ["*fp32", "*fp32", "*bf16", "i32", "i32"],

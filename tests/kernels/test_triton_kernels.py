@@ -236,6 +236,45 @@ def test_rope_and_store_writes_rotated_k_and_v_into_slots(qk_norm, heads, kv_hea
     assert not kc.cpu()[untouched].any() and not vc.cpu()[untouched].any()
 
 
+@pytest.mark.parametrize(("qk_norm", "splits", "window"), [(True, 1, 0), (True, 3, 0), (False, 3, 0), (True, 3, 20)])
+def test_decode_with_rope_folded_in_equals_rope_then_decode(qk_norm, splits, window):
+    """paged_decode_rope (the fused chain's attention for Qwen3-style per-head norms) against rope_and_store
+    then paged_decode: the same keys written into the same slots, and the same output. Rows of lengths 1,
+    19 and 45: the new key in the first, a middle and the last split, behind and inside the window."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, page = 8, 2, 64, 16
+    lengths = [1, 19, 45]
+    old = [(torch.randn(n - 1, kv_heads, dim, generator=gen).to(DTYPE),
+            torch.randn(n - 1, kv_heads, dim, generator=gen).to(DTYPE)) for n in lengths]
+    full = [(torch.cat([k, torch.zeros(1, kv_heads, dim, dtype=DTYPE)]),
+             torch.cat([v, torch.zeros(1, kv_heads, dim, dtype=DTYPE)])) for k, v in old]
+    k_cache, v_cache, tables = scattered_cache(full, 12, page, kv_heads, dim, gen)
+    pages = tables.cpu().tolist()
+    slots = ints([pages[b][(n - 1) // page] * page + (n - 1) % page for b, n in enumerate(lengths)]).long()
+    positions = ints([n - 1 for n in lengths]).long()
+    lens = ints(lengths)
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim, generator=gen).to(DTYPE).to(DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.outer(torch.arange(64).float(), inv).repeat(1, 2)
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    qn = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DTYPE).to(DEVICE) if qk_norm else None
+    kn = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DTYPE).to(DEVICE) if qk_norm else None
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    q = rope.rope_and_store(qkv, positions, cos, sin, slots, kc_ref, vc_ref, heads, kv_heads, dim, qn, kn, 1e-6)
+    ref = paged_attention.paged_decode(q, kc_ref, vc_ref, tables, lens, page, dim**-0.5, splits, block_n=16,
+                                       window=window)
+    out = paged_attention.paged_decode_rope(qkv, heads, positions, cos, sin, slots, k_cache, v_cache, tables, lens,
+                                            page, dim**-0.5, splits, qn, kn, 1e-6, block_n=16, window=window)
+    written = slots.cpu()
+    assert rel_err(k_cache.cpu()[written], kc_ref.cpu()[written]) < 2e-3
+    assert torch.equal(v_cache.cpu()[written], vc_ref.cpu()[written])
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(k_cache.cpu()[untouched], kc_ref.cpu()[untouched])
+    assert torch.equal(v_cache.cpu()[untouched], vc_ref.cpu()[untouched])
+    assert rel_err(out.cpu(), ref.cpu()) < 2e-3
+
+
 def test_greedy_advance_picks_argmax_and_moves_one_token_on():
     """The in-graph step of a greedy burst: argmax (first index on ties, as torch.argmax) recorded
     at row `step` and fed back as the next input; positions, lengths and KV slots move one on."""

@@ -17,7 +17,13 @@ import torch
 
 from ferrum.backends.device import Device
 from ferrum.kernels.config import KernelConfig
-from ferrum.kernels.paged_attention import PREFILL_BLOCK_M, decode_splits, paged_decode, paged_prefill
+from ferrum.kernels.paged_attention import (
+    PREFILL_BLOCK_M,
+    decode_splits,
+    paged_decode,
+    paged_decode_rope,
+    paged_prefill,
+)
 from ferrum.kernels.rope import rope_and_store
 from ferrum.models.attention.layout import KVCache, KVCacheLayout
 from ferrum.models.attention.packed_step import PackedStep, host_ints
@@ -62,6 +68,21 @@ class TritonAttentionBatch:
             q_norm.eps if q_norm is not None else 1e-6, pdl=self.pdl, kv_scale=layer.kv_scale,
         )
         return self.attend_stored(layer, q, cache)
+
+    def attend_decodes(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A decode graph's attention straight from the q/k/v projection, each row the one new token of its
+        own sequence (the fused chain's steps, ferrum.models.fused_decode): the per-head norms, rope and the
+        cache write inside the decode kernel (paged_decode_rope), one launch fewer than attend's."""
+        assert self.num_decode is None and self.context_lens is not None
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        out = paged_decode_rope(
+            qkv, layer.num_heads, self.positions, self.cos_table, self.sin_table, self.slot_mapping, cache[0],
+            cache[1], self.block_tables, self.context_lens, self.page, layer.head_dim**-0.5, self.decode_splits,
+            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 1e-6, block_n=32 if self.decode_splits > 1 else 64,
+            pdl=self.pdl, kv_scale=layer.kv_scale, window=layer.window,
+        )
+        return out.view(-1, layer.q_size)
 
     def attend_stored(self, layer: Attention, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Attention for q [T, H, D] already rotated, this step's k and v already in the cache."""
