@@ -177,6 +177,42 @@ def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int, tiles: 
                             block_size, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_a_head_major_cache_holds_and_reads_as_a_block_major_one(ops: object, dtype: torch.dtype) -> None:
+    """KVCacheLayout.allocate's CPU cache stores each kv head's blocks back to back (a transposed view): what
+    rope_write writes there and what paged_attention reads back equal the contiguous block-major cache's,
+    bit for bit; a cache whose tiles are not contiguous is refused by name."""
+    from ferrum.models.attention.layout import KVCacheLayout
+
+    torch.manual_seed(5)
+    heads, kv_heads, dim, block_size, num_blocks = 6, 3, 64, 16, 12
+    layout = KVCacheLayout(1, kv_heads, dim, dtype, block_size)
+    ((k_hm, v_hm),) = layout.allocate(num_blocks, torch.device("cpu"), block_major=True)
+    assert not k_hm.is_contiguous() and k_hm.stride(1) == num_blocks * k_hm.stride(0)
+    k_bm, v_bm = torch.zeros_like(k_hm).contiguous(), torch.zeros_like(v_hm).contiguous()
+    k_hm.zero_(), v_hm.zero_()
+    slots = torch.randperm(num_blocks * block_size)[:150]
+    qkv = torch.randn(150, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16)
+    positions = torch.arange(150)
+    emb = torch.outer(torch.arange(256).float(), 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))).repeat(1, 2)
+    for k_cache, v_cache in ((k_hm, v_hm), (k_bm, v_bm)):
+        ops.rope_write(qkv.clone(), positions, emb.cos(), emb.sin(), k_cache, v_cache, slots, heads, kv_heads)  # type: ignore[attr-defined]
+    assert torch.equal(k_hm, k_bm) and torch.equal(v_hm, v_bm)
+    table = torch.randperm(num_blocks)[None, :10].to(torch.int32).contiguous()
+    q = torch.randn(1, heads, dim, dtype=torch.bfloat16)
+    outs = []
+    for k_cache, v_cache in ((k_hm, v_hm), (k_bm, v_bm)):
+        out = torch.empty_like(q)
+        ops.paged_attention(out, q, k_cache, v_cache, table, torch.tensor([150], dtype=torch.int32),  # type: ignore[attr-defined]
+                            torch.tensor([0, 1], dtype=torch.int32), block_size, 1 / math.sqrt(dim))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+    scrambled = k_bm.transpose(2, 3).contiguous().transpose(2, 3)  # each tile's slots strided
+    with pytest.raises(RuntimeError, match="contiguous tiles"):
+        ops.paged_attention(out, q, scrambled, scrambled, table, torch.tensor([150], dtype=torch.int32),  # type: ignore[attr-defined]
+                            torch.tensor([0, 1], dtype=torch.int32), block_size, 1.0)
+
+
 @pytest.mark.parametrize("head_dim", [64, 40])  # 64: the VNNI tiles where the CPU has them
 @pytest.mark.parametrize("window", [0, 24])
 def test_an_int8_cache_given_the_steps_keys_scores_a_fresh_prompt_unquantized(ops: object, head_dim: int,

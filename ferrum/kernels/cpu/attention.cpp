@@ -532,8 +532,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_attention: out must be contiguous, shaped and typed like q");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "paged_attention: k_cache and v_cache must be contiguous and of one shape");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "paged_attention: k_cache and v_cache must be of one shape and layout");
   const CacheStrides strides = cache_strides(k_cache, block_size, "paged_attention");
   const bool tiled = int8_tiled(k_cache, block_size);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;

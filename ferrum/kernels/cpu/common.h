@@ -87,11 +87,24 @@ inline bool int8_tiled(const at::Tensor& cache, int64_t block_size) {
          (cache.size(-1) - 4) % 4 == 0;
 }
 
+// A cache is [slots, KV, W] (contiguous) or [blocks, KV, block_size, W] whose (block, kv head) tiles of
+// block_size * W are each contiguous, laid out block-major or head-major (KVCacheLayout.allocate: each kv
+// head's blocks back to back, so that a work item reading one kv head over a sequence's consecutive blocks
+// streams one run of memory); k and v alike.
 inline CacheStrides cache_strides(const at::Tensor& cache, int64_t block_size, const char* op) {
   TORCH_CHECK(cache.dim() == 3 || (cache.dim() == 4 && cache.size(2) == block_size),
               message(op, ": the cache must be [blocks, KV, block_size (", block_size, "), W] or [slots, KV, W]"));
   const int64_t kv = cache.size(1), width = cache.size(-1);
-  if (cache.dim() == 4) return {kv * block_size * width, int8_tiled(cache, block_size) ? 1 : width, block_size * width};
+  if (cache.dim() == 4) {
+    const int64_t tile = block_size * width;
+    TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == width &&
+                    ((cache.stride(1) == tile && cache.stride(0) == kv * tile) ||
+                     (cache.stride(0) == tile && cache.stride(1) == cache.size(0) * tile)),
+                message(op, ": a [blocks, KV, block_size, W] cache must be block-major or head-major with "
+                            "contiguous tiles"));
+    return {cache.stride(0), int8_tiled(cache, block_size) ? 1 : width, cache.stride(1)};
+  }
+  TORCH_CHECK(cache.is_contiguous(), message(op, ": a [slots, KV, W] cache must be contiguous"));
   return {block_size * kv * width, kv * width, width};
 }
 

@@ -166,10 +166,10 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
                 int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_write: qkv must be [T, width] with contiguous rows");
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   v_cache.scalar_type() == k_cache.scalar_type() &&
                   (k_cache.scalar_type() == qkv.scalar_type() || int8_cache),
-              "rope_write: the caches must be contiguous, of one shape, in qkv's dtype or int8");
+              "rope_write: the caches must be of one shape and layout, in qkv's dtype or int8");
   const int64_t block_size = k_cache.dim() == 4 ? k_cache.size(2) : 1;
   const CacheStrides strides = cache_strides(k_cache, block_size, "rope_write");
   const int64_t T = qkv.size(0), D = k_cache.size(-1) - (int8_cache ? 4 : 0), half = D / 2;

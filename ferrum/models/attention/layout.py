@@ -92,11 +92,15 @@ class KVCacheLayout:
         """k and v tensors of `num_blocks` blocks for every layer: zeroed, or left as allocated for a
         backend that never reads a slot before writing it (on the host its pages are then only
         backed as they are first written). `block_major`: [num_blocks, num_kv_heads, block_size,
-        head_width], each kv head's slots of a block side by side (cpu_paged: a work item reading one
-        kv head streams whole blocks); else [num_slots, num_kv_heads, head_width]."""
-        shape: tuple[int, ...] = (num_blocks * self.block_size, self.num_kv_heads, self.head_width)
-        if block_major:
-            shape = (num_blocks, self.num_kv_heads, self.block_size, self.head_width)
+        head_width], each kv head's slots of a block side by side, stored head-major (a transposed view
+        of [num_kv_heads, num_blocks, block_size, head_width]: each kv head's blocks back to back, so that
+        cpu_paged's work item reading one kv head over a sequence's consecutive blocks streams one run of
+        memory, which the CPU's prefetchers follow); else [num_slots, num_kv_heads, head_width]."""
         make = torch.zeros if zeroed else torch.empty
-        return [(make(shape, dtype=self.dtype, device=device), make(shape, dtype=self.dtype, device=device))
+        if block_major:
+            shape = (self.num_kv_heads, num_blocks, self.block_size, self.head_width)
+            return [(make(shape, dtype=self.dtype, device=device).transpose(0, 1),
+                     make(shape, dtype=self.dtype, device=device).transpose(0, 1)) for _ in range(self.num_layers)]
+        flat = (num_blocks * self.block_size, self.num_kv_heads, self.head_width)
+        return [(make(flat, dtype=self.dtype, device=device), make(flat, dtype=self.dtype, device=device))
                 for _ in range(self.num_layers)]
