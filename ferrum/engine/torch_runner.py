@@ -38,7 +38,8 @@ class TorchModelRunner:
         self.layout = layout
         self.attention = attention
         # cpu_paged reads only the slots of positions already written: its cache is never zeroed; its
-        # kernels read each kv head's keys of a block as one run of memory (block_major)
+        # kernels read each kv head's keys of a block, and its blocks one after another, as runs of memory
+        # (block_major: tiles stored head-major)
         cpu_paged = isinstance(attention, CpuPagedAttention)
         self.kv_caches = layout.allocate(num_blocks, self.device, zeroed=not cpu_paged, block_major=cpu_paged)
         self.chain = CpuDecodeChain.for_model(model) if cpu_paged else None
