@@ -190,7 +190,6 @@ def test_a_head_major_cache_holds_and_reads_as_a_block_major_one(ops: object, dt
     ((k_hm, v_hm),) = layout.allocate(num_blocks, torch.device("cpu"), block_major=True)
     assert not k_hm.is_contiguous() and k_hm.stride(1) == num_blocks * k_hm.stride(0)
     k_bm, v_bm = torch.zeros_like(k_hm).contiguous(), torch.zeros_like(v_hm).contiguous()
-    k_hm.zero_(), v_hm.zero_()
     slots = torch.randperm(num_blocks * block_size)[:150]
     qkv = torch.randn(150, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16)
     positions = torch.arange(150)
