@@ -3,6 +3,9 @@
     python scripts/quant_bench.py --out DIR [--shapes llama-3.1-8b,llama-3.2-1b] [--methods bf16,int8,int4,fp8]
         [--gpt-fast PATH] [--batches 16,64] [--offline] [--tests]
 
+A method int4-a8 / int4-a16 is int4 with the decode GEMV's int8 inputs on / off
+(KernelConfig.gemv_int4.int8_inputs; plain int4: the default).
+
 For each shape (random-weight checkpoints made by scripts/make_random_checkpoint.py) and method:
   batch-1   ms/token of one greedy request (128-token prompt, 256 tokens; scripts/gpu_suite.py's timing),
             beside the method's floor: the bytes of every weight one token reads in the format served
@@ -68,9 +71,15 @@ def floor_bytes(folder: Path, method: str, head_quantized: bool) -> int:
 
 
 def quant_setting(method: str, head: bool) -> dict[str, Any]:
+    """The engine settings of a method; int4-a8 / int4-a16: int4 with the decode GEMV's int8 inputs on / off
+    (KernelConfig.gemv_int4.int8_inputs; plain int4: the default)."""
     if method == "bf16":
         return {}
-    return {"quantization": {"method": method, "skip": [] if head else ["lm_head"]}}
+    base, _, inputs = method.partition("-a")
+    setting: dict[str, Any] = {"quantization": {"method": base, "skip": [] if head else ["lm_head"]}}
+    if inputs:
+        setting["kernels"] = {"gemv_int4": {"int8_inputs": inputs == "8"}}
+    return setting
 
 
 def batch_step_ms(folder: Path, batch: int, setting: dict[str, Any], prompt_len: int = 128, tokens: int = 64) -> float:

@@ -2,6 +2,9 @@
 
     python scripts/quant_gemv_bench.py [--kinds int4,int8,fp8] [--quick] [--out DIR]
 
+A kind ending in -a8 / -a16 (int4-a8, int4-k-a16) is that storage with its tables' int8_inputs on / off (x rounded
+to int8, dp4a products: ferrum.kernels.gemv_chunks); without, as KernelConfig's table says.
+
 1. The pure-read bandwidth (a float32 sum over 2 GiB of bf16): the fractions below are of it.
 2. Batch-1 GEMV per kind (bf16 beside) for each projection shape, with the kind's default table
    (KernelConfig.gemv_table) and a few candidates: time, GB/s of the weight's bytes as stored
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -125,14 +129,26 @@ CANDIDATES = {  # (features, whole K with norm, whole K without, K slice, warps)
 }
 
 
+def kind_table(kind: str, t: GemvTable) -> GemvTable:
+    """`t` as `kind` runs it (-a8 / -a16: int8 inputs on / off; else as the table says)."""
+    if kind.endswith(("-a8", "-a16")):
+        return replace(t, int8_inputs=kind.endswith("-a8"))
+    return t
+
+
+def storage(kind: str) -> str:
+    """The weight's storage of a kind (without -a8 / -a16)."""
+    return kind.removesuffix("-a8").removesuffix("-a16")
+
+
 def per_shape(kind: str, bw: float, quick: bool, rows: list[Row], record: dict) -> None:
     config = KernelConfig()
-    default = config.gemv_table(None if kind == "bf16" else kind[:4])  # type: ignore[arg-type]
+    default = kind_table(kind, config.gemv_table(None if kind == "bf16" else kind[:4]))  # type: ignore[arg-type]
     for name, (n_rows, k, gated, norm, residual) in SHAPES.items():
-        one = random_weight(kind, n_rows, k)
+        one = random_weight(storage(kind), n_rows, k)
         size = nbytes(one)
         copies = max(2, -(-(400 << 20) // size))
-        ws = [one] + [random_weight(kind, n_rows, k) for _ in range(copies - 1)]
+        ws = [one] + [random_weight(storage(kind), n_rows, k) for _ in range(copies - 1)]
         n = n_rows // 2 if gated else n_rows
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         nw = torch.rand(k, dtype=torch.bfloat16, device="cuda") + 0.5
@@ -143,7 +159,8 @@ def per_shape(kind: str, bw: float, quick: bool, rows: list[Row], record: dict) 
             ref = F.silu(ref[:, :n]) * ref[:, n:]
         if residual:
             ref = ref + res.float()
-        tables = [default] + [t for t in CANDIDATES[kind[:4]][: 3 if quick else None] if t != default]
+        tables = [default] + [kind_table(kind, t) for t in CANDIDATES[kind[:4]][: 3 if quick else None]
+                              if kind_table(kind, t) != default]
         results = []
         extra = {"norm_weight": nw if norm else None, "gated": gated, "residual": res if residual else None}
         for t in tables:
@@ -201,9 +218,10 @@ def _step(h: torch.Tensor, layers: list[dict[str, torch.Tensor | QuantWeight]], 
 def chain(kind: str, bw: float, rows: list[Row], record: dict) -> None:
     """32 layers + bf16 LM head, default tables, batch 1 and 4."""
     config = KernelConfig()
-    t = config.gemv_table(None if kind == "bf16" else kind[:4])  # type: ignore[arg-type]
+    t = kind_table(kind, config.gemv_table(None if kind == "bf16" else kind[:4]))  # type: ignore[arg-type]
     head_t = config.gemv
-    layers = [{name: random_weight(kind, n, k) for name, (n, k, *_rest) in SHAPES.items()} for _ in range(LAYERS)]
+    layers = [{name: random_weight(storage(kind), n, k) for name, (n, k, *_rest) in SHAPES.items()}
+              for _ in range(LAYERS)]
     head = torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.02
     norm_w = torch.rand(HIDDEN, dtype=torch.bfloat16, device="cuda") + 0.5
     total = sum(nbytes(w) for layer in layers for w in layer.values()) + nbytes(head)
@@ -259,7 +277,7 @@ def main() -> None:
             per_shape(kind, bw, args.quick, rows, record)
         if "chain" not in skip:
             chain(kind, bw, rows, record)
-        if "prefill" not in skip and kind != "bf16":
+        if "prefill" not in skip and kind != "bf16" and storage(kind) == kind:
             prefill(kind, rows, record)
         torch.cuda.empty_cache()
     width = max(len(r[0]) for r in rows)

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.config import GemvTable
-from ferrum.kernels.gemv_chunks import chunk_products, chunk_warps, chunk_words
+from ferrum.kernels.gemv_chunks import chunk_products, chunk_warps, chunk_words, int8_inputs
 from ferrum.kernels.kv_fp8 import cache_value, scales_arg
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 from ferrum.kernels.planes import (
@@ -480,14 +480,15 @@ def _products(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, NW: tl.ten
               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
               GATED: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr, PLANES: tl.constexpr,
               WHOLE_K: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr = False,
-              WPT: tl.constexpr = 1) -> tuple[tl.tensor, tl.tensor]:
+              WPT: tl.constexpr = 1, A8: tl.constexpr = False) -> tuple[tl.tensor, tl.tensor]:
     """x (RMS-normed when NORM) times weight rows n and n2 (gated) over all of K, float32 [ROWS,
     BLOCK_N] each, per-channel scales applied: by tiles or, for int4 / int8 / fp8 words, by planes
-    (int4 and int8 with WPT > 1: in chunks of WPT words a thread, ferrum.kernels.gemv_chunks)."""
+    (int4 and int8 with WPT > 1: in chunks of WPT words a thread, ferrum.kernels.gemv_chunks; A8: int4
+    times x as int8, gemv_chunks.int8_inputs)."""
     if PLANES > 1 and WPT > 1:  # (one row: chunk_words)
         acc, acc2, sumsq = chunk_products(X, W, S, Z, NW, n, n2, nmask, xrows, K, eps, stride_xm, stride_wn,
                                           stride_sn, magic, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, WPT, PLANES, QUANT,
-                                          WHOLE_K, PDL)
+                                          WHOLE_K, PDL, A8, ASM)
     elif PLANES > 1:
         acc, acc2, sumsq = _planes_products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn,
                                             stride_sn, magic, ROWS, BLOCK_N, BLOCK_K, NORM, GATED, GROUP, PLANES,
@@ -514,14 +515,15 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
                  NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
                  WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False,
                  R_GATHER: tl.constexpr = False, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1,
-                 PLANES: tl.constexpr = 1, ASM: tl.constexpr = False, WPT: tl.constexpr = 1) -> None:
+                 PLANES: tl.constexpr = 1, ASM: tl.constexpr = False, WPT: tl.constexpr = 1,
+                 A8: tl.constexpr = False) -> None:
     """X_GATHER / R_GATHER: X / R are tables whose rows IDX[0..M-1] are the input / residual rows
     (the embedding table, for the first layer: no separate gather kernel; see STEP_START).
     QUANT: W's storage (PLAIN; PER_CHANNEL, INT8, FP8: S the rows' scales, or the groups' with GROUP >
     1; INT4, INT8_ZERO: S and Z the groups' scales and zeros, GROUP inputs each); PLANES: inputs a word
     of W (INT4 8, INT8 and FP8 4; 1: tiles); magic: MAGIC (in a register); ASM: fp8's conversion in
     inline PTX (a GPU; Triton's interpreter, which runs no PTX, takes the bits' arithmetic); WPT: the
-    words a thread reads at once (gemv_chunks.chunk_words)."""
+    words a thread reads at once (gemv_chunks.chunk_words); A8: x as int8 (gemv_chunks.int8_inputs)."""
     act_ty = X.dtype.element_ty
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
@@ -532,7 +534,7 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
     nmask = n < N
     xrows, rrows = _row_offsets(IDX, rows, rmask, X_GATHER, R_GATHER)
     acc, acc2 = _products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, stride_sn, magic,
-                          ROWS, BLOCK_N, BLOCK_K, NORM, GATED, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM, WPT)
+                          ROWS, BLOCK_N, BLOCK_K, NORM, GATED, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM, WPT, A8)
     if BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -607,7 +609,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
         NORM=norm_weight is not None, BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         WHOLE_K=whole_k, PDL=pdl_mode(pdl), X_GATHER=x_rows is not None, R_GATHER=residual_rows is not None,
         QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda, WPT=wpt,
-        num_warps=chunk_warps(cfg.block_k, wpt, kw.planes, cfg.num_warps), num_stages=2, **pdl_launch(pdl),
+        A8=int8_inputs(kw.quant, wpt, table), num_warps=chunk_warps(cfg.block_k, wpt, kw.planes, cfg.num_warps),
+        num_stages=2, **pdl_launch(pdl),
     )
     return out
 
@@ -622,7 +625,7 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
                      WHOLE_K: tl.constexpr, PDL: tl.constexpr = 0, X_GATHER: tl.constexpr = False,
                      QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 1, PLANES: tl.constexpr = 1,
-                     ASM: tl.constexpr = False, WPT: tl.constexpr = 1) -> None:
+                     ASM: tl.constexpr = False, WPT: tl.constexpr = 1, A8: tl.constexpr = False) -> None:
     """The q/k/v projection with rope and the KV-cache write as its epilogue: each program owns
     BLOCK_H dims of the first half of one head and the matching dims of the second half, the
     pairs the rotation mixes. QUANT, GROUP, PLANES, magic: W's storage, as in _gemv_kernel."""
@@ -644,7 +647,7 @@ def _qkv_rope_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: 
     c = tl.load(COS + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
     s = tl.load(SIN + pos[:, None] * stride_cs + d[None, :]).to(act_ty).to(tl.float32)
     acc, acc2 = _products(X, W, S, Z, NW, n, n2, nmask, xrows, rmask, K, eps, stride_xm, stride_wn, stride_sn, magic,
-                          ROWS, BLOCK_H, BLOCK_K, NORM, True, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM, WPT)
+                          ROWS, BLOCK_H, BLOCK_K, NORM, True, QUANT, GROUP, PLANES, WHOLE_K, PDL, ASM, WPT, A8)
     if BIAS:
         acc += tl.load(B + n).to(tl.float32)[None, :]
         acc2 += tl.load(B + n2).to(tl.float32)[None, :]
@@ -728,7 +731,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: to
         H=num_heads, KV=num_kv_heads, D=head_dim, ROWS=rows, BLOCK_H=block_h, BLOCK_K=block_k,
         NORM=norm_weight is not None, BIAS=bias is not None, WHOLE_K=whole_k, PDL=pdl_mode(pdl),
         X_GATHER=x_rows is not None, QUANT=kw.quant, GROUP=kw.group, PLANES=kw.planes, ASM=kw.data.is_cuda,
-        WPT=wpt, num_warps=chunk_warps(block_k, wpt, kw.planes, 4), num_stages=2,
+        WPT=wpt, A8=int8_inputs(kw.quant, wpt, table), num_warps=chunk_warps(block_k, wpt, kw.planes, 4), num_stages=2,
         **pdl_launch(pdl),
     )
     return q

@@ -67,6 +67,8 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
 Expected error against x @ dequantize(w).T in float32, relative (Frobenius), for activations
 without outliers (tests/kernels/test_quant_kernels.py checks these bounds):
     GEMV (M = 1)     ~2e-3: the output's rounding to bf16 only                       bound 1e-2
+      int4 with int8 inputs (KernelConfig.gemv_int4.int8_inputs, the default)
+                     ~6e-3: x's rounding to 1/127 of each 32 inputs' largest magnitude bound 2e-2
     W4A16, W8A16     ~3e-3: the dequantized weight rounded to bf16 before the dot    bound 1e-2
     W8A8 int8        ~1e-2: x's rounding to 1/127 of its row's largest magnitude     bound 2e-2
     W8A8 fp8         ~3e-2: x's rounding to e4m3's 3 mantissa bits                   bound 5e-2

@@ -171,11 +171,12 @@ def main() -> None:
             H=32, KV=8, D=64, ROWS=1, BLOCK_H=1, BLOCK_K=1024, NORM=True, BIAS=False, WHOLE_K=False, PDL=1,
             X_GATHER=True)),
         # quantized weights (KernelConfig's tables): int4 gate/up and int8 down_proj in chunks of 4
-        # words a thread (one row, gemv_chunks), int4 down_proj one word a thread (several rows, or
-        # groups of 16), fp8 o_proj as tiles, the q/k/v projection with int4
+        # words a thread (one row, gemv_chunks; int4 with x as int8 and dp4a, as served on a GPU), int4
+        # down_proj one word a thread (several rows, or groups of 16), fp8 o_proj as tiles, the q/k/v
+        # projection with int4
         "gemv int4 gate_up": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=True, GATED=True, RESIDUAL=False, WHOLE_K=False, QUANT=tg.INT4,
-            GROUP=128, PLANES=8, WPT=4), num_warps=2),
+            GROUP=128, PLANES=8, WPT=4, A8=True, ASM=True), num_warps=2),
         "gemv int4 down_proj one word a thread": compile_sm90(
             tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
                 gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT4,
@@ -184,11 +185,11 @@ def main() -> None:
         # own factors (INT4_K: int16 sub-scales, int64 super-block factors)
         "gemv int4 down_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*bf16"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT4,
-            GROUP=128, PLANES=8, WPT=4), num_warps=2),
+            GROUP=128, PLANES=8, WPT=4, A8=True, ASM=True), num_warps=2),
         "gemv int4-k down_proj": compile_sm90(
             tg._gemv_kernel, GEMV_ARGS, [*GEMV_TYPES[:1], "*i32", "*i16", "*i64", *GEMV_TYPES[4:]], dict(
                 gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False,
-                QUANT=tg.INT4_K, GROUP=32, PLANES=8, WPT=4), num_warps=2),
+                QUANT=tg.INT4_K, GROUP=32, PLANES=8, WPT=4, A8=True, ASM=True), num_warps=2),
         "gemv int8 down_proj": compile_sm90(tg._gemv_kernel, GEMV_ARGS, quantized(GEMV_TYPES, "*i32", "*fp32"), dict(
             gemv, BLOCK_N=4, BLOCK_K=2048, NORM=False, GATED=False, RESIDUAL=True, WHOLE_K=False, QUANT=tg.INT8,
             PLANES=4, WPT=4)),
@@ -197,7 +198,7 @@ def main() -> None:
             QUANT=tg.PER_CHANNEL)),
         "qkv rope int4": compile_sm90(tg._qkv_rope_kernel, QKV_ARGS, quantized(QKV_TYPES, "*i32", "*bf16"), dict(
             H=32, KV=8, D=64, ROWS=1, BLOCK_H=4, BLOCK_K=1024, NORM=True, BIAS=False, WHOLE_K=False, PDL=1,
-            QUANT=tg.INT4, GROUP=128, PLANES=8, WPT=4), num_warps=1),
+            QUANT=tg.INT4, GROUP=128, PLANES=8, WPT=4, A8=True, ASM=True), num_warps=1),
         "decode attention": compile_sm90(paged_attention._decode_kernel, DECODE_ARGS, DECODE_TYPES, dict(
             G=4, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=32, SPLITS=32, PRECISION="tf32", PDL=1)),
         # Qwen3's: its per-head norms, rope and the cache write folded in (paged_decode_rope)
