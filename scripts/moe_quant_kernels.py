@@ -1,7 +1,7 @@
 """One Qwen3-30B-A3B mixture-of-experts layer's per-pair expert kernels (ferrum.kernels.moe.experts) with
 int4 (groups of 128) and int8 expert stacks on a CUDA GPU: the quantized words read in chunks of 4 a thread
-(the dense GEMV's, ferrum.kernels.gemv_chunks; as served) against one word a thread (chunk_words forced to 1),
-at 1 and 4 tokens with random distinct experts. Prints each one's time (CUDA-graph median), its fraction of
+(the dense GEMV's, ferrum.kernels.gemv_chunks; int4 also with x as int8, as served) against one word a thread
+(chunk_words forced to 1), at 1 and 4 tokens with random distinct experts. Prints each one's time (CUDA-graph median), its fraction of
 the chosen experts' bytes at the measured read bandwidth, and its error against the same kernels over the
 stacks dequantized to bf16 (whose time comes first).
 
@@ -59,11 +59,15 @@ def main() -> None:
             floor = len(set(chosen.flatten().tolist())) * 3 * HIDDEN * INTER * weight_bytes / bandwidth
             t_bf16 = graph_time(partial(moe.experts, x, chosen, weights, d_gu, d_dn, EXPERTS, per_pair=True))
             cells = [f"the bf16 stacks {t_bf16 * 1e6:.1f} us"]
-            for name, words in (("one word a thread", lambda *a: 1), ("chunks (served)", served)):
+            ways = [("one word a thread", lambda *a: 1, False), ("chunks", served, False)]
+            if kind == "int4":
+                ways.append(("chunks, x as int8 (served)", served, True))
+            for name, words, int8_inputs in ways:
                 moe.chunk_words = words
                 try:
-                    y = moe.experts(x, chosen, weights, q_gu, q_dn, EXPERTS).float()
-                    t = graph_time(partial(moe.experts, x, chosen, weights, q_gu, q_dn, EXPERTS))
+                    y = moe.experts(x, chosen, weights, q_gu, q_dn, EXPERTS, int8_inputs=int8_inputs).float()
+                    t = graph_time(partial(moe.experts, x, chosen, weights, q_gu, q_dn, EXPERTS,
+                                           int8_inputs=int8_inputs))
                 finally:
                     moe.chunk_words = served
                 err = float((y - ref).norm() / ref.norm())

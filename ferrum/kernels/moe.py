@@ -28,7 +28,7 @@ The routing weights are rounded to the activations' dtype before they multiply (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -38,6 +38,7 @@ from ferrum.kernels.config import GemvTable
 from ferrum.kernels.counts import done_counts
 from ferrum.kernels.gemv import MAGIC, _products, kernel_weight, slicing
 from ferrum.kernels.gemv_chunks import chunk_warps, chunk_words
+from ferrum.kernels.gemv_chunks import int8_inputs as gemv_int8_inputs
 from ferrum.kernels.norm import rms_norm
 from ferrum.kernels.pdl import pdl_launch, pdl_mode, pdl_wait
 from ferrum.kernels.planes import PLAIN, factor_stride
@@ -257,11 +258,12 @@ def _pair_gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OU
                       stride_sn: tl.tensor, stride_om: tl.tensor, magic: tl.tensor, TOP_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr,
                       GROUP: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr, WPT: tl.constexpr = 1,
-                      PDL: tl.constexpr = 0) -> None:
+                      PDL: tl.constexpr = 0, A8: tl.constexpr = False) -> None:
     """One program per (pair, BLOCK_N outputs): silu(gate) * up of its expert's gate rows n and up rows
     N + n (`rows_e` rows an expert) times its token's row of X, into the pair's row of OUT. WPT: int4 /
-    int8 words read WPT at a time (the dense GEMV's chunks, ferrum.kernels.gemv_chunks). PDL: waits for
-    the kernel before first (which rows to read comes from the router)."""
+    int8 words read WPT at a time (the dense GEMV's chunks, ferrum.kernels.gemv_chunks; A8: int4 times x
+    as int8, gemv_chunks.int8_inputs). PDL: waits for the kernel before first (which rows to read comes
+    from the router)."""
     pdl_wait(PDL)
     act_ty = X.dtype.element_ty
     pair = tl.program_id(0)
@@ -273,7 +275,7 @@ def _pair_gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, OU
     z_first = Z + first * factor_stride(stride_sn, QUANT)  # INT4_K's super-block factors: a row of their own
     acc, acc2 = _products(X, W + first * stride_wn, S + first * stride_sn, z_first, X, n, n + N, nmask,
                           xrows, one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1, BLOCK_N, BLOCK_K, False,
-                          True, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM, WPT)
+                          True, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM, WPT, A8)
     y = acc.to(act_ty).to(tl.float32)  # [1, BLOCK_N]
     up = acc2.to(act_ty).to(tl.float32)
     y = (y / (1.0 + tl.exp(-y))).to(act_ty).to(tl.float32) * up
@@ -288,7 +290,7 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
                          BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                          PLANES: tl.constexpr, ASM: tl.constexpr, RESIDUAL: tl.constexpr,
                          WPT: tl.constexpr = 1, PDL: tl.constexpr = 0, BLOCK_TOP: tl.constexpr = 2,
-                         K_SLICES: tl.constexpr = 0) -> None:
+                         K_SLICES: tl.constexpr = 0, A8: tl.constexpr = False) -> None:
     """One program per (token, BLOCK_N outputs): the down rows n of each of the token's k experts times
     its pair's row of X (the activations), each rounded, times the pair's routing weight (rounded to the
     activations' dtype, as HF rounds it), summed in float32 and rounded once to OUT's dtype (RESIDUAL:
@@ -297,7 +299,7 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
     [BLOCK_TOP, BLOCK_N, BLOCK_K] tile a K slice (K_SLICES > 0: that many slices unrolled, all loads at
     once), and reduced once; expert by expert, each expert's loads would wait behind the previous
     expert's reduction, k memory round trips in a row. Quantized stacks go expert by expert, in the order
-    of the choice (ferrum.kernels.gemv's products take one weight at a time). WPT and PDL as
+    of the choice (ferrum.kernels.gemv's products take one weight at a time). WPT, PDL and A8 as
     _pair_gemv_kernel's."""
     pdl_wait(PDL)
     act_ty = X.dtype.element_ty
@@ -331,7 +333,7 @@ def _combine_down_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor,
             z_first = Z + first * factor_stride(stride_sn, QUANT)
             acc1, _ = _products(X, W + first * stride_wn, S + first * stride_sn, z_first, X, n, n, nmask,
                                 (one + pair).to(tl.int64), one < 1, K, 0.0, stride_xm, stride_wn, stride_sn, magic, 1,
-                                BLOCK_N, BLOCK_K, False, False, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM, WPT)
+                                BLOCK_N, BLOCK_K, False, False, QUANT, GROUP, PLANES, WHOLE_K, 0, ASM, WPT, A8)
             total += acc1.to(act_ty).to(tl.float32) * tl.load(RW + pair).to(act_ty).to(tl.float32)
     y = total.to(act_ty)
     if RESIDUAL:
@@ -455,14 +457,17 @@ def _dot_precision(x: torch.Tensor) -> str:
 
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
             down: torch.Tensor | QuantWeight, num_experts: int, table: GemvTable | None = None,
-            per_pair: bool | None = None, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+            per_pair: bool | None = None, residual: torch.Tensor | None = None, pdl: bool = False,
+            int8_inputs: bool = False) -> torch.Tensor:
     """The experts' weighted sum for each token of x [T, H]: chosen / weights [T, k] from `route`,
     gate_up [E * 2I, H] and down [E * H, I] stacked (tensors in x's dtype, or QuantWeights of the stacks
     for the per-pair products). `per_pair`: force one way (None: per pair while the pairs are few against
     the experts; ferrum.models.layers.moe hands larger steps their quantized stacks dequantized). Returns
     [T, H] in x's dtype, plus `residual` [T, H] (rounded after the sum, as adding it afterwards would).
     Per pair, the down products, the sum over each token's experts and the residual are one kernel
-    (_combine_down_kernel). pdl: the per-pair kernels launched with programmatic dependent launch."""
+    (_combine_down_kernel). pdl: the per-pair kernels launched with programmatic dependent launch.
+    int8_inputs: int4 stacks' per-pair products take x as int8 (GemvTable.int8_inputs; the table's own
+    flag counts too)."""
     tokens, hidden = x.shape
     top_k = chosen.shape[1]
     pairs = tokens * top_k
@@ -477,6 +482,8 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
         assert residual.shape == x.shape and residual.stride(1) == 1, (residual.shape, x.shape)
     if per_pair:
         table = table or GemvTable()
+        if int8_inputs:
+            table = replace(table, int8_inputs=True)
         cfg = slicing(gu.in_features, 1, table, min_k=gu.planes)
         gu.check_slice(cfg.block_k)
         wpt = chunk_words(gu.quant, gu.planes, gu.group, hidden, cfg.block_k)
@@ -485,7 +492,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
             gu.stride_sn, act.stride(0), MAGIC, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             WHOLE_K=cfg.block_k >= hidden, QUANT=gu.quant, GROUP=gu.group, PLANES=gu.planes, ASM=gu.data.is_cuda,
             WPT=wpt, num_warps=chunk_warps(cfg.block_k, wpt, gu.planes, cfg.num_warps), num_stages=2,
-            PDL=pdl_mode(pdl), **pdl_launch(pdl),
+            PDL=pdl_mode(pdl), A8=gemv_int8_inputs(gu.quant, wpt, table), **pdl_launch(pdl),
         )
         combined = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         cfg = slicing(inter, 1, table, min_k=dn.planes)
@@ -503,7 +510,8 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
             QUANT=dn.quant,
             GROUP=dn.group, PLANES=dn.planes, ASM=dn.data.is_cuda, RESIDUAL=residual is not None, WPT=wpt,
             num_warps=chunk_warps(cfg.block_k, wpt, dn.planes, cfg.num_warps), num_stages=2,
-            PDL=pdl_mode(pdl), BLOCK_TOP=max(2, triton.next_power_of_2(top_k)), **pdl_launch(pdl),
+            PDL=pdl_mode(pdl), BLOCK_TOP=max(2, triton.next_power_of_2(top_k)),
+            A8=gemv_int8_inputs(dn.quant, wpt, table), **pdl_launch(pdl),
         )
         return combined
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)

@@ -93,7 +93,7 @@ class FusedDecode:
             if split:
                 h = tp.all_reduce(h)
             if isinstance(mlp, MoE):  # the norm in the router's kernel, then the experts' (summed across ranks)
-                h = mlp.decode(h, norm2.weight, norm2.eps, pdl)
+                h = mlp.decode(h, norm2.weight, norm2.eps, pdl, self.kernels.gemv_int4.int8_inputs)
                 continue
             w, table = self.weight(mlp.gate_up_proj)
             act = gemv(h, w, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight, eps=norm2.eps, gated=True,
