@@ -1,9 +1,9 @@
 """One Qwen3-30B-A3B mixture-of-experts layer's per-pair expert kernels (ferrum.kernels.moe.experts) with
 int4 (groups of 128) and int8 expert stacks on a CUDA GPU: the quantized words read in chunks of 4 a thread
 (the dense GEMV's, ferrum.kernels.gemv_chunks; int4 also with x as int8, as served) against one word a thread
-(chunk_words forced to 1), at 1 and 4 tokens with random distinct experts. Prints each one's time (CUDA-graph median), its fraction of
-the chosen experts' bytes at the measured read bandwidth, and its error against the same kernels over the
-stacks dequantized to bf16 (whose time comes first).
+(chunk_words forced to 1), at 1 and 4 tokens with random distinct experts. Prints each one's time (CUDA-graph
+median), its fraction of the chosen experts' bytes at the measured read bandwidth, and its error against the
+same kernels over the stacks dequantized to bf16 (whose time comes first).
 
     python scripts/moe_quant_kernels.py
 """
