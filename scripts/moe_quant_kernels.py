@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from gemv_bench import graph_time, read_bandwidth  # noqa: E402
 
 from ferrum.kernels import moe  # noqa: E402
+from ferrum.kernels.config import GemvTable  # noqa: E402
 from ferrum.kernels.quant_weight import QuantWeight  # noqa: E402
 from ferrum.weights.quantization.arith import dequantize, quantize  # noqa: E402
 from ferrum.weights.quantization.scheme import QuantScheme  # noqa: E402
@@ -65,9 +66,9 @@ def main() -> None:
             for name, words, int8_inputs in ways:
                 moe.chunk_words = words
                 try:
-                    y = moe.experts(x, chosen, weights, q_gu, q_dn, EXPERTS, int8_inputs=int8_inputs).float()
-                    t = graph_time(partial(moe.experts, x, chosen, weights, q_gu, q_dn, EXPERTS,
-                                           int8_inputs=int8_inputs))
+                    table = GemvTable(int8_inputs=int8_inputs)
+                    y = moe.experts(x, chosen, weights, q_gu, q_dn, EXPERTS, table).float()
+                    t = graph_time(partial(moe.experts, x, chosen, weights, q_gu, q_dn, EXPERTS, table))
                 finally:
                     moe.chunk_words = served
                 err = float((y - ref).norm() / ref.norm())

@@ -28,7 +28,7 @@ The routing weights are rounded to the activations' dtype before they multiply (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -457,17 +457,15 @@ def _dot_precision(x: torch.Tensor) -> str:
 
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
             down: torch.Tensor | QuantWeight, num_experts: int, table: GemvTable | None = None,
-            per_pair: bool | None = None, residual: torch.Tensor | None = None, pdl: bool = False,
-            int8_inputs: bool = False) -> torch.Tensor:
+            per_pair: bool | None = None, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """The experts' weighted sum for each token of x [T, H]: chosen / weights [T, k] from `route`,
     gate_up [E * 2I, H] and down [E * H, I] stacked (tensors in x's dtype, or QuantWeights of the stacks
     for the per-pair products). `per_pair`: force one way (None: per pair while the pairs are few against
     the experts; ferrum.models.layers.moe hands larger steps their quantized stacks dequantized). Returns
     [T, H] in x's dtype, plus `residual` [T, H] (rounded after the sum, as adding it afterwards would).
     Per pair, the down products, the sum over each token's experts and the residual are one kernel
-    (_combine_down_kernel). pdl: the per-pair kernels launched with programmatic dependent launch.
-    int8_inputs: int4 stacks' per-pair products take x as int8 (GemvTable.int8_inputs; the table's own
-    flag counts too)."""
+    (_combine_down_kernel). pdl: the per-pair kernels launched with programmatic dependent launch. `table`
+    slices the per-pair products (GemvTable(): the bf16 one); its int8_inputs makes int4 stacks take x as int8."""
     tokens, hidden = x.shape
     top_k = chosen.shape[1]
     pairs = tokens * top_k
@@ -482,8 +480,6 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
         assert residual.shape == x.shape and residual.stride(1) == 1, (residual.shape, x.shape)
     if per_pair:
         table = table or GemvTable()
-        if int8_inputs:
-            table = replace(table, int8_inputs=True)
         cfg = slicing(gu.in_features, 1, table, min_k=gu.planes)
         gu.check_slice(cfg.block_k)
         wpt = chunk_words(gu.quant, gu.planes, gu.group, hidden, cfg.block_k)

@@ -42,6 +42,8 @@ class FusedDecode:
         self.model = model
         self.kernels = kernels
         self.pdl = pdl  # programmatic dependent launch through the chain (not for its first kernel)
+        # the experts' per-pair products: the bf16 slicing, int4 stacks taking x as int8 as the int4 table says
+        self.experts_table = GemvTable(int8_inputs=kernels.gemv_int4.int8_inputs)
 
     @property
     def max_rows(self) -> int:
@@ -93,7 +95,7 @@ class FusedDecode:
             if split:
                 h = tp.all_reduce(h)
             if isinstance(mlp, MoE):  # the norm in the router's kernel, then the experts' (summed across ranks)
-                h = mlp.decode(h, norm2.weight, norm2.eps, pdl, self.kernels.gemv_int4.int8_inputs)
+                h = mlp.decode(h, norm2.weight, norm2.eps, pdl, self.experts_table)
                 continue
             w, table = self.weight(mlp.gate_up_proj)
             act = gemv(h, w, table, bias=mlp.gate_up_proj.bias, norm_weight=norm2.weight, eps=norm2.eps, gated=True,

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrum.kernels.config import GemvTable
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.config import MoeConfig
 from ferrum.models.layers.linear import LinearFactory
@@ -157,12 +158,12 @@ class MoE(nn.Module):
         return self.after_experts(out, x, residual)
 
     def decode(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, pdl: bool,
-               int8_inputs: bool = False) -> torch.Tensor:
+               table: GemvTable | None = None) -> torch.Tensor:
         """The GPU's fused decode chain (ferrum.models.fused_decode): the block's output plus its residual
         `h` [T, H] (the hidden states before the block's RMSNorm, weight `norm_weight`). The norm runs in
         the router's kernel, which hands the normed rows to the experts; `pdl`: the per-pair experts' kernels
-        launched with programmatic dependent launch (the router is not: ferrum.kernels.moe); `int8_inputs`:
-        int4 experts take x as int8 (KernelConfig.gemv_int4.int8_inputs)."""
+        launched with programmatic dependent launch (the router is not: ferrum.kernels.moe); `table`: the
+        per-pair products' slicing (ferrum.kernels.moe.experts)."""
         from ferrum.kernels import moe as kernels
 
         config = self.moe
@@ -172,7 +173,7 @@ class MoE(nn.Module):
         out = kernels.experts(routed.x, routed.chosen, routed.weights,
                               _kernel_stack(self.experts_gate_up, small, h.dtype),
                               _kernel_stack(self.experts_down, small, h.dtype), config.num_experts, per_pair=small,
-                              residual=h if alone else None, pdl=pdl and small, int8_inputs=int8_inputs)
+                              residual=h if alone else None, pdl=pdl and small, table=table)
         if alone:
             return out
         return self.after_experts(out, routed.x, h)
