@@ -553,9 +553,10 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
 
 def slicing(k: int, rows: int, table: GemvTable, norm: bool = False, min_k: int = 1) -> GemvSlicing:
     """The tiling of a projection over K inputs for `rows` rows, by `table` (see GemvTable: at one
-    row, the whole of K in one slice up to its limit with or without a fused norm, else k_slice-wide
-    slices; for 2-4 rows the slices shrink with the rows, so that the rows x features x slice
-    products stay in registers). min_k: the narrowest slice (int4: a word of 8 inputs; K a multiple
+    row, the whole of K in one slice up to its limit with or without a fused norm, then without a norm
+    in programs of whole_k_features outputs where the table sets it, else k_slice-wide slices; for
+    2-4 rows the slices shrink with the rows, so that the rows x features x slice products stay in
+    registers). min_k: the narrowest slice (int4: a word of 8 inputs; K a multiple
     of it)."""
     if rows > 1:
         block_k = max(table.k_slice // triton.next_power_of_2(rows), min_k)
@@ -564,7 +565,8 @@ def slicing(k: int, rows: int, table: GemvTable, norm: bool = False, min_k: int 
         return GemvSlicing(table.features_per_program, max(block_k, 1), table.num_warps)
     whole_limit = table.whole_k_with_norm if norm else table.whole_k_without_norm
     if k <= whole_limit or (k <= table.whole_k_with_norm and k % table.k_slice):
-        return GemvSlicing(table.features_per_program, triton.next_power_of_2(k), table.num_warps)
+        features = table.whole_k_features if table.whole_k_features and not norm else table.features_per_program
+        return GemvSlicing(features, triton.next_power_of_2(k), table.num_warps)
     block_k = max(table.k_slice, min_k)
     while k % block_k:
         block_k //= 2

@@ -141,7 +141,8 @@ def int8_chunks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (scaled.round().double() * step).reshape(x.shape), (near_tie * step).reshape(x.shape)
 
 
-A8_TABLES = [GemvTable(int8_inputs=True), GemvTable.sliced(4, 64, int8_inputs=True)]
+# the first: products without a norm in programs of 16 features (whole_k_features; 20 outputs: one partial)
+A8_TABLES = [GemvTable(int8_inputs=True, whole_k_features=16), GemvTable.sliced(4, 64, int8_inputs=True)]
 
 
 @pytest.mark.parametrize(("kind", "table"), [("int4", A8_TABLES[0]), ("int4-k", A8_TABLES[1])],
@@ -264,6 +265,15 @@ def test_each_kind_has_its_table() -> None:
     assert not KernelConfig.from_mapping({"gemv_int4": {"int8_inputs": False}}).gemv_int4.int8_inputs
     with pytest.raises(ValueError, match="int8_inputs must be true or false"):
         KernelConfig.from_mapping({"gemv_int4": {"int8_inputs": "yes"}})
+    # whole_k_features: one-row products without a norm that read all of K (o_proj), not the others
+    wide = config.gemv_int4
+    assert wide.whole_k_features == 16 and not config.gemv.whole_k_features
+    assert tg.slicing(4096, 1, wide, min_k=8) == tg.GemvSlicing(16, 4096, wide.num_warps)
+    assert tg.slicing(4096, 1, wide, norm=True, min_k=8).block_n == wide.features_per_program  # q/k/v, gate/up
+    assert tg.slicing(14336, 1, wide, min_k=8).block_n == wide.features_per_program  # down: sliced
+    assert tg.slicing(4096, 2, wide, min_k=8).block_n == wide.features_per_program  # two rows
+    with pytest.raises(ValueError, match="whole_k_features must be 0 or a power of two"):
+        KernelConfig.from_mapping({"gemv_int4": {"whole_k_features": 12}})
 
 
 @pytest.mark.parametrize("kind", ["int8-g", "fp8-g", "int8-gz"])
