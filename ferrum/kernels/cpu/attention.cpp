@@ -26,6 +26,8 @@
 // cached tokens and a speculative verify step all read every key the same way (quantized), whatever the
 // steps the tokens came in.
 
+#include <atomic>
+
 #include "common.h"
 #include "simd.h"
 
@@ -618,11 +620,15 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       const C* vc = static_cast<const C*>(v_cache.data_ptr());
       scalar_t* op = out.data_ptr<scalar_t>();
 
-      // small steps (short contexts) run on one thread: waking the others costs more than they save
+      // small steps (short contexts) run on one thread: waking the others costs more than they save.
+      // Otherwise each thread takes the next item until none is left, so that a thread slowed by a
+      // neighbour (a VM's shared core) leaves its items to the others.
       int64_t work = 0;
       for (const Item& it : items) work += (it.key1 - it.key0) * it.rows * group;
-      const int64_t grain = work < 4096 ? int64_t(items.size()) : 1;
-      at::parallel_for(0, int64_t(items.size()), grain, [&](int64_t begin, int64_t end) {
+      const int64_t num_items = int64_t(items.size());
+      const int64_t lanes = work < 4096 ? 1 : std::min(threads, num_items);
+      std::atomic<int64_t> next_item{0};
+      at::parallel_for(0, lanes, 1, [&](int64_t, int64_t) {
         // buf: SUB keys or values as float32, or (run_item_tiled) the quantized queries, their scales and offsets
         const int64_t buf_size = SUB * D + (2 * R_max * D + 8 * R_max) / 4 + 16;
         std::vector<float> scratch(R_max * D * 2 + buf_size + R_max * SUB + 2 * R_max);
@@ -632,7 +638,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         float* scores = buf + buf_size;
         float* own_max = scores + R_max * SUB;
         float* own_sum = own_max + R_max;
-        for (int64_t i = begin; i < end; ++i) {
+        for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
           const Item& it = items[i];
           const int64_t n = starts[it.seq + 1] - starts[it.seq];
           Partial st{own_max, own_sum, own_acc};
@@ -672,7 +678,12 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         if (items[i].partial >= 0) groups.emplace_back(i, j);
         i = j;
       }
-      at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t begin, int64_t end) {
+      // a decode's few merges (a tile's rows x its ranges x D) on this thread: a second wake-up of the
+      // others would cost more
+      int64_t merge_work = 0;
+      for (const auto& [first, end] : groups) merge_work += (end - first) * items[first].rows * group * D;
+      const int64_t merge_grain = merge_work < 65536 ? std::max<int64_t>(1, int64_t(groups.size())) : 1;
+      at::parallel_for(0, int64_t(groups.size()), merge_grain, [&](int64_t begin, int64_t end) {
         std::vector<float> acc(D);
         for (int64_t g = begin; g < end; ++g) {
           const Item& first = items[groups[g].first];
