@@ -556,8 +556,7 @@ def slicing(k: int, rows: int, table: GemvTable, norm: bool = False, min_k: int 
     row, the whole of K in one slice up to its limit with or without a fused norm, then without a norm
     in programs of whole_k_features outputs where the table sets it, else k_slice-wide slices; for
     2-4 rows the slices shrink with the rows, so that the rows x features x slice products stay in
-    registers). min_k: the narrowest slice (int4: a word of 8 inputs; K a multiple
-    of it)."""
+    registers). min_k: the narrowest slice (int4: a word of 8 inputs; K a multiple of it)."""
     if rows > 1:
         block_k = max(table.k_slice // triton.next_power_of_2(rows), min_k)
         while k % block_k:
