@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrum.kernels import norm as tk_norm  # noqa: E402
 from ferrum.kernels import paged_attention as tk_attention  # noqa: E402
-from ferrum.kernels.config import GemvTable  # noqa: E402
+from ferrum.kernels.config import GemvTable, KernelConfig  # noqa: E402
 from ferrum.kernels.gemv import gemv, slicing  # noqa: E402
 
 HIDDEN, INTER, VOCAB, LAYERS = 2048, 8192, 128256, 16
@@ -186,10 +186,12 @@ def main() -> None:
             return gemv(res, weights["lm_head"][0], ncfgs["lm_head"], norm_weight=norm_w, out_dtype=torch.float32)
         return run
 
-    defaults = {name: GemvTable() for name in SHAPES}  # the product's table: its slicing per shape is gemv.slicing
+    served = KernelConfig().gemv  # the served bf16 table: its slicing per shape is gemv.slicing
+    defaults = {name: served for name in SHAPES}
     defaults_norm = defaults
-    for name, (_, k, _) in SHAPES.items():
-        cut, cut_norm = slicing(k, 1, GemvTable()), slicing(k, 1, GemvTable(), norm=True)
+    for name, (w_rows, k, gated) in SHAPES.items():
+        n = w_rows // 2 if gated else w_rows
+        cut, cut_norm = slicing(k, 1, served, n=n), slicing(k, 1, served, norm=True, n=n)
         rows.append((f"{name} default slicing", f"K slice {cut.block_k}", f"with the norm {cut_norm.block_k}"))
     total_bytes = LAYERS * sum(SHAPES[s][0] * SHAPES[s][1] * 2 for s in ("qkv", "o", "gate_up", "down")) \
         + VOCAB * HIDDEN * 2

@@ -27,6 +27,12 @@ class GemvTable:
     and bound by latency: fewer, larger programs put every load of the weight in flight in one wave.
     int4's table: 16, all of K up to 4096 (H100: the Llama-3.1-8B o_proj alone 5.2 -> 4.3 us, the
     Llama-3.2-1B int4 step 0.622 -> 0.609 ms; the 8B step unchanged; fp8 ran slower with it).
+    whole_k_max_outputs (0: any): whole_k_features, and whole_k_without_norm past k_slice, apply only to
+    products of at most this many outputs; wider ones are sliced at k_slice in programs of
+    features_per_program. bf16's table: 8 features, all of K up to 4096, for up to 2048 outputs (H100,
+    batch 1: Qwen3-30B-A3B, whose o_proj is 2048 x 4096, 3.130 -> 3.080 and 3.155 -> 3.105 ms a token;
+    the Llama-3.2-1B step unchanged at 1.050 ms; the same rule on Llama-3.1-8B's 4096 x 4096 o_proj
+    made its step 1.2% slower, 5.297 -> 5.358 ms, hence the limit).
     int8_inputs (int4 weights at one row): x is rounded to int8 with one step a thread's 32 inputs
     (their largest magnitude / 127) and each int4 word's 8 products are two dp4a instructions, the
     nibbles masked into bytes, instead of 8 float32 multiply-adds (ferrum.kernels.gemv_chunks). On by
@@ -43,6 +49,7 @@ class GemvTable:
     qkv_two_slices_from: int = 2048
     int8_inputs: bool = False
     whole_k_features: int = 0
+    whole_k_max_outputs: int = 0
 
     @classmethod
     def sliced(cls, features_per_program: int, k_slice: int, num_warps: int = 4,
@@ -58,9 +65,9 @@ class GemvTable:
                 if not isinstance(value, bool):
                     raise ValueError(f"kernels.gemv.int8_inputs must be true or false, got {value!r}")
                 continue
-            if item.name == "whole_k_features":
+            if item.name in ("whole_k_features", "whole_k_max_outputs"):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value & (value - 1):
-                    raise ValueError(f"kernels.gemv.whole_k_features must be 0 or a power of two, got {value!r}")
+                    raise ValueError(f"kernels.gemv.{item.name} must be 0 or a power of two, got {value!r}")
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"kernels.gemv.{item.name} must be a positive integer, got {value!r}")
@@ -108,7 +115,8 @@ class KernelConfig:
     pdl: bool = True
     max_decode_splits: int = 32
     fused_decode_rows: int = 1
-    gemv: GemvTable = field(default_factory=GemvTable)
+    gemv: GemvTable = field(default_factory=lambda: GemvTable(whole_k_without_norm=4096, whole_k_features=8,
+                                                              whole_k_max_outputs=2048))
     gemv_int8: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 2048))
     gemv_fp8: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 1024))
     gemv_int4: GemvTable = field(default_factory=lambda: replace(GemvTable.sliced(4, 2048, int8_inputs=True),

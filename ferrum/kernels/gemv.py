@@ -551,20 +551,25 @@ def _gemv_kernel(X: tl.tensor, W: tl.tensor, S: tl.tensor, Z: tl.tensor, B: tl.t
              mask=rmask[:, None] & nmask[None, :])
 
 
-def slicing(k: int, rows: int, table: GemvTable, norm: bool = False, min_k: int = 1) -> GemvSlicing:
-    """The tiling of a projection over K inputs for `rows` rows, by `table` (see GemvTable: at one
-    row, the whole of K in one slice up to its limit with or without a fused norm, then without a norm
-    in programs of whole_k_features outputs where the table sets it, else k_slice-wide slices; for
-    2-4 rows the slices shrink with the rows, so that the rows x features x slice products stay in
-    registers). min_k: the narrowest slice (int4: a word of 8 inputs; K a multiple of it)."""
+def slicing(k: int, rows: int, table: GemvTable, norm: bool = False, min_k: int = 1, n: int = 0) -> GemvSlicing:
+    """The tiling of a projection over K inputs to `n` outputs (0: not said) for `rows` rows, by
+    `table` (see GemvTable: at one row, the whole of K in one slice up to its limit with or without a
+    fused norm, then without a norm in programs of whole_k_features outputs where the table sets it,
+    else k_slice-wide slices; for 2-4 rows the slices shrink with the rows, so that the rows x features
+    x slice products stay in registers). min_k: the narrowest slice (int4: a word of 8 inputs; K a
+    multiple of it). A table's whole_k_max_outputs holds its whole-K rule without a norm to products of
+    at most that many outputs (n said and within it)."""
     if rows > 1:
         block_k = max(table.k_slice // triton.next_power_of_2(rows), min_k)
         while k % block_k:
             block_k //= 2
         return GemvSlicing(table.features_per_program, max(block_k, 1), table.num_warps)
-    whole_limit = table.whole_k_with_norm if norm else table.whole_k_without_norm
+    narrow = not table.whole_k_max_outputs or 0 < n <= table.whole_k_max_outputs
+    without_norm, whole_features = (table.whole_k_without_norm, table.whole_k_features) if narrow else \
+        (min(table.whole_k_without_norm, table.k_slice), 0)
+    whole_limit = table.whole_k_with_norm if norm else without_norm
     if k <= whole_limit or (k <= table.whole_k_with_norm and k % table.k_slice):
-        features = table.whole_k_features if table.whole_k_features and not norm else table.features_per_program
+        features = whole_features if whole_features and not norm else table.features_per_program
         return GemvSlicing(features, triton.next_power_of_2(k), table.num_warps)
     block_k = max(table.k_slice, min_k)
     while k % block_k:
@@ -592,7 +597,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, table: GemvTable, 
     assert k == kw.in_features, (x.shape, kw.out_rows, kw.in_features)
     assert x.stride(1) == 1 and m <= MAX_ROWS
     n = kw.out_rows // 2 if gated else kw.out_rows
-    cfg = slicing(k, m, table, norm=norm_weight is not None, min_k=kw.planes)
+    cfg = slicing(k, m, table, norm=norm_weight is not None, min_k=kw.planes, n=n)
     kw.check_slice(cfg.block_k)
     whole_k = cfg.block_k >= k
     assert whole_k or k % cfg.block_k == 0, f"K={k} must be a multiple of {cfg.block_k}"

@@ -480,7 +480,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
         assert residual.shape == x.shape and residual.stride(1) == 1, (residual.shape, x.shape)
     if per_pair:
         table = table or GemvTable()
-        cfg = slicing(gu.in_features, 1, table, min_k=gu.planes)
+        cfg = slicing(gu.in_features, 1, table, min_k=gu.planes, n=2 * inter)
         gu.check_slice(cfg.block_k)
         wpt = chunk_words(gu.quant, gu.planes, gu.group, hidden, cfg.block_k)
         _pair_gemv_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
@@ -491,7 +491,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
             PDL=pdl_mode(pdl), A8=gemv_int8_inputs(gu.quant, wpt, table), **pdl_launch(pdl),
         )
         combined = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-        cfg = slicing(inter, 1, table, min_k=dn.planes)
+        cfg = slicing(inter, 1, table, min_k=dn.planes, n=hidden)
         dn.check_slice(cfg.block_k)
         wpt = chunk_words(dn.quant, dn.planes, dn.group, inter, cfg.block_k)
         block_k, k_slices = cfg.block_k, 0

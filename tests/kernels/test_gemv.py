@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrum.kernels.config import GemvTable
+from ferrum.kernels.config import GemvTable, KernelConfig
 from tests.triton_interpreter import ON_GPU, use_interpreter
 
 use_interpreter()
@@ -35,12 +35,16 @@ TABLES = [
     GemvTable(),  # all of K (256) in one slice: the norm applied before the product
     GemvTable(features_per_program=8, whole_k_with_norm=64, whole_k_without_norm=64, k_slice=64),
     GemvTable(features_per_program=4, whole_k_with_norm=32, whole_k_without_norm=32, k_slice=32),
+    # the served table's rule, scaled down: products of up to 64 outputs without a norm read K whole (past
+    # k_slice), 16 outputs a program (the last partial); the gated 2 x 40 rows (80) are sliced
+    GemvTable(whole_k_with_norm=64, whole_k_without_norm=256, k_slice=64, whole_k_features=16, whole_k_max_outputs=64),
 ]
 
 
 @pytest.mark.parametrize("k", [256, 200])  # 200: one slice wider than K (K need not be a power of two)
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("table", TABLES, ids=lambda t: f"f{t.features_per_program}-slice{t.k_slice}")
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: f"f{t.features_per_program}-slice{t.k_slice}"
+                                                         f"-whole{t.whole_k_features}")
 def test_gemv_with_norm_gate_bias_and_residual(table: GemvTable, rows: int, k: int) -> None:
     if k % 8 and table.k_slice < k:
         pytest.skip("K slices must divide K")
@@ -83,6 +87,27 @@ def test_default_table_gives_the_measured_slicing(k: int, norm: bool, rows: int,
     cut = tg.slicing(k, rows, GemvTable(), norm=norm)
     assert (cut.block_n, cut.block_k, cut.num_warps) == (2, block_k, 4)
     assert tg.qkv_block_k(2048, 1, GemvTable()) == 1024 and tg.qkv_block_k(4096, 1, GemvTable()) == 2048
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "norm", "cut"),
+    [
+        (4096, 2048, False, (8, 4096)),  # Qwen3-30B-A3B's o_proj: whole K, 8 outputs a program
+        (2048, 2048, False, (8, 2048)),  # Llama-3.2-1B's o_proj
+        (4096, 4096, False, (2, 2048)),  # Llama-3.1-8B's o_proj: wider than 2048 outputs, sliced
+        (8192, 2048, False, (2, 2048)),  # the 1B's down_proj: K past 4096, sliced
+        (2048, 5120, True, (2, 2048)), (4096, 2048, True, (2, 4096)),  # a norm fused: features_per_program
+        (4096, 0, False, (2, 2048)),  # outputs not said: as wide ones
+    ],
+)
+def test_the_served_bf16_table_reads_narrow_products_whole(k: int, n: int, norm: bool, cut: tuple[int, int]) -> None:
+    """KernelConfig().gemv: products of up to 2048 outputs without a norm read all of K up to 4096 in one
+    slice, 8 outputs a program; wider ones keep the base table's slicing (benchmarks/moe.md, 2026-12-06)."""
+    got = tg.slicing(k, 1, KernelConfig().gemv, norm=norm, n=n)
+    assert (got.block_n, got.block_k) == cut
+    assert tg.slicing(4096, 2, KernelConfig().gemv, n=2048) == tg.slicing(4096, 2, GemvTable(), n=2048)  # 2 rows
+    with pytest.raises(ValueError, match="whole_k_max_outputs"):
+        GemvTable(whole_k_max_outputs=3000)
 
 
 @pytest.mark.parametrize("table", [GemvTable(), GemvTable(k_slice=32, qkv_two_slices_from=64)],
