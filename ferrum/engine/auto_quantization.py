@@ -58,7 +58,7 @@ class QuantizationChoice:
     quantization: QuantizationConfig | None  # the linear layers' on-load quantization (None: as stored)
     reason: str = ""  # what auto picked and why (empty when the setting was not auto)
     int8_head: bool = False  # the LM head int8 for decode steps (ferrum.models.layers.int8_head)
-    kv_int8: bool = False  # an int8 KV cache where kv_cache_dtype is auto
+    kv_dtype: torch.dtype | None = None  # the KV cache's dtype where kv_cache_dtype is auto (None: the serving dtype)
 
 
 def streamed_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -88,14 +88,20 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
     head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
             "float32 logits)")
-    kv_int8 = (dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS
-               and not device.triton)  # (a CPU device with Triton reads its cache with Triton's kernels)
-    if kv_int8:
+    kv_dtype: torch.dtype | None = None
+    if device.triton:  # (a CPU device with Triton reads its cache with Triton's kernels)
+        pass
+    elif dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS:
+        kv_dtype = torch.int8
         head += "; the KV cache int8 where kv_cache_dtype is auto (AVX512-VNNI scores its tiles in integers)"
+    elif dtype == torch.float32:
+        kv_dtype = torch.bfloat16
+        head += ("; the KV cache bfloat16 where kv_cache_dtype is auto (half a float32 cache's bytes for a long "
+                 "context to read; the attention kernel widens each head as it reads it)")
     if model.published is not None:
         return QuantizationChoice(None, f"quantization auto on {where}: the checkpoint's own "
                                         f"{model.published.name} layers through the CPU kernels' integer GEMV{head}",
-                                  int8_head=True, kv_int8=kv_int8)
+                                  int8_head=True, kv_dtype=kv_dtype)
     # 16-bit serving: scales and zeros in float16 (bf16's bytes, 3 more bits: a checkpoint dequantized from
     # 4-bit groups of 32 gets its own grid back); float32 serving keeps them in float32
     params = torch.float16 if dtype.itemsize == 2 else None
@@ -103,4 +109,4 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     scales = ", float16 scales" if params else ""
     return QuantizationChoice(on_load, f"quantization auto on {where}: linear layers int4 (groups of {CPU_GROUP}, "
                                        f"asymmetric{scales}) through the CPU kernels' integer GEMV{head}",
-                              int8_head=True, kv_int8=kv_int8)
+                              int8_head=True, kv_dtype=kv_dtype)

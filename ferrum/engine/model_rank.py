@@ -87,8 +87,8 @@ class ModelRank:
         self.quantization = resolve_quantization(config.quantization, device, model_config, self.cpu_kernels, dtype)
         if self.quantization.reason and self.tp.rank == 0:
             log.info("%s", self.quantization.reason)
-        auto_int8 = config.kv_cache_dtype == "auto" and self.quantization.kv_int8
-        kv_dtype = torch.int8 if auto_int8 else config.kv_dtype(dtype)
+        auto_kv = self.quantization.kv_dtype if config.kv_cache_dtype == "auto" else None
+        kv_dtype = auto_kv or config.kv_dtype(dtype)
         self.layout = KVCacheLayout.of(self.shard.rank_config(), kv_dtype, config.block_size)
         self.attention = select_attention(device, self.layout, config.kernels, self.cpu_kernels, dtype)
         self._report = report

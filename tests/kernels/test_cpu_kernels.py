@@ -212,6 +212,46 @@ def test_a_head_major_cache_holds_and_reads_as_a_block_major_one(ops: object, dt
                             torch.tensor([0, 1], dtype=torch.int32), block_size, 1.0)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_float32_activations_over_a_16_bit_cache(ops: object, cache_dtype: torch.dtype) -> None:
+    """kv_cache_dtype bfloat16 under float32 serving (auto's choice on CPUs without bf16 matmuls): rope_write
+    rounds k and v into the cache, paged_attention reads it as the float32 kernel reads the same values
+    widened (bit for bit), and with the step's own keys a fresh prompt is scored on them as computed."""
+    torch.manual_seed(11)
+    heads, kv_heads, dim, block_size, num_blocks = 6, 2, 64, 16, 8
+    rows = 40
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
+    emb = torch.outer(torch.arange(64).float(), 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))).repeat(1, 2)
+    slots = torch.arange(rows)
+    narrow = [torch.zeros(num_blocks, kv_heads, block_size, dim, dtype=cache_dtype) for _ in range(2)]
+    wide = [torch.zeros(num_blocks, kv_heads, block_size, dim) for _ in range(2)]
+    rotated = qkv.clone()
+    ops.rope_write(rotated, torch.arange(rows), emb.cos(), emb.sin(), *narrow, slots, heads, kv_heads)  # type: ignore[attr-defined]
+    ops.rope_write(qkv.clone(), torch.arange(rows), emb.cos(), emb.sin(), *wide, slots, heads, kv_heads)  # type: ignore[attr-defined]
+    for n, w in zip(narrow, wide, strict=True):
+        assert torch.equal(n, w.to(cache_dtype))  # each value rounded to the nearest
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    lens, starts = torch.tensor([rows], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    q = rotated[-1:, : heads * dim].view(1, heads, dim)
+    out_narrow, out_wide = torch.empty_like(q), torch.empty_like(q)
+    ops.paged_attention(out_narrow, q, *narrow, table, lens, starts, block_size, dim**-0.5)  # type: ignore[attr-defined]
+    ops.paged_attention(out_wide, q, *(c.to(cache_dtype).float() for c in wide), table, lens, starts,  # type: ignore[attr-defined]
+                        block_size, dim**-0.5)
+    assert torch.equal(out_narrow, out_wide) and out_narrow.abs().sum() > 0
+    # a fresh prompt given its own keys and values: scored on them unrounded, as a float32 cache scores it
+    q_all = rotated[:, : heads * dim].view(rows, heads, dim)
+    k_own = rotated[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    v_own = rotated[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    prompt_narrow, prompt_wide = torch.empty_like(q_all), torch.empty_like(q_all)
+    starts = torch.tensor([0, rows], dtype=torch.int32)
+    ops.paged_attention(prompt_narrow, q_all, *narrow, table, lens, starts, block_size, dim**-0.5, 0, k_own, v_own)  # type: ignore[attr-defined]
+    ops.paged_attention(prompt_wide, q_all, *wide, table, lens, starts, block_size, dim**-0.5, 0, k_own, v_own)  # type: ignore[attr-defined]
+    assert torch.equal(prompt_narrow, prompt_wide)
+    with pytest.raises(RuntimeError, match="for float32 q"):
+        ops.paged_attention(out_narrow.to(torch.bfloat16), q.to(torch.bfloat16), *(c.to(torch.float16) for c in narrow),  # type: ignore[attr-defined]
+                            table, lens, torch.tensor([0, 1], dtype=torch.int32), block_size, 1.0)
+
+
 @pytest.mark.parametrize("head_dim", [64, 40])  # 64: the VNNI tiles where the CPU has them
 @pytest.mark.parametrize("window", [0, 24])
 def test_an_int8_cache_given_the_steps_keys_scores_a_fresh_prompt_unquantized(ops: object, head_dim: int,

@@ -14,7 +14,8 @@
 // heads alone leave threads idle (decode), its keys are split into ranges whose partial results
 // (max, sum, weighted values) are merged afterwards: flash-decoding on the CPU.
 //
-// The cache holds the activations' dtype, or int8 (kv_cache_dtype int8), written by rope_write: each kv
+// The cache holds the activations' dtype, bfloat16 or float16 under float32 activations (half the bytes a
+// long context reads), or int8 (kv_cache_dtype int8), written by rope_write: each kv
 // head's values of a slot as int8 with a float32 scale, in rows or in tiles (common.h), about half the
 // bytes of a bfloat16 cache. Tiles with head_dim 64 or 128 on AVX512-VNNI are read as integers
 // (run_item_tiled); otherwise each head is converted to float32 with its scale as it is read.
@@ -291,15 +292,18 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
     std::copy(next, next + n, offsets);
     const int64_t n_next = std::min(SUB, key_end - k0 - n);
     if (n_next > 0) key_offsets(a, it.kv_head, k0 + n, n_next, next);
-    for (int64_t j = 0; j < n_next; ++j) {  // the next range's keys and values, while this one computes
-      const char* kp = reinterpret_cast<const char*>(a.k_cache + next[j]);
-      const char* vp = reinterpret_cast<const char*>(a.v_cache + next[j]);
-      for (int64_t b = 0; b < head_bytes; b += 64) {
-        __builtin_prefetch(kp + b);
-        __builtin_prefetch(vp + b);
-      }
+    // the next range's keys (then values) are prefetched one head for each head converted, so that the
+    // misses in flight stay few: all of a range's at once stalled the loads behind them (AVX2 EPYC)
+    const auto prefetch_next = [&](const C* cache, int64_t j) {
+      if (j >= n_next) return;
+      const char* p = reinterpret_cast<const char*>(cache + next[j]);
+      for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(p + b);
+    };
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch_next(a.k_cache, j);
+      head_scale[j] = head_to_float<NV>(cached_row<true>(a, offsets[j], row), buf + j * D);
     }
-    for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(cached_row<true>(a, offsets[j], row), buf + j * D);
+    for (int64_t j = n; j < n_next; ++j) prefetch_next(a.k_cache, j);
     std::fill(buf + n * D, buf + n16 * D, 0.f);  // the last range's padding scores 0
     std::fill(head_scale + n, head_scale + n16, 0.f);
     for (int64_t r = 0; r < R; ++r) {
@@ -320,7 +324,11 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
     }
     for (int64_t r = 0; r < R; ++r)
       softmax_step16<std::is_same_v<C, int8_t>>(scores + r * SUB, n16, seen(it, a, r / a.group, k0, n), st, r, D);
-    for (int64_t j = 0; j < n; ++j) head_scale[j] = head_to_float<NV>(cached_row<false>(a, offsets[j], row), buf + j * D);
+    for (int64_t j = 0; j < n; ++j) {
+      prefetch_next(a.v_cache, j);
+      head_scale[j] = head_to_float<NV>(cached_row<false>(a, offsets[j], row), buf + j * D);
+    }
+    for (int64_t j = n; j < n_next; ++j) prefetch_next(a.v_cache, j);
     if constexpr (scaled) {
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j0 = 0; j0 < n16; j0 += 16)
@@ -539,9 +547,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   const CacheStrides strides = cache_strides(k_cache, block_size, "paged_attention");
   const bool tiled = int8_tiled(k_cache, block_size);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || int8_cache) &&
+  const bool half_cache = q.scalar_type() == at::kFloat &&
+                          (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
+  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || int8_cache || half_cache) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_attention: the cache must hold q's dtype or int8");
+              "paged_attention: the cache must hold q's dtype, int8, or (for float32 q) bfloat16 or float16");
   TORCH_CHECK(k_cache.size(-1) == q.size(2) + (int8_cache ? 4 : 0) && q.size(1) % k_cache.size(1) == 0,
               "paged_attention: the cache's head width is not head_dim (+ 4 for an int8 cache) or the query heads "
               "are not a multiple of the kv heads");
@@ -709,7 +719,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       });
     };
     if (int8_cache) run(int8_t{});
-    else run(scalar_t{});
+    else if constexpr (std::is_same_v<scalar_t, float>) {  // float32 activations over a 16-bit cache
+      if (k_cache.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
+      else if (k_cache.scalar_type() == at::kHalf) run(c10::Half{});
+      else run(scalar_t{});
+    } else run(scalar_t{});
   });
 }
 

@@ -47,8 +47,9 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
   const double scale = std::pow(static_cast<double>(head_dim), -0.5);  // as Python's head_dim**-0.5
   at::Tensor x = x_in.contiguous();
   c10::optional<at::Tensor> residual;
-  // an int8 cache gives paged_attention the step's own keys and values where a prompt starts in this step
-  // (it reads them as computed); decodes read every key from the cache and need no views of them
+  // a cache narrower than the activations (int8, or 16 bits under float32) gives paged_attention the step's
+  // own keys and values where a prompt starts in this step (it reads them as computed); decodes read every
+  // key from the cache and need no views of them
   bool fresh = false;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_starts.data_ptr<int32_t>();
@@ -60,7 +61,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
     rope_write(qkv, positions, cos_table, sin_table, k_caches[l], v_caches[l], slots, num_heads, num_kv_heads);
     at::Tensor out = at::empty({rows, num_heads, head_dim}, qkv.options());
     c10::optional<at::Tensor> k, v;
-    if (fresh && k_caches[l].scalar_type() == at::kChar) {
+    if (fresh && k_caches[l].scalar_type() != qkv.scalar_type()) {
       k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
       v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
     }

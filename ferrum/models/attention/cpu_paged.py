@@ -3,10 +3,11 @@
 Per layer, two calls: `rope_write` rotates q and k in place in the fused qkv projection's output and
 writes k and v to their cache slots; `paged_attention` reads each sequence's keys and values where
 they lie, block by block through its block table, for decodes and prefills alike (a prefill's
-queries see the cached tokens before them and their own, causally). With an int8 cache a prompt
-prefilled from its first token reads its keys and values from the projection as computed, so it is
-scored as a float cache would score it; every other step (decodes, chunks after cached tokens,
-speculative verify steps) reads every key from the cache, quantized. Nothing is gathered or copied
+queries see the cached tokens before them and their own, causally). With a cache narrower than the
+activations (int8, or bfloat16 under float32) a prompt prefilled from its first token reads its keys and
+values from the projection as computed, so it is scored as a cache of the activations' dtype would score
+it; every other step (decodes, chunks after cached tokens, speculative verify steps) reads every key from
+the cache, rounded. Nothing is gathered or copied
 per step: a step's inputs are its new tokens' positions and slots, and per sequence its block table,
 context length and first query row. A layer with a sliding window reads only the keys inside it (the
 blocks before it may have been given back: their table entries are never read).
@@ -56,7 +57,7 @@ class CpuAttentionBatch:
         out = torch.empty(rows, heads, dim, dtype=qkv.dtype)
         step_k: torch.Tensor | None = None
         step_v: torch.Tensor | None = None
-        if self.fresh and cache[0].dtype == torch.int8:  # a fresh prompt's keys and values read as computed
+        if self.fresh and cache[0].dtype != qkv.dtype:  # a fresh prompt's keys and values read as computed
             step_k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(rows, kv_heads, dim)
             step_v = qkv[:, layer.q_size + layer.kv_size :].view(rows, kv_heads, dim)
         torch.ops.ferrum_cpu.paged_attention(out, qkv[:, : layer.q_size].view(rows, heads, dim), cache[0], cache[1],
