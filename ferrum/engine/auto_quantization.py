@@ -27,9 +27,13 @@ engine has its `Device`, before the model is built.
                                 first token reads its own keys and values as computed, not from the
                                 cache, so it is scored as with a bf16 cache (the race's perplexity
                                 read every key quantized before: 15.970 against llama.cpp's 15.944,
-                                a bf16 cache's 15.891). Served in float32 the cache stays float32:
-                                with int8 there a batch's greedy answers parted from the same
-                                prompts' alone (test_concurrent_streams_and_disconnects)
+                                a bf16 cache's 15.891). Served in float32 (a CPU without bf16 matmul
+                                units, such as an AVX2-only one) the KV cache is bfloat16: half a
+                                float32 cache's bytes (a 6,000-token decode step 27-29 -> 19-22 ms
+                                on a 2-core AVX2 EPYC); int8 there made a batch's greedy answers
+                                part from the same prompts' alone
+                                (test_concurrent_streams_and_disconnects), and without VNNI its
+                                tiles are widened a byte at a time
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
@@ -89,12 +93,12 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
             "float32 logits)")
     kv_dtype: torch.dtype | None = None
-    if device.triton:  # (a CPU device with Triton reads its cache with Triton's kernels)
-        pass
-    elif dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags and model.head_dim in INT8_KV_HEAD_DIMS:
+    kernels_read_cache = not device.triton  # (a CPU device with Triton reads its cache with Triton's kernels)
+    if kernels_read_cache and dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags \
+            and model.head_dim in INT8_KV_HEAD_DIMS:
         kv_dtype = torch.int8
         head += "; the KV cache int8 where kv_cache_dtype is auto (AVX512-VNNI scores its tiles in integers)"
-    elif dtype == torch.float32:
+    elif kernels_read_cache and dtype == torch.float32:
         kv_dtype = torch.bfloat16
         head += ("; the KV cache bfloat16 where kv_cache_dtype is auto (half a float32 cache's bytes for a long "
                  "context to read; the attention kernel widens each head as it reads it)")

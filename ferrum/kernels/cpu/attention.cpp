@@ -547,9 +547,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   const CacheStrides strides = cache_strides(k_cache, block_size, "paged_attention");
   const bool tiled = int8_tiled(k_cache, block_size);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  const bool half_cache = q.scalar_type() == at::kFloat &&
+  const bool cache16 = q.scalar_type() == at::kFloat &&
                           (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
-  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || int8_cache || half_cache) &&
+  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || int8_cache || cache16) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention: the cache must hold q's dtype, int8, or (for float32 q) bfloat16 or float16");
   TORCH_CHECK(k_cache.size(-1) == q.size(2) + (int8_cache ? 4 : 0) && q.size(1) % k_cache.size(1) == 0,

@@ -156,11 +156,6 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
-// Rotates the q and k heads of qkv [T, (H + 2 KV) * D] in place by each row's position (the
-// half-split layout; cos and sin rounded to the dtype first, as the torch path does) and writes
-// each row's k and v heads to its slot of the caches, [blocks, KV, block_size, W] or [slots, KV, W]
-// (common.h's CacheStrides): W = D in qkv's dtype, or int8 with W = D + 4, each head's values quantized
-// with a float32 scale of their own, in rows or tiles (common.h).
 // D values from `src` into a bfloat16 or float16 `cache` at element `at`, each rounded to the nearest
 template <typename T>
 inline void copy_rounded(const T* src, at::Tensor& cache, int64_t at, int64_t D) {
@@ -173,16 +168,22 @@ inline void copy_rounded(const T* src, at::Tensor& cache, int64_t at, int64_t D)
   }
 }
 
+// Rotates the q and k heads of qkv [T, (H + 2 KV) * D] in place by each row's position (the
+// half-split layout; cos and sin rounded to the dtype first, as the torch path does) and writes
+// each row's k and v heads to its slot of the caches, [blocks, KV, block_size, W] or [slots, KV, W]
+// (common.h's CacheStrides): W = D in qkv's dtype (or under float32 qkv in bfloat16 or float16, each value
+// rounded), or int8 with W = D + 4, each head's values quantized
+// with a float32 scale of their own, in rows or tiles (common.h).
 void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos_table, const at::Tensor& sin_table,
                 at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, int64_t num_heads,
                 int64_t num_kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_write: qkv must be [T, width] with contiguous rows");
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  const bool half_cache = qkv.scalar_type() == at::kFloat &&
+  const bool cache16 = qkv.scalar_type() == at::kFloat &&
                           (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                   v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (k_cache.scalar_type() == qkv.scalar_type() || int8_cache || half_cache),
+                  (k_cache.scalar_type() == qkv.scalar_type() || int8_cache || cache16),
               "rope_write: the caches must be of one shape and layout, in qkv's dtype, int8, or (for float32 qkv) "
               "bfloat16 or float16");
   const int64_t block_size = k_cache.dim() == 4 ? k_cache.size(2) : 1;
@@ -241,7 +242,7 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
           } else if (int8_cache) {
             write_int8_row(k + h * D, k8 + at, D, q.data());
             write_int8_row(v + h * D, v8 + at, D, q.data());
-          } else if (half_cache) {  // float32 rows rounded to the cache's 16 bits
+          } else if (cache16) {  // float32 rows rounded to the cache's 16 bits
             copy_rounded(k + h * D, k_cache, at, D);
             copy_rounded(v + h * D, v_cache, at, D);
           } else {
