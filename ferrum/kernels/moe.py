@@ -465,7 +465,7 @@ def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_u
     [T, H] in x's dtype, plus `residual` [T, H] (rounded after the sum, as adding it afterwards would).
     Per pair, the down products, the sum over each token's experts and the residual are one kernel
     (_combine_down_kernel). pdl: the per-pair kernels launched with programmatic dependent launch. `table`
-    slices the per-pair products (GemvTable(): the bf16 one); its int8_inputs makes int4 stacks take x as int8."""
+    slices the per-pair products (default GemvTable()); its int8_inputs makes int4 stacks take x as int8."""
     tokens, hidden = x.shape
     top_k = chosen.shape[1]
     pairs = tokens * top_k

@@ -42,7 +42,8 @@ class FusedDecode:
         self.model = model
         self.kernels = kernels
         self.pdl = pdl  # programmatic dependent launch through the chain (not for its first kernel)
-        # the experts' per-pair products: the bf16 slicing, int4 stacks taking x as int8 as the int4 table says
+        # the experts' per-pair products: GemvTable()'s slicing (the served bf16 table's whole-K rule for narrow
+        # products was measured on the dense projections only), int4 stacks taking x as int8 as the int4 table says
         self.experts_table = GemvTable(int8_inputs=kernels.gemv_int4.int8_inputs)
 
     @property
