@@ -77,7 +77,10 @@ def check_against(ref: torch.Tensor, prompt: list[int], got: tuple[TokenLogprob 
         row = ref[p - 1]
         want = float(row[prompt[p]])
         assert abs(lp.logprob - want) < TOL, (p, lp.logprob, want)
-        assert lp.rank == int((row > want).sum()) + 1
+        # the rank is the reference's where no other token's logprob lies within TOL of this one's; in a
+        # near-tie (the flat tail of a 49k vocabulary) either order is right (an AVX2 EPYC's float32 kernels
+        # put one token of 49,152 on the other side: rank 44414 against 44415)
+        assert int((row > want + TOL).sum()) + 1 <= lp.rank <= max(int((row >= want - TOL).sum()), 1)
         values, ids = row.topk(top_k)
         assert [t.token_id for t in lp.top] == ids.tolist()
         assert max(abs(t.logprob - v) for t, v in zip(lp.top, values.tolist(), strict=True)) < TOL if top_k else True

@@ -267,7 +267,8 @@ def test_each_kind_has_its_table() -> None:
         KernelConfig.from_mapping({"gemv_int4": {"int8_inputs": "yes"}})
     # whole_k_features: one-row products without a norm that read all of K (o_proj), not the others
     wide = config.gemv_int4
-    assert wide.whole_k_features == 16 and not config.gemv.whole_k_features
+    assert wide.whole_k_features == 16 and not wide.whole_k_max_outputs  # int4: any product
+    assert (config.gemv.whole_k_features, config.gemv.whole_k_max_outputs) == (8, 2048)  # bf16: narrow ones
     assert tg.slicing(4096, 1, wide, min_k=8) == tg.GemvSlicing(16, 4096, wide.num_warps)
     assert tg.slicing(4096, 1, wide, norm=True, min_k=8).block_n == wide.features_per_program  # q/k/v, gate/up
     assert tg.slicing(14336, 1, wide, min_k=8).block_n == wide.features_per_program  # down: sliced
