@@ -164,7 +164,8 @@ def test_vllm_prompt_logprobs(url: str, tiny: tuple[Path, Any], tok: Tokenizer) 
         row, own = ref[p - 1], float(ref[p - 1][ids[p]])
         entry = {int(k): v for k, v in got[p].items()}
         assert abs(entry[ids[p]]["logprob"] - own) < TOL
-        assert entry[ids[p]]["rank"] == int((row > own).sum()) + 1
+        # the reference's rank outside near-ties within TOL (tests/engine/test_prompt_scoring.py's check_against)
+        assert int((row > own + TOL).sum()) + 1 <= entry[ids[p]]["rank"] <= max(int((row >= own - TOL).sum()), 1)
         assert entry[ids[p]]["decoded_token"] == tok.id_to_token_text(ids[p])
         top = row.topk(3)
         for rank, (i, v) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True), start=1):
