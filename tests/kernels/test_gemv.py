@@ -36,7 +36,7 @@ TABLES = [
     GemvTable(features_per_program=8, whole_k_with_norm=64, whole_k_without_norm=64, k_slice=64),
     GemvTable(features_per_program=4, whole_k_with_norm=32, whole_k_without_norm=32, k_slice=32),
     # the served table's rule, scaled down: products of up to 64 outputs without a norm read K whole (past
-    # k_slice), 16 outputs a program (the last partial); the gated 2 x 40 rows (80) are sliced
+    # k_slice), 16 outputs a program (the last partial); the gated product, with its norm, is sliced at 64
     GemvTable(whole_k_with_norm=64, whole_k_without_norm=256, k_slice=64, whole_k_features=16, whole_k_max_outputs=64),
 ]
 
