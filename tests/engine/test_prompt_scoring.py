@@ -80,6 +80,7 @@ def check_against(ref: torch.Tensor, prompt: list[int], got: tuple[TokenLogprob 
         # the rank is the reference's where no other token's logprob lies within TOL of this one's; in a
         # near-tie (the flat tail of a 49k vocabulary) either order is right (an AVX2 EPYC's float32 kernels
         # put one token of 49,152 on the other side: rank 44414 against 44415)
+        assert lp.rank is not None
         assert int((row > want + TOL).sum()) + 1 <= lp.rank <= max(int((row >= want - TOL).sum()), 1)
         values, ids = row.topk(top_k)
         assert [t.token_id for t in lp.top] == ids.tolist()
