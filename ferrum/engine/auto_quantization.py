@@ -27,13 +27,17 @@ engine has its `Device`, before the model is built.
                                 first token reads its own keys and values as computed, not from the
                                 cache, so it is scored as with a bf16 cache (the race's perplexity
                                 read every key quantized before: 15.970 against llama.cpp's 15.944,
-                                a bf16 cache's 15.891). Served in float32 (a CPU without bf16 matmul
-                                units, such as an AVX2-only one) the KV cache is bfloat16: half a
-                                float32 cache's bytes (a 6,000-token decode step 27-29 -> 19-22 ms
-                                on a 2-core AVX2 EPYC); int8 there made a batch's greedy answers
-                                part from the same prompts' alone
-                                (test_concurrent_streams_and_disconnects), and without VNNI its
-                                tiles are widened a byte at a time
+                                a bf16 cache's 15.891). Served in float32 on AVX2 without VNNI (no
+                                bf16 matmul units: an AVX2-only CPU), head_dim 64 or 128, the KV
+                                cache is int8 as well, its tiles' bytes widened to 16 bits and
+                                multiplied by 16-bit queries and weights (vpmaddwd) as they lie: a
+                                2-core AVX2 EPYC's 6,000-token decode step 19-22 ms with a bfloat16
+                                cache -> 12-13.5 ms. (A prompt hitting the prefix cache then reads
+                                its prefix quantized where one prefilled alone reads its own keys:
+                                their greedy answers can part, so the tests that compare them serve
+                                a float32 cache.) Otherwise, served in float32, the KV cache is
+                                bfloat16: half a float32 cache's bytes (27-29 -> 19-22 ms on that
+                                EPYC)
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
                                 GPU's quantized paths are opt-in: --quantization int4 / int8 / fp8)
 
@@ -54,7 +58,7 @@ from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
 ASSUMED_CACHE = 32 * 2**20  # a CPU whose cache sysfs does not report
-INT8_KV_HEAD_DIMS = (64, 128)  # the head widths whose int8 tiles the kernels score with AVX512-VNNI
+INT8_KV_HEAD_DIMS = (64, 128)  # the head widths whose int8 tiles the kernels score in integers (VNNI or AVX2)
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,15 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
             "float32 logits)")
     kv_dtype: torch.dtype | None = None
     kernels_read_cache = not device.triton  # (a CPU device with Triton reads its cache with Triton's kernels)
-    if kernels_read_cache and dtype.itemsize == 2 and "avx512_vnni" in device.cpu_flags \
-            and model.head_dim in INT8_KV_HEAD_DIMS:
+    vnni = "avx512_vnni" in device.cpu_flags
+    if kernels_read_cache and dtype.itemsize == 2 and vnni and model.head_dim in INT8_KV_HEAD_DIMS:
         kv_dtype = torch.int8
         head += "; the KV cache int8 where kv_cache_dtype is auto (AVX512-VNNI scores its tiles in integers)"
+    elif kernels_read_cache and dtype == torch.float32 and not vnni and "avx2" in device.cpu_flags \
+            and model.head_dim in INT8_KV_HEAD_DIMS:
+        kv_dtype = torch.int8
+        head += ("; the KV cache int8 where kv_cache_dtype is auto (AVX2 scores its tiles in 16-bit integers: a "
+                 "quarter of a float32 cache's bytes)")
     elif kernels_read_cache and dtype == torch.float32:
         kv_dtype = torch.bfloat16
         head += ("; the KV cache bfloat16 where kv_cache_dtype is auto (half a float32 cache's bytes for a long "

@@ -75,8 +75,8 @@ def test_auto_on_the_cpu_keeps_the_demo_models_quality(step_tokens: int) -> None
 @pytest.mark.parametrize(("dtype", "params"), [(torch.bfloat16, torch.float16), (torch.float32, None)])
 def test_what_auto_picks_for_the_demo_model_by_dtype_and_cache(dtype: torch.dtype, params: torch.dtype | None) -> None:
     """int4 with float16 scales served in 16 bits (float32 ones in float32), where the weights outgrow the
-    cache the cores can count on; the KV cache int8 served in 16 bits with AVX512-VNNI, bfloat16 served in
-    float32 (whatever the instruction set), else the serving dtype; as stored where they fit it."""
+    cache the cores can count on; the KV cache int8 served in 16 bits with AVX512-VNNI, or in float32 with AVX2
+    and no VNNI; else bfloat16 served in float32, the serving dtype in 16 bits; as stored where they fit it."""
     device = replace(host_device(), cache_bytes=24 * 2**20, cpu_flags=("avx2", "avx512f", "avx512_vnni"))
     choice = resolve_quantization(QuantizationConfig("auto"), device, load_model_config(MODEL_DIR), True, dtype)
     assert choice.quantization is not None and choice.quantization.scheme.params == params and choice.int8_head
@@ -85,7 +85,11 @@ def test_what_auto_picks_for_the_demo_model_by_dtype_and_cache(dtype: torch.dtyp
     assert choice.kv_dtype == kv and f"KV cache {str(kv).removeprefix('torch.')}" in choice.reason
     no_vnni = resolve_quantization(QuantizationConfig("auto"), replace(device, cpu_flags=("avx2", "avx512f")),
                                    load_model_config(MODEL_DIR), True, dtype)
-    assert no_vnni.kv_dtype == (None if params is not None else torch.bfloat16)
+    assert no_vnni.kv_dtype == (None if params is not None else torch.int8)
+    assert ("AVX2 scores its tiles in 16-bit integers" in no_vnni.reason) == (params is None)
+    no_avx2 = resolve_quantization(QuantizationConfig("auto"), replace(device, cpu_flags=("sse4_2",)),
+                                   load_model_config(MODEL_DIR), True, dtype)
+    assert no_avx2.kv_dtype == (None if params is not None else torch.bfloat16)
     assert resolve_quantization(QuantizationConfig("auto"), replace(device, triton=True),  # Triton reads its cache
                                 load_model_config(MODEL_DIR), True, dtype).kv_dtype is None
     fits = replace(device, cache_bytes=600 * 2**20)

@@ -29,10 +29,14 @@ def base_url() -> Iterator[str]:
         pytest.skip(
             f"demo model not prepared at {MODEL_DIR} (run `make serve` or scripts/prepare_demo_model.py)"
         )
-    # float32: several tests compare batched outputs with one-at-a-time outputs token for token,
-    # which only float32 guarantees on CPU (bf16 matmul results depend on the batch's shape).
-    # The default bf16 path is served in tests/server/test_startup.py.
-    with live_server("--model", str(MODEL_DIR), "--backend", "cpu", "--dtype", "float32") as url:
+    # float32, and a float32 KV cache: several tests compare batched outputs with one-at-a-time outputs token
+    # for token, which only float32 throughout guarantees on CPU (bf16 matmul results depend on the batch's
+    # shape; a prompt that hits the prefix cache reads its prefix's keys as the cache holds them, rounded or
+    # quantized, where the same prompt prefilled alone reads its own as computed: an int8 cache, which
+    # quantization auto takes for float32 on AVX2, turned one of these answers). The default path is served
+    # in tests/server/test_startup.py.
+    with live_server("--model", str(MODEL_DIR), "--backend", "cpu", "--dtype", "float32",
+                     "--kv-cache-dtype", "float32") as url:
         yield url
 
 

@@ -17,8 +17,9 @@
 // The cache holds the activations' dtype, bfloat16 or float16 under float32 activations (half the bytes a
 // long context reads), or int8 (kv_cache_dtype int8), written by rope_write: each kv
 // head's values of a slot as int8 with a float32 scale, in rows or in tiles (common.h), about half the
-// bytes of a bfloat16 cache. Tiles with head_dim 64 or 128 on AVX512-VNNI are read as integers
-// (run_item_tiled); otherwise each head is converted to float32 with its scale as it is read.
+// bytes of a bfloat16 cache. Tiles with head_dim 64 or 128 are read as integers (run_item_tiled: with
+// vpdpbusd on AVX512-VNNI, with vpmaddwd over the bytes widened to 16 bits on AVX2); otherwise each head
+// is converted to float32 with its scale as it is read.
 //
 // Given the step's own keys and values (k, v: [T, KV, D], the rows rope_write read them from), a
 // sequence with nothing cached before this step (a prompt prefilled from its first token) reads its
@@ -510,11 +511,197 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
     for (; r < R; ++r) accumulate_tiled<NZ, 1>(st.acc + r * D, scores + r * SUB, values, n16);
   }
 }
+#define FERRUM_TILED_ITEMS 1
+#elif defined(__AVX2__)
+// An int8 cache in tiles (common.h) on AVX2 without VNNI, head_dim = 64 * NZ: keys and values are widened
+// to int16 where they lie and multiplied by int16 queries and weights with vpmaddwd (each int32 lane the
+// exact sum of two products), with no conversion to float32 and no gathering of bytes. (vpmaddubsw on the
+// bytes themselves would saturate: 255 * 127 * 2 > 32767.) Each query vector is quantized to int16,
+// q = s qi with s = max|q| / 32767 (an error of at most s / 2), and scored against the tiles' keys plus
+// 128: sum((k + 128) qi) - 128 sum(qi). A range's weights times the values' scales are quantized per query
+// vector likewise (w >= 0: wi = w / s rounded, s = max w / 32767). A key's D products (k + 128 <= 255) and a
+// range's SUB weighted values of one dimension (|v| <= 127) stay below 2^31 in int32 for D up to 128.
+//
+// The int32 lanes of one vpmaddwd over a 16-byte row of a tile group hold pairs: of a key's 4 dimensions
+// (keys) or of a dimension's 4 tokens (values); two vphaddd and a vpermd of each two such vectors give the
+// sums of 8 keys or 8 dimensions in order.
+inline __m256i pair_sums(__m256i a, __m256i b) {
+  return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+inline __m256i four_int16(const int16_t* p) {  // p[0..4) repeated across the vector
+  int64_t bits;
+  std::memcpy(&bits, p, 8);
+  return _mm256_set1_epi64x(bits);
+}
+
+// The int32 sums of 16 keys (a tile group: `keys`, key_byte's layout, plus 128) times RB int16 query
+// vectors, given as their 4 dimensions of each group repeated (qp: DG vectors a query vector, `DG` apart):
+// out[r][0] keys 0-7, out[r][1] keys 8-15. 8 keys at a time, so that the sums stay in registers (16 ymm).
+template <int NZ, int RB>
+inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2]) {
+  constexpr int64_t DG = 16 * NZ;
+  for (int half = 0; half < 2; ++half) {
+    __m256i acc[RB][2];
+    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t dg = 0; dg < DG; ++dg) {
+      const __m128i* row = reinterpret_cast<const __m128i*>(keys + 64 * dg) + 2 * half;  // dimensions 4dg..4dg+3
+      const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(row));      // keys 8half..8half+3
+      const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(row + 1));  // keys 8half+4..8half+7
+      for (int r = 0; r < RB; ++r) {
+        const __m256i q = _mm256_load_si256(qp + r * DG + dg);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(x0, q));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(x1, q));
+      }
+    }
+    for (int r = 0; r < RB; ++r) out[r][half] = pair_sums(acc[r][0], acc[r][1]);
+  }
+}
+
+// acc[r] += sum_j weights[r][j] * value_j for RB query vectors over the range's n16 keys, whose values
+// lie in 16-key tile groups `values[n16 / 16]` (value_byte's layout); weights past the range's keys are 0.
+template <int NZ, int RB>
+inline void accumulate_tiled(float* acc, const float* weights, const int8_t* const* values, int64_t n16) {
+  constexpr int64_t D = 64 * NZ;
+  alignas(32) int16_t wq[SUB];
+  alignas(32) __m256i wp[RB][SUB / VALUE_TILE];  // each 4 tokens' weights, repeated across a vector
+  float step[RB];
+  for (int r = 0; r < RB; ++r) {
+    const float* w_r = weights + r * SUB;
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n16; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(w_r + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    const float w_max = *std::max_element(lanes, lanes + 8);
+    step[r] = w_max > 0.f ? w_max / 32767.f : 0.f;
+    const __m256 inv = _mm256_set1_ps(w_max > 0.f ? 32767.f / w_max : 0.f);
+    for (int64_t j = 0; j < n16; j += 16) {
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j), inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j + 8), inv));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(wq + j), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+    for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) wp[r][g] = four_int16(wq + VALUE_TILE * g);
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 dimensions at a time: 2 sums of pairs a query vector
+    __m256i sum[RB][2];
+    for (int r = 0; r < RB; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) {
+      const int8_t* vals = values[g / (KEY_TILE / VALUE_TILE)] + (g % (KEY_TILE / VALUE_TILE)) * VALUE_TILE * D;
+      const __m128i* row = reinterpret_cast<const __m128i*>(vals + 4 * d0);  // 4 tokens of dimensions d0..d0+7
+      const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(row));
+      const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(row + 1));
+      for (int r = 0; r < RB; ++r) {
+        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(x0, wp[r][g]));
+        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(x1, wp[r][g]));
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      float* a = acc + r * D + d0;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_sums(sum[r][0], sum[r][1])),
+                                          _mm256_set1_ps(step[r]), _mm256_loadu_ps(a)));
+    }
+  }
+}
+
+// score_group for RB query vectors from row r into scores (SUB apart), times the keys' and queries' scales
+template <int NZ, int RB>
+inline void score_rows(const int8_t* keys, const __m256i* qp, const float* q_scale, const int32_t* q_offset,
+                       const float* k_scale, float* scores, int64_t r) {
+  constexpr int64_t DG = 16 * NZ;
+  __m256i dots[RB][2];
+  score_group<NZ, RB>(keys, qp + r * DG, dots);
+  for (int i = 0; i < RB; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(dots[i][h], _mm256_set1_epi32(q_offset[r + i])));
+      _mm256_storeu_ps(scores + (r + i) * SUB + 8 * h,
+                       _mm256_mul_ps(_mm256_mul_ps(d, _mm256_loadu_ps(k_scale + 8 * h)), _mm256_set1_ps(q_scale[r + i])));
+    }
+}
+
+template <typename T, int NZ>
+void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, float* qf, float* buf, float* scores) {
+  constexpr int64_t D = 64 * NZ;
+  const int64_t R = it.rows * a.group;
+  init_item(it, a, st, qf);
+  // buf (32-byte aligned): the quantized queries, each 4 dimensions repeated across a vector [R, D / 4], then
+  // R scales and R offsets
+  __m256i* qp = reinterpret_cast<__m256i*>((reinterpret_cast<uintptr_t>(buf) + 31) / 32 * 32);
+  float* q_scale = reinterpret_cast<float*>(qp + R * (D / 4));
+  int32_t* q_offset = reinterpret_cast<int32_t*>(q_scale + R);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = qf + r * D;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    int32_t total = 0;
+    alignas(8) int16_t q16[D];
+    for (int64_t d = 0; d < D; ++d) {
+      const int32_t v = int32_t(std::nearbyint(x[d] * inv));
+      q16[d] = int16_t(v);
+      total += v;
+    }
+    for (int64_t dg = 0; dg < D / 4; ++dg) _mm256_store_si256(qp + r * (D / 4) + dg, four_int16(q16 + 4 * dg));
+    q_scale[r] = amax > 0.f ? amax / 32767.f : 0.f;
+    q_offset[r] = 128 * total;
+  }
+  const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
+  const int64_t scales_at = a.block_size * D;  // a tile's scales, after its values
+  alignas(32) float k_scale[SUB], v_scale[SUB];
+  const int8_t* keys[SUB / KEY_TILE];
+  const int8_t* values[SUB / KEY_TILE];
+  const auto group_at = [&](int64_t p, const int8_t* cache) {
+    const int64_t tile = int64_t(a.table[p / a.block_size]) * a.strides.block + it.kv_head * a.strides.head;
+    return cache + tile + (p % a.block_size) * D;
+  };
+  const auto scale_at = [&](const int8_t* group, int64_t p) {
+    return group - (p % a.block_size) * D + scales_at + 4 * (p % a.block_size);
+  };
+  for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
+    const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
+    for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
+      const int64_t p = k0 + g * KEY_TILE;
+      keys[g] = group_at(p, a.k_cache);
+      values[g] = group_at(p, a.v_cache);
+      std::memcpy(k_scale + g * KEY_TILE, scale_at(keys[g], p), 4 * KEY_TILE);
+      std::memcpy(v_scale + g * KEY_TILE, scale_at(values[g], p), 4 * KEY_TILE);
+    }
+    std::fill(k_scale + n, k_scale + n16, 0.f);  // the last group's keys past the range: garbage, weight 0
+    std::fill(v_scale + n, v_scale + n16, 0.f);
+    for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
+      // the next range's group g on its way from memory, a few lines between each few query vectors' products
+      const int64_t p_next = k0 + SUB + g * KEY_TILE;
+      if (p_next < key_end) {
+        const int8_t* kp = group_at(p_next, a.k_cache);
+        const int8_t* vp = group_at(p_next, a.v_cache);
+        __builtin_prefetch(scale_at(kp, p_next));
+        __builtin_prefetch(scale_at(vp, p_next));
+        for (int64_t b = 0; b < KEY_TILE * D; b += 64) {
+          __builtin_prefetch(kp + b);
+          __builtin_prefetch(vp + b);
+        }
+      }
+      float* s_g = scores + g * KEY_TILE;
+      const float* ks = k_scale + g * KEY_TILE;
+      int64_t r = 0;
+      for (; r + 3 <= R; r += 3) score_rows<NZ, 3>(keys[g], qp, q_scale, q_offset, ks, s_g, r);
+      for (; r < R; ++r) score_rows<NZ, 1>(keys[g], qp, q_scale, q_offset, ks, s_g, r);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      softmax_step16<true>(scores + r * SUB, n16, seen(it, a, r / a.group, k0, n), st, r, D);
+      for (int64_t j0 = 0; j0 < n16; j0 += 16)
+        store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(v_scale + j0)));
+    }
+    int64_t r = 0;
+    for (; r + 3 <= R; r += 3) accumulate_tiled<NZ, 3>(st.acc + r * D, scores + r * SUB, values, n16);
+    for (; r < R; ++r) accumulate_tiled<NZ, 1>(st.acc + r * D, scores + r * SUB, values, n16);
+  }
+}
+#define FERRUM_TILED_ITEMS 1
 #endif
 
 template <typename T, typename C>
 void run_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, float* buf, float* scores) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(FERRUM_TILED_ITEMS)
   if constexpr (std::is_same_v<C, int8_t>) {
     if (a.tiled && a.head_dim == 64) return run_item_tiled<T, 1>(it, a, st, qf, buf, scores);
     if (a.tiled && a.head_dim == 128) return run_item_tiled<T, 2>(it, a, st, qf, buf, scores);
@@ -640,7 +827,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       std::atomic<int64_t> next_item{0};
       at::parallel_for(0, lanes, 1, [&](int64_t, int64_t) {
         // buf: SUB keys or values as float32, or (run_item_tiled) the quantized queries, their scales and offsets
-        const int64_t buf_size = SUB * D + (2 * R_max * D + 8 * R_max) / 4 + 16;
+        // (AVX2: each 4 dimensions of a query as a 32-byte vector, 2 * R_max * D floats, aligned to 32 bytes)
+        const int64_t buf_size = SUB * D + 2 * R_max * D + 2 * R_max + 16;
         std::vector<float> scratch(R_max * D * 2 + buf_size + R_max * SUB + 2 * R_max);
         float* qf = scratch.data();
         float* own_acc = qf + R_max * D;
