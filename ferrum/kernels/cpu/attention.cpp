@@ -339,6 +339,38 @@ void run_item_simd(const Item& it, const ItemArgs<T, C>& a, Partial st, float* q
   }
 }
 
+// A work item's int8 cache in tiles (common.h), range by range: where each 16-key group's keys and values
+// lie, and their scales. Ranges start at multiples of 16, as blocks do: each group lies in one tile.
+template <typename T>
+struct TileRange {
+  const ItemArgs<T, int8_t>& a;
+  int64_t kv_head, D;
+  alignas(64) float k_scale[SUB], v_scale[SUB];
+  const int8_t* keys[SUB / KEY_TILE];
+  const int8_t* values[SUB / KEY_TILE];
+
+  const int8_t* group_at(int64_t p, const int8_t* cache) const {
+    const int64_t tile = int64_t(a.table[p / a.block_size]) * a.strides.block + kv_head * a.strides.head;
+    return cache + tile + (p % a.block_size) * D;
+  }
+  const int8_t* scale_at(const int8_t* group, int64_t p) const {  // a tile's scales lie after its values
+    return group - (p % a.block_size) * D + a.block_size * D + 4 * (p % a.block_size);
+  }
+  // the n keys from k0 (n16: n rounded up to 16); the scales past n are 0: the last group's keys past the
+  // range are garbage, of weight 0
+  void load(int64_t k0, int64_t n, int64_t n16) {
+    for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
+      const int64_t p = k0 + g * KEY_TILE;
+      keys[g] = group_at(p, a.k_cache);
+      values[g] = group_at(p, a.v_cache);
+      std::memcpy(k_scale + g * KEY_TILE, scale_at(keys[g], p), 4 * KEY_TILE);
+      std::memcpy(v_scale + g * KEY_TILE, scale_at(values[g], p), 4 * KEY_TILE);
+    }
+    std::fill(k_scale + n, k_scale + n16, 0.f);
+    std::fill(v_scale + n, v_scale + n16, 0.f);
+  }
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // An int8 cache in tiles (common.h) on AVX512-VNNI, head_dim = 64 * NZ: keys and values are used as
 // integers where they lie, 16 keys or 4 values per vpdpbusd, with no conversion and no horizontal sums.
@@ -441,40 +473,25 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
     q_offset[r] = 128 * (128 * _mm512_reduce_add_epi32(sum1) + _mm512_reduce_add_epi32(sum2));
   }
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
-  const int64_t scales_at = a.block_size * D;  // a tile's scales, after its values
-  alignas(64) float k_scale[SUB], v_scale[SUB];
-  const int8_t* keys[SUB / KEY_TILE];
-  const int8_t* values[SUB / KEY_TILE];
-  // the 16-key groups of the range from k0 (a multiple of 16, as block_size is: each group lies in one tile)
-  const auto group_at = [&](int64_t p, const int8_t* cache) {
-    const int64_t tile = int64_t(a.table[p / a.block_size]) * a.strides.block + it.kv_head * a.strides.head;
-    return cache + tile + (p % a.block_size) * D;
-  };
-  const auto scale_at = [&](const int8_t* group, int64_t p) {
-    return group - (p % a.block_size) * D + scales_at + 4 * (p % a.block_size);
-  };
+  TileRange<T> tiles{a, it.kv_head, D, {}, {}, {}, {}};
+  const float* k_scale = tiles.k_scale;
+  const float* v_scale = tiles.v_scale;
+  const int8_t* const* keys = tiles.keys;
+  const int8_t* const* values = tiles.values;
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
     const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
-    for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
-      const int64_t p = k0 + g * KEY_TILE;
-      keys[g] = group_at(p, a.k_cache);
-      values[g] = group_at(p, a.v_cache);
-      std::memcpy(k_scale + g * KEY_TILE, scale_at(keys[g], p), 4 * KEY_TILE);
-      std::memcpy(v_scale + g * KEY_TILE, scale_at(values[g], p), 4 * KEY_TILE);
-    }
-    std::fill(k_scale + n, k_scale + n16, 0.f);  // the last group's keys past the range: garbage, weight 0
-    std::fill(v_scale + n, v_scale + n16, 0.f);
+    tiles.load(k0, n, n16);
     for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
       const __m512 kscale = _mm512_load_ps(k_scale + g * KEY_TILE);
       // the next range's group g on its way from memory: its cache lines spread over this group's query
       // rows, a few between each row's products (the whole next range at once, 128 lines, stalled the
       // products while the line fill buffers drained: 4-5% slower from memory at 6,000 keys)
       const int64_t p_next = k0 + SUB + g * KEY_TILE;
-      const int8_t* kp = p_next < key_end ? group_at(p_next, a.k_cache) : nullptr;
-      const int8_t* vp = p_next < key_end ? group_at(p_next, a.v_cache) : nullptr;
+      const int8_t* kp = p_next < key_end ? tiles.group_at(p_next, a.k_cache) : nullptr;
+      const int8_t* vp = p_next < key_end ? tiles.group_at(p_next, a.v_cache) : nullptr;
       if (kp != nullptr) {
-        __builtin_prefetch(scale_at(kp, p_next));
-        __builtin_prefetch(scale_at(vp, p_next));
+        __builtin_prefetch(tiles.scale_at(kp, p_next));
+        __builtin_prefetch(tiles.scale_at(vp, p_next));
       }
       for (int64_t r = 0; r < R; ++r) {
         for (int64_t b = r * 64; kp != nullptr && b < KEY_TILE * D; b += 64 * R) {
@@ -645,36 +662,22 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
     q_offset[r] = 128 * total;
   }
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
-  const int64_t scales_at = a.block_size * D;  // a tile's scales, after its values
-  alignas(32) float k_scale[SUB], v_scale[SUB];
-  const int8_t* keys[SUB / KEY_TILE];
-  const int8_t* values[SUB / KEY_TILE];
-  const auto group_at = [&](int64_t p, const int8_t* cache) {
-    const int64_t tile = int64_t(a.table[p / a.block_size]) * a.strides.block + it.kv_head * a.strides.head;
-    return cache + tile + (p % a.block_size) * D;
-  };
-  const auto scale_at = [&](const int8_t* group, int64_t p) {
-    return group - (p % a.block_size) * D + scales_at + 4 * (p % a.block_size);
-  };
+  TileRange<T> tiles{a, it.kv_head, D, {}, {}, {}, {}};
+  const float* k_scale = tiles.k_scale;
+  const float* v_scale = tiles.v_scale;
+  const int8_t* const* keys = tiles.keys;
+  const int8_t* const* values = tiles.values;
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
     const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
-    for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
-      const int64_t p = k0 + g * KEY_TILE;
-      keys[g] = group_at(p, a.k_cache);
-      values[g] = group_at(p, a.v_cache);
-      std::memcpy(k_scale + g * KEY_TILE, scale_at(keys[g], p), 4 * KEY_TILE);
-      std::memcpy(v_scale + g * KEY_TILE, scale_at(values[g], p), 4 * KEY_TILE);
-    }
-    std::fill(k_scale + n, k_scale + n16, 0.f);  // the last group's keys past the range: garbage, weight 0
-    std::fill(v_scale + n, v_scale + n16, 0.f);
+    tiles.load(k0, n, n16);
     for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
       // the next range's group g on its way from memory, a few lines between each few query vectors' products
       const int64_t p_next = k0 + SUB + g * KEY_TILE;
       if (p_next < key_end) {
-        const int8_t* kp = group_at(p_next, a.k_cache);
-        const int8_t* vp = group_at(p_next, a.v_cache);
-        __builtin_prefetch(scale_at(kp, p_next));
-        __builtin_prefetch(scale_at(vp, p_next));
+        const int8_t* kp = tiles.group_at(p_next, a.k_cache);
+        const int8_t* vp = tiles.group_at(p_next, a.v_cache);
+        __builtin_prefetch(tiles.scale_at(kp, p_next));
+        __builtin_prefetch(tiles.scale_at(vp, p_next));
         for (int64_t b = 0; b < KEY_TILE * D; b += 64) {
           __builtin_prefetch(kp + b);
           __builtin_prefetch(vp + b);
