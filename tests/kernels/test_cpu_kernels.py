@@ -147,9 +147,10 @@ def written_int8(ops: object, k: torch.Tensor, v: torch.Tensor, block_size: int 
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64, 128: the VNNI path where the CPU has it
 @pytest.mark.parametrize("tiles", [True, False])
 def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int, tiles: bool) -> None:
-    """Against SDPA over the same cache dequantized: the kernel's roundings (the queries in two int8
-    parts, the weights of the values in two uint8 parts, bf16's output) stay within the output's
-    rounding; and against the unquantized cache, the int8 cache's cost (random values)."""
+    """Against SDPA over the same cache dequantized: the kernel's roundings (tiles on AVX512-VNNI: the
+    queries in two int8 parts, the weights of the values in two uint8 parts; tiles on AVX2 alone: both in
+    int16; bf16's output) stay within the output's rounding; and against the unquantized cache, the int8
+    cache's cost (random values)."""
     torch.manual_seed(3)
     heads, kv_heads, block_size, cases = 6, 2, 16, [(1, 37), (1, 1500), (20, 90), (33, 33)]
     num_blocks = sum(-(-length // block_size) for _, length in cases) + 2
