@@ -31,8 +31,8 @@ engine has its `Device`, before the model is built.
                                 bf16 matmul units: an AVX2-only CPU), head_dim 64 or 128, the KV
                                 cache is int8 as well, its tiles' bytes widened to 16 bits and
                                 multiplied by 16-bit queries and weights (vpmaddwd) as they lie: a
-                                2-core AVX2 EPYC's 6,000-token decode step 19-22 ms with a bfloat16
-                                cache -> 12-13.5 ms. (A prompt hitting the prefix cache then reads
+                                2-core AVX2 EPYC's 6,000-token decode step 17.4-18.5 ms with a
+                                bfloat16 cache -> 11.9-12.9 ms, alternating. (A prompt hitting the prefix cache then reads
                                 its prefix quantized where one prefilled alone reads its own keys:
                                 their greedy answers can part, so the tests that compare them serve
                                 a float32 cache.) Otherwise, served in float32, the KV cache is
