@@ -32,10 +32,11 @@ engine has its `Device`, before the model is built.
                                 cache is int8 as well, its tiles' bytes widened to 16 bits and
                                 multiplied by 16-bit queries and weights (vpmaddwd) as they lie: a
                                 2-core AVX2 EPYC's 6,000-token decode step 17.4-18.5 ms with a
-                                bfloat16 cache -> 11.9-12.9 ms, alternating. (A prompt hitting the prefix cache then reads
-                                its prefix quantized where one prefilled alone reads its own keys:
-                                their greedy answers can part, so the tests that compare them serve
-                                a float32 cache.) Otherwise, served in float32, the KV cache is
+                                bfloat16 cache -> 11.9-12.9 ms, alternating. (A prompt hitting the
+                                prefix cache then reads its prefix quantized where one prefilled
+                                alone reads its own keys: their greedy answers can part, so the
+                                tests that compare outputs serve a float32 cache.) Otherwise,
+                                served in float32, the KV cache is
                                 bfloat16: half a float32 cache's bytes (27-29 -> 19-22 ms on that
                                 EPYC)
     anything else               served as stored (bf16 GEMMs of GPUs are not bound the same way; the
