@@ -9,7 +9,8 @@
              than the cache holds) called in the decode chain's order, with 2 and 1 threads: the
              GEMVs' streaming rate (the gemv part's 30 copies of one weight stay largely in a VM's cache)
   attention  one decode query over the paged cache at 50, 2,000 and 6,000 tokens of context
-             (ferrum_cpu.paged_attention over bf16 and int8 caches, against torch_paged's gather + SDPA)
+             (ferrum_cpu.paged_attention over bf16 and int8 caches, q in bf16 and in float32, against
+             torch_paged's gather + SDPA)
   engine     the demo model's decode step in process (LLMEngine.step, one sequence, greedy) at 50 and
              2,000 tokens of context: plain PyTorch (engine.kernels.cpu false) against the kernels, bf16
              weights against quantization auto (the decode chain and the int8 LM head), 2 threads against 1
@@ -156,11 +157,13 @@ def int8_caches(k: torch.Tensor, v: torch.Tensor, block: int) -> tuple[torch.Ten
     return k8, v8
 
 
-def attention_table() -> None:
+def attention_table(q_dtype: torch.dtype) -> None:
     """One layer's cache called again and again stays in the last-level cache (4.9 MB at 6,000 tokens);
     the per-layer columns rotate through 30 layers' caches, as a decode step does, so they come from
     memory. The caches are laid out as the engine allocates them for these kernels (block-major); bf16
-    and kv_cache_dtype int8 (the VNNI path where the CPU has it)."""
+    and kv_cache_dtype int8 (the integer tile path: VNNI, or AVX2 alone). q_dtype: the activations'
+    (float32: what auto serves on a CPU without bf16 units, over a bf16 or int8 cache)."""
+    print(f"\nq in {str(q_dtype).removeprefix('torch.')}:")
     print("\n| context | bf16 one cache, warm us | bf16 per layer, 30 caches us | GB/s | int8 one cache, warm us | "
           "int8 per layer us | GB/s | int8 / bf16 | gather + SDPA us (bf16, warm) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -178,7 +181,7 @@ def attention_table() -> None:
     order = torch.randperm(blocks)
     for context in (50, 2000, 6000):
         table = order[: -(-context // block)].to(torch.int32)[None]
-        q = torch.randn(1, heads, dim).to(torch.bfloat16)
+        q = torch.randn(1, heads, dim).to(q_dtype)
         out = torch.empty_like(q)
         rest = (table, torch.tensor([context], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), block,
                 dim**-0.5)
@@ -187,7 +190,7 @@ def attention_table() -> None:
         per_layer = {name: timed(partial(every_layer, c, out, q, rest), 5) / len(c) for name, c in caches.items()}
         read = {name: 2 * context * kv_heads * c[0][0].shape[-1] * c[0][0].element_size() for name, c in caches.items()}
         slots = (table[0].long()[:, None] * block + torch.arange(block)).reshape(-1)[:context]
-        theirs = timed(partial(gathered, flat[0][0], flat[0][1], q, slots), 50)
+        theirs = timed(partial(gathered, flat[0][0], flat[0][1], q.to(torch.bfloat16), slots), 50)
         print(f"| {context} | {warm * 1e6:.1f} | {per_layer['bf16'] * 1e6:.1f} | "
               f"{read['bf16'] / per_layer['bf16'] / 1e9:.1f} | {warm8 * 1e6:.1f} | {per_layer['int8'] * 1e6:.1f} | "
               f"{read['int8'] / per_layer['int8'] / 1e9:.1f} | {per_layer['int8'] / per_layer['bf16']:.2f} | "
@@ -281,7 +284,8 @@ def main() -> None:
     if "model" in parts:
         model_gemvs_table()
     if "attention" in parts:
-        attention_table()
+        for q_dtype in (torch.bfloat16, torch.float32):
+            attention_table(q_dtype)
     if "engine" in parts:
         engine_table(args.model, args.gguf if Path(args.gguf).is_file() else None)
     if "compile" in parts:
