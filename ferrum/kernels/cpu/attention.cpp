@@ -474,15 +474,11 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
   }
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
   TileRange<T> tiles{a, it.kv_head, D, {}, {}, {}, {}};
-  const float* k_scale = tiles.k_scale;
-  const float* v_scale = tiles.v_scale;
-  const int8_t* const* keys = tiles.keys;
-  const int8_t* const* values = tiles.values;
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
     const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
     tiles.load(k0, n, n16);
     for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
-      const __m512 kscale = _mm512_load_ps(k_scale + g * KEY_TILE);
+      const __m512 kscale = _mm512_load_ps(tiles.k_scale + g * KEY_TILE);
       // the next range's group g on its way from memory: its cache lines spread over this group's query
       // rows, a few between each row's products (the whole next range at once, 128 lines, stalled the
       // products while the line fill buffers drained: 4-5% slower from memory at 6,000 keys)
@@ -502,8 +498,8 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
         const int8_t* qb = q2 + r * D;
         __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;  // two chains per part
         for (int64_t dg = 0; dg < DG; dg += 2) {
-          const __m512i k_even = _mm512_loadu_si512(keys[g] + 64 * dg);
-          const __m512i k_odd = _mm512_loadu_si512(keys[g] + 64 * (dg + 1));
+          const __m512i k_even = _mm512_loadu_si512(tiles.keys[g] + 64 * dg);
+          const __m512i k_odd = _mm512_loadu_si512(tiles.keys[g] + 64 * (dg + 1));
           int32_t w[4];
           std::memcpy(w, qa + 4 * dg, 8);
           std::memcpy(w + 2, qb + 4 * dg, 8);
@@ -520,12 +516,12 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
     for (int64_t r = 0; r < R; ++r) {
       softmax_step16<true>(scores + r * SUB, n16, seen(it, a, r / a.group, k0, n), st, r, D);
       for (int64_t j0 = 0; j0 < n16; j0 += 16)
-        store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(v_scale + j0)));
+        store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(tiles.v_scale + j0)));
     }
     constexpr int RQ = NZ == 1 ? 2 : 1;  // query vectors whose int32 sums (2 * 4 * NZ vectors each) stay in registers
     int64_t r = 0;
-    for (; r + RQ <= R; r += RQ) accumulate_tiled<NZ, RQ>(st.acc + r * D, scores + r * SUB, values, n16);
-    for (; r < R; ++r) accumulate_tiled<NZ, 1>(st.acc + r * D, scores + r * SUB, values, n16);
+    for (; r + RQ <= R; r += RQ) accumulate_tiled<NZ, RQ>(st.acc + r * D, scores + r * SUB, tiles.values, n16);
+    for (; r < R; ++r) accumulate_tiled<NZ, 1>(st.acc + r * D, scores + r * SUB, tiles.values, n16);
   }
 }
 #define FERRUM_TILED_ITEMS 1
@@ -663,10 +659,6 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
   }
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
   TileRange<T> tiles{a, it.kv_head, D, {}, {}, {}, {}};
-  const float* k_scale = tiles.k_scale;
-  const float* v_scale = tiles.v_scale;
-  const int8_t* const* keys = tiles.keys;
-  const int8_t* const* values = tiles.values;
   for (int64_t k0 = it.key0; k0 < key_end; k0 += SUB) {
     const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
     tiles.load(k0, n, n16);
@@ -684,19 +676,19 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
         }
       }
       float* s_g = scores + g * KEY_TILE;
-      const float* ks = k_scale + g * KEY_TILE;
+      const float* ks = tiles.k_scale + g * KEY_TILE;
       int64_t r = 0;
-      for (; r + 3 <= R; r += 3) score_rows<NZ, 3>(keys[g], qp, q_scale, q_offset, ks, s_g, r);
-      for (; r < R; ++r) score_rows<NZ, 1>(keys[g], qp, q_scale, q_offset, ks, s_g, r);
+      for (; r + 3 <= R; r += 3) score_rows<NZ, 3>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r);
+      for (; r < R; ++r) score_rows<NZ, 1>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r);
     }
     for (int64_t r = 0; r < R; ++r) {
       softmax_step16<true>(scores + r * SUB, n16, seen(it, a, r / a.group, k0, n), st, r, D);
       for (int64_t j0 = 0; j0 < n16; j0 += 16)
-        store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(v_scale + j0)));
+        store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(tiles.v_scale + j0)));
     }
     int64_t r = 0;
-    for (; r + 3 <= R; r += 3) accumulate_tiled<NZ, 3>(st.acc + r * D, scores + r * SUB, values, n16);
-    for (; r < R; ++r) accumulate_tiled<NZ, 1>(st.acc + r * D, scores + r * SUB, values, n16);
+    for (; r + 3 <= R; r += 3) accumulate_tiled<NZ, 3>(st.acc + r * D, scores + r * SUB, tiles.values, n16);
+    for (; r < R; ++r) accumulate_tiled<NZ, 1>(st.acc + r * D, scores + r * SUB, tiles.values, n16);
   }
 }
 #define FERRUM_TILED_ITEMS 1
