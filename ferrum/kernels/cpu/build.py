@@ -83,14 +83,25 @@ def _key(cxx: str, here: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _compile(cxx: str, here: Path, library: Path) -> None:
+def build_kernels(source_dir: Path, library: Path, namespace: str = "ferrum_cpu") -> None:
+    """Compiles the kernels' SOURCES and HEADERS as `source_dir` holds them (another version of them, say)
+    into `library`, their ops registered as torch.ops.<namespace>: a library under another namespace loads
+    beside this module's. Raises CpuKernelBuildError."""
+    cxx = compiler()
+    if cxx is None:
+        raise CpuKernelBuildError("no C++ compiler: neither $CXX nor g++ / c++ is on the PATH")
+    _compile(cxx, Path(source_dir), Path(library), namespace)
+
+
+def _compile(cxx: str, here: Path, library: Path, namespace: str = "ferrum_cpu") -> None:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     library.parent.mkdir(parents=True, exist_ok=True)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     fd, partial = tempfile.mkstemp(prefix=".ferrum_cpu-", suffix=".so", dir=library.parent)
     os.close(fd)
-    command = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=ferrum_cpu",
+    command = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={namespace}",
+               f"-DFERRUM_CPU_OPS={namespace}",
                *[f"-I{p}" for p in include_paths()], f"-I{sysconfig.get_paths()['include']}",
                *[str(here / s) for s in SOURCES], *[f"-L{p}" for p in library_paths()],
                *[f"-Wl,-rpath,{p}" for p in library_paths()], "-lc10", "-ltorch_cpu", "-ltorch", "-o", partial]

@@ -1,9 +1,17 @@
-// The ops' schemas and CPU implementations, as torch.ops.ferrum_cpu.*
+// The ops' schemas and CPU implementations, as torch.ops.ferrum_cpu.* (FERRUM_CPU_OPS: another namespace, so
+// that a second build can be loaded beside this one, as scripts/cpu_kernel_ab.py does)
 #include <torch/library.h>
 
 #include "common.h"
 
-TORCH_LIBRARY(ferrum_cpu, m) {
+#ifndef FERRUM_CPU_OPS
+#define FERRUM_CPU_OPS ferrum_cpu
+#endif
+// TORCH_LIBRARY pastes its namespace argument unexpanded: one level more expands FERRUM_CPU_OPS first
+#define FERRUM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define FERRUM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+FERRUM_LIBRARY(FERRUM_CPU_OPS, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_starts, int block_size, float scale, int window=0, Tensor? k=None, "
@@ -28,7 +36,7 @@ TORCH_LIBRARY(ferrum_cpu, m) {
   m.def("int4_fit(Tensor weight, int group, bool symmetric, ScalarType params) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(ferrum_cpu, CPU, m) {
+FERRUM_LIBRARY_IMPL(FERRUM_CPU_OPS, CPU, m) {
   m.impl("paged_attention", &ferrum_cpu::paged_attention);
   m.impl("rms_norm", &ferrum_cpu::rms_norm);
   m.impl("silu_and_mul", &ferrum_cpu::silu_and_mul);

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Two or more versions of the CPU attention kernel side by side in one process, their calls interleaved.
+
+A small VM's speed drifts by 20-30% over minutes, so versions timed one process after another are often
+indistinguishable. Here each version is built under its own op namespace (ferrum.kernels.cpu.build's
+build_kernels), all are loaded at once, and every pass times each version in turn (the order reversed every
+other pass), so that the drift falls on all alike. It reports each version's median over the passes and its
+ratio to the first version's.
+
+    python scripts/cpu_kernel_ab.py --variant head=HEAD --variant mine=ferrum/kernels/cpu \\
+        [--threads 1,2] [--contexts 512,6000] [--modes warm,cold] [--order sequential|scattered] [--passes 12]
+
+A variant is NAME=REV (a git revision: its ferrum/kernels/cpu sources) or NAME=DIR (a folder holding
+them, such as the working tree's). The workload: one decode query (the demo model's 9 heads over 3 kv
+heads, head_dim 64, float32 q) over int8 or bfloat16 caches of 4,000 blocks a layer, 30 layers; warm
+reads one layer's cache 30 times, cold reads the 30 in turn after 64 MB of other writes. The blocks of the
+sequence are in order (as a long prompt's are) or scattered over the 4,000. Not a test: prints the CPU
+model and its SIMD flags first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ferrum.kernels.cpu.build import HEADERS, SOURCES, build_kernels  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from cpu_kernels_bench import cpu_header  # noqa: E402
+
+KERNELS = "ferrum/kernels/cpu"
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS, LAYERS = 9, 3, 64, 16, 4000, 30
+
+
+def sources(spec: str) -> dict[str, bytes]:
+    """The kernel files of a variant: a folder's, or a git revision's."""
+    folder = Path(spec)
+    if folder.is_dir():
+        return {name: (folder / name).read_bytes() for name in (*SOURCES, *HEADERS)}
+    return {name: subprocess.run(["git", "show", f"{spec}:{KERNELS}/{name}"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout for name in (*SOURCES, *HEADERS)}
+
+
+def built(name: str, spec: str, cache: Path) -> Any:
+    """The variant's ops (torch.ops.ferrum_ab_<name>), built once per content into `cache`."""
+    files = sources(spec)
+    namespace = f"ferrum_ab_{name}"
+    library_cpp = files["library.cpp"].decode()
+    if "FERRUM_CPU_OPS" not in library_cpp:  # a version from before the namespace could be chosen
+        files["library.cpp"] = library_cpp.replace("TORCH_LIBRARY(ferrum_cpu,", f"TORCH_LIBRARY({namespace},").replace(
+            "TORCH_LIBRARY_IMPL(ferrum_cpu,", f"TORCH_LIBRARY_IMPL({namespace},").encode()
+    digest = hashlib.sha256(namespace.encode() + torch.__version__.encode())
+    for file, text in sorted(files.items()):
+        digest.update(file.encode() + b"\0" + text)
+    library = cache / f"{namespace}-{digest.hexdigest()[:16]}.so"
+    if not library.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            for file, text in files.items():
+                (Path(tmp) / file).write_bytes(text)
+            started = time.perf_counter()
+            build_kernels(Path(tmp), library, namespace)
+            print(f"built {name} ({spec}) in {time.perf_counter() - started:.0f} s", flush=True)
+    torch.ops.load_library(str(library))
+    return getattr(torch.ops, namespace)
+
+
+def layer_cache(ops: Any, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's k and v caches, head-major [blocks, kv, block, width] as the engine allocates them,
+    every slot written by rope_write (int8 tiles with their scales; or the values as they are)."""
+    width = HEAD_DIM + 4 if kv_dtype == torch.int8 else HEAD_DIM
+    k, v = (torch.empty(KV_HEADS, BLOCKS, BLOCK, width, dtype=kv_dtype).transpose(0, 1) for _ in range(2))
+    slots = BLOCKS * BLOCK
+    x = torch.randn(slots, 2, KV_HEADS * HEAD_DIM)
+    qkv = torch.cat((torch.zeros(slots, HEAD_DIM), x[:, 0], x[:, 1]), 1)
+    ops.rope_write(qkv, torch.zeros(slots, dtype=torch.long), torch.ones(1, HEAD_DIM), torch.zeros(1, HEAD_DIM),
+                   k, v, torch.arange(slots), 1, KV_HEADS)
+    return k, v
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", action="append", required=True, help="NAME=REV or NAME=DIR (two or more)")
+    parser.add_argument("--threads", default="2")
+    parser.add_argument("--contexts", default="512,6000")
+    parser.add_argument("--modes", default="warm,cold")
+    parser.add_argument("--order", choices=("sequential", "scattered"), default="sequential")
+    parser.add_argument("--kv-dtype", choices=("int8", "bfloat16"), default="int8")
+    parser.add_argument("--passes", type=int, default=12)
+    parser.add_argument("--cache", type=Path, default=Path("~/.cache/ferrum/kernel-ab").expanduser())
+    args = parser.parse_args()
+    variants = [v.split("=", 1) for v in args.variant]
+    if len(variants) < 2 or any(len(v) != 2 or not v[0].isidentifier() for v in variants):
+        parser.error("give two or more --variant NAME=REV|DIR, NAME an identifier")
+    print(cpu_header(), flush=True)
+    ops = [built(name, spec, args.cache) for name, spec in variants]
+    names = [name for name, _ in variants]
+    kv_dtype = torch.int8 if args.kv_dtype == "int8" else torch.bfloat16
+    caches = [layer_cache(ops[0], kv_dtype) for _ in range(LAYERS)]
+    evict = torch.randn(16 << 20)
+    q = torch.randn(1, HEADS, HEAD_DIM)
+    outs = [torch.empty_like(q) for _ in names]
+    print(f"\n{args.kv_dtype} cache, blocks {args.order}, {args.passes} passes; us a layer, median (min); "
+          f"ratio to {names[0]}'s median")
+    print("| threads | context | mode | " + " | ".join(names) + " |")
+    print("|---|---|---|" + "---|" * len(names))
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for context in (int(c) for c in args.contexts.split(",")):
+            used = -(-context // BLOCK)
+            ids = torch.randperm(BLOCKS)[:used] if args.order == "scattered" else torch.arange(used)
+            rest = (ids.to(torch.int32)[None], torch.tensor([context], dtype=torch.int32),
+                    torch.tensor([0, 1], dtype=torch.int32), BLOCK, HEAD_DIM ** -0.5, 0, None, None)
+            for mode in args.modes.split(","):
+                layers = caches[:1] * LAYERS if mode == "warm" else caches
+                times: list[list[float]] = [[] for _ in names]
+                for p in range(args.passes):
+                    for i in (range(len(names)) if p % 2 == 0 else reversed(range(len(names)))):
+                        if mode == "cold":
+                            evict.add_(1.0)
+                        started = time.perf_counter()
+                        for k, v in layers:
+                            ops[i].paged_attention(outs[i], q, k, v, *rest)
+                        times[i].append((time.perf_counter() - started) / LAYERS * 1e6)
+                base = statistics.median(times[0])
+                cells = [f"{statistics.median(t):.1f} ({min(t):.1f}) {statistics.median(t) / base:.3f}x" for t in times]
+                differ = max((outs[0] - o).abs().max().item() for o in outs[1:])
+                note = f" outputs differ by {differ:.2g}" if differ > 0 else ""
+                print(f"| {threads} | {context} | {mode} | " + " | ".join(cells) + f" |{note}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
