@@ -21,7 +21,6 @@ model and its SIMD flags first.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import subprocess
 import sys
@@ -54,24 +53,19 @@ def sources(spec: str) -> dict[str, bytes]:
 
 
 def built(name: str, spec: str, cache: Path) -> Any:
-    """The variant's ops (torch.ops.ferrum_ab_<name>), built once per content into `cache`."""
+    """The variant's ops (torch.ops.ferrum_ab_<name>), built for this machine once per content into `cache`."""
     files = sources(spec)
     namespace = f"ferrum_ab_{name}"
     library_cpp = files["library.cpp"].decode()
     if "FERRUM_CPU_OPS" not in library_cpp:  # a version from before the namespace could be chosen
         files["library.cpp"] = library_cpp.replace("TORCH_LIBRARY(ferrum_cpu,", f"TORCH_LIBRARY({namespace},").replace(
             "TORCH_LIBRARY_IMPL(ferrum_cpu,", f"TORCH_LIBRARY_IMPL({namespace},").encode()
-    digest = hashlib.sha256(namespace.encode() + torch.__version__.encode())
-    for file, text in sorted(files.items()):
-        digest.update(file.encode() + b"\0" + text)
-    library = cache / f"{namespace}-{digest.hexdigest()[:16]}.so"
-    if not library.exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            for file, text in files.items():
-                (Path(tmp) / file).write_bytes(text)
-            started = time.perf_counter()
-            build_kernels(Path(tmp), library, namespace)
-            print(f"built {name} ({spec}) in {time.perf_counter() - started:.0f} s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for file, text in files.items():
+            (Path(tmp) / file).write_bytes(text)
+        started = time.perf_counter()
+        library = build_kernels(Path(tmp), cache, namespace)
+        print(f"{name} ({spec}) ready in {time.perf_counter() - started:.0f} s", flush=True)
     torch.ops.load_library(str(library))
     return getattr(torch.ops, namespace)
 

@@ -56,13 +56,7 @@ def load_cpu_kernels(cache_dir: Path) -> Path:
     with _lock:
         if cache_dir in _loaded:
             return _loaded[cache_dir]
-        cxx = compiler()
-        if cxx is None:
-            raise CpuKernelBuildError("no C++ compiler: neither $CXX nor g++ / c++ is on the PATH")
-        here = Path(__file__).parent
-        library = cache_dir / f"cpu-{_key(cxx, here)}" / "ferrum_cpu.so"
-        if not library.exists():
-            _compile(cxx, here, library)
+        library = build_kernels(Path(__file__).parent, cache_dir)
         if not _loaded:  # one library per process registers the ops
             try:
                 torch.ops.load_library(str(library))
@@ -83,14 +77,18 @@ def _key(cxx: str, here: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_kernels(source_dir: Path, library: Path, namespace: str = "ferrum_cpu") -> None:
-    """Compiles the kernels' SOURCES and HEADERS as `source_dir` holds them (another version of them, say)
-    into `library`, their ops registered as torch.ops.<namespace>: a library under another namespace loads
-    beside this module's. Raises CpuKernelBuildError."""
+def build_kernels(source_dir: Path, cache_dir: Path, namespace: str = "ferrum_cpu") -> Path:
+    """The library of the kernels' SOURCES and HEADERS as `source_dir` holds them (this module's folder, or
+    another version of them), their ops registered as torch.ops.<namespace>, compiled for this machine into
+    `<cache_dir>/cpu-<key>/<namespace>.so` unless it is there already; returns its path, not loaded. A
+    library under another namespace loads beside this module's. Raises CpuKernelBuildError."""
     cxx = compiler()
     if cxx is None:
         raise CpuKernelBuildError("no C++ compiler: neither $CXX nor g++ / c++ is on the PATH")
-    _compile(cxx, Path(source_dir), Path(library), namespace)
+    library = Path(cache_dir).expanduser() / f"cpu-{_key(cxx, Path(source_dir))}" / f"{namespace}.so"
+    if not library.exists():
+        _compile(cxx, Path(source_dir), library, namespace)
+    return library
 
 
 def _compile(cxx: str, here: Path, library: Path, namespace: str = "ferrum_cpu") -> None:
