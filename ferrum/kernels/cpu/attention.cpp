@@ -551,13 +551,18 @@ inline __m256i four_int16(const int16_t* p) {  // p[0..4) repeated across the ve
 // The int32 sums of 16 keys (a tile group: `keys`, key_byte's layout, plus 128) times RB int16 query
 // vectors, given as their 4 dimensions of each group repeated (qp: DG vectors a query vector, `DG` apart):
 // out[r][0] keys 0-7, out[r][1] keys 8-15. 8 keys at a time, so that the sums stay in registers (16 ymm).
+// Meanwhile the DG cache lines of two other tile groups are prefetched, one line between each dimension
+// group's products (`ahead` during keys 0-7, `ahead2` during keys 8-15; nullptr: none).
 template <int NZ, int RB>
-inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2]) {
+inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2], const int8_t* ahead,
+                        const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
   for (int half = 0; half < 2; ++half) {
     __m256i acc[RB][2];
     for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int8_t* lines = half == 0 ? ahead : ahead2;
     for (int64_t dg = 0; dg < DG; ++dg) {
+      if (lines != nullptr) __builtin_prefetch(lines + 64 * dg);
       const __m128i* row = reinterpret_cast<const __m128i*>(keys + 64 * dg) + 2 * half;  // dimensions 4dg..4dg+3
       const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(row));      // keys 8half..8half+3
       const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(row + 1));  // keys 8half+4..8half+7
@@ -619,10 +624,10 @@ inline void accumulate_tiled(float* acc, const float* weights, const int8_t* con
 // score_group for RB query vectors from row r into scores (SUB apart), times the keys' and queries' scales
 template <int NZ, int RB>
 inline void score_rows(const int8_t* keys, const __m256i* qp, const float* q_scale, const int32_t* q_offset,
-                       const float* k_scale, float* scores, int64_t r) {
+                       const float* k_scale, float* scores, int64_t r, const int8_t* ahead, const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
   __m256i dots[RB][2];
-  score_group<NZ, RB>(keys, qp + r * DG, dots);
+  score_group<NZ, RB>(keys, qp + r * DG, dots, ahead, ahead2);
   for (int i = 0; i < RB; ++i)
     for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(dots[i][h], _mm256_set1_epi32(q_offset[r + i])));
@@ -663,23 +668,29 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
     const int64_t n = std::min(SUB, key_end - k0), n16 = (n + 15) / 16 * 16;
     tiles.load(k0, n, n16);
     for (int64_t g = 0; g < n16 / KEY_TILE; ++g) {
-      // the next range's group g on its way from memory, a few lines between each few query vectors' products
+      // Prefetched while this group's keys are scored: this range's values of the group (read next, after
+      // the softmax), and the next range's keys of the group with both its scale lines. A range's keys
+      // are one run of memory when its blocks are in order, which the hardware prefetcher follows; its
+      // values are read 32 bytes of every 256 at a time (each 8 dimensions of every 4 tokens), which it
+      // does not. Measured against prefetching the next range's keys and values, all of a group's lines
+      // at once (scripts/cpu_kernel_ab.py, Zen 3, 6,000 keys from memory): 0.73-0.84x the time on one
+      // thread and 0.78x on two with blocks in order, 0.74x and 0.83x scattered; benchmarks/cpu-kernels.md.
       const int64_t p_next = k0 + SUB + g * KEY_TILE;
+      const int8_t* next_keys = nullptr;
       if (p_next < key_end) {
-        const int8_t* kp = tiles.group_at(p_next, a.k_cache);
-        const int8_t* vp = tiles.group_at(p_next, a.v_cache);
-        __builtin_prefetch(tiles.scale_at(kp, p_next));
-        __builtin_prefetch(tiles.scale_at(vp, p_next));
-        for (int64_t b = 0; b < KEY_TILE * D; b += 64) {
-          __builtin_prefetch(kp + b);
-          __builtin_prefetch(vp + b);
-        }
+        next_keys = tiles.group_at(p_next, a.k_cache);
+        __builtin_prefetch(tiles.scale_at(next_keys, p_next));
+        __builtin_prefetch(tiles.scale_at(tiles.group_at(p_next, a.v_cache), p_next));
       }
       float* s_g = scores + g * KEY_TILE;
       const float* ks = tiles.k_scale + g * KEY_TILE;
-      int64_t r = 0;
-      for (; r + 3 <= R; r += 3) score_rows<NZ, 3>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r);
-      for (; r < R; ++r) score_rows<NZ, 1>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r);
+      int64_t r = 0;  // the first call of the group prefetches
+      for (; r + 3 <= R; r += 3)
+        score_rows<NZ, 3>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r, r == 0 ? tiles.values[g] : nullptr,
+                          r == 0 ? next_keys : nullptr);
+      for (; r < R; ++r)
+        score_rows<NZ, 1>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r, r == 0 ? tiles.values[g] : nullptr,
+                          r == 0 ? next_keys : nullptr);
     }
     for (int64_t r = 0; r < R; ++r) {
       softmax_step16<true>(scores + r * SUB, n16, seen(it, a, r / a.group, k0, n), st, r, D);
