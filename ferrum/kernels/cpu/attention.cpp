@@ -18,7 +18,7 @@
 // long context reads), or int8 (kv_cache_dtype int8), written by rope_write: each kv
 // head's values of a slot as int8 with a float32 scale, in rows or in tiles (common.h), about half the
 // bytes of a bfloat16 cache. Tiles with head_dim 64 or 128 are read as integers (run_item_tiled: with
-// vpdpbusd on AVX512-VNNI, with vpmaddwd over the bytes widened to 16 bits on AVX2); otherwise each head
+// vpdpbusd on AVX512-VNNI, with vpmaddwd over the bytes split into 16-bit lanes on AVX2); otherwise each head
 // is converted to float32 with its scale as it is read.
 //
 // Given the step's own keys and values (k, v: [T, KV, D], the rows rope_write read them from), a
@@ -526,54 +526,53 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
 }
 #define FERRUM_TILED_ITEMS 1
 #elif defined(__AVX2__)
-// An int8 cache in tiles (common.h) on AVX2 without VNNI, head_dim = 64 * NZ: keys and values are widened
-// to int16 where they lie and multiplied by int16 queries and weights with vpmaddwd (each int32 lane the
-// exact sum of two products), with no conversion to float32 and no gathering of bytes. (vpmaddubsw on the
-// bytes themselves would saturate: 255 * 127 * 2 > 32767.) Each query vector is quantized to int16,
+// An int8 cache in tiles (common.h) on AVX2 without VNNI, head_dim = 64 * NZ: keys and values are split
+// into 16-bit integers where they lie and multiplied by int16 queries and weights with vpmaddwd (each int32
+// lane the exact sum of two products), with no conversion to float32 and no gathering of bytes. (vpmaddubsw
+// on the bytes themselves would saturate: 255 * 127 * 2 > 32767.) Each query vector is quantized to int16,
 // q = s qi with s = max|q| / 32767 (an error of at most s / 2), and scored against the tiles' keys plus
 // 128: sum((k + 128) qi) - 128 sum(qi). A range's weights times the values' scales are quantized per query
 // vector likewise (w >= 0: wi = w / s rounded, s = max w / 32767). A key's D products (k + 128 <= 255) and a
 // range's SUB weighted values of one dimension (|v| <= 127) stay below 2^31 in int32 for D up to 128.
 //
-// The int32 lanes of one vpmaddwd over a 16-byte row of a tile group hold pairs: of a key's 4 dimensions
-// (keys) or of a dimension's 4 tokens (values); two vphaddd and a vpermd of each two such vectors give the
-// sums of 8 keys or 8 dimensions in order.
-inline __m256i pair_sums(__m256i a, __m256i b) {
-  return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-}
-
-inline __m256i four_int16(const int16_t* p) {  // p[0..4) repeated across the vector
-  int64_t bits;
-  std::memcpy(&bits, p, 8);
-  return _mm256_set1_epi64x(bits);
+// A 32-byte row of a tile holds 8 keys' 4 dimensions (keys) or 8 dimensions' 4 tokens (values), each
+// int32 lane one key or one dimension. Its even bytes and odd bytes (a mask and a shift; the signed values
+// by shifts) are each 16 lanes of int16, two of the lane's four bytes; one vpmaddwd of each against the
+// query's (or the weights') matching pair, added, is the lane's four products summed. So the sums come
+// out one lane a key or a dimension, in order, with no vphaddd + vpermd to pair them up (on Zen 3 those
+// issue 0.5 and 0.77 a cycle: 12% of the kernel's time), and each step reads a cache line whole. Against
+// widening each 16-byte half with vpmovzx/sx and pairing after (scripts/cpu_kernel_ab.py, Zen 3, blocks in
+// order, 16 passes): 0.93-0.97x the time at 2,048 and 6,000 keys, warm and from memory, 1 and 2 threads;
+// blocks scattered 1.00x; the outputs bit for bit the same.
+inline __m256i two_int16(int16_t a, int16_t b) {  // (a, b) in every int32 lane
+  return _mm256_set1_epi32(int32_t(uint32_t(uint16_t(a)) | (uint32_t(uint16_t(b)) << 16)));
 }
 
 // The int32 sums of 16 keys (a tile group: `keys`, key_byte's layout, plus 128) times RB int16 query
-// vectors, given as their 4 dimensions of each group repeated (qp: DG vectors a query vector, `DG` apart):
-// out[r][0] keys 0-7, out[r][1] keys 8-15. 8 keys at a time, so that the sums stay in registers (16 ymm).
-// Meanwhile the DG cache lines of two other tile groups are prefetched, one line between each dimension
-// group's products (`ahead` during keys 0-7, `ahead2` during keys 8-15; nullptr: none).
+// vectors, given as each 4 dimensions' even and odd pairs (qp: 2 vectors a dimension group, 2 DG vectors a
+// query vector): out[r][0] keys 0-7, out[r][1] keys 8-15. Meanwhile the DG cache lines of two other tile
+// groups are prefetched, a line of each between each dimension group's products (nullptr: none).
 template <int NZ, int RB>
 inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2], const int8_t* ahead,
                         const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
-  for (int half = 0; half < 2; ++half) {
-    __m256i acc[RB][2];
-    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    const int8_t* lines = half == 0 ? ahead : ahead2;
-    for (int64_t dg = 0; dg < DG; ++dg) {
-      if (lines != nullptr) __builtin_prefetch(lines + 64 * dg);
-      const __m128i* row = reinterpret_cast<const __m128i*>(keys + 64 * dg) + 2 * half;  // dimensions 4dg..4dg+3
-      const __m256i x0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(row));      // keys 8half..8half+3
-      const __m256i x1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(row + 1));  // keys 8half+4..8half+7
-      for (int r = 0; r < RB; ++r) {
-        const __m256i q = _mm256_load_si256(qp + r * DG + dg);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(x0, q));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(x1, q));
-      }
+  const __m256i low = _mm256_set1_epi16(0x00FF);
+  __m256i acc[RB][2];
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int64_t dg = 0; dg < DG; ++dg) {
+    if (ahead != nullptr) __builtin_prefetch(ahead + 64 * dg);
+    if (ahead2 != nullptr) __builtin_prefetch(ahead2 + 64 * dg);
+    const __m256i* rows = reinterpret_cast<const __m256i*>(keys + 64 * dg);  // dimensions 4dg..4dg+3
+    const __m256i x0 = _mm256_loadu_si256(rows), x1 = _mm256_loadu_si256(rows + 1);  // keys 0-7, 8-15
+    const __m256i e0 = _mm256_and_si256(x0, low), o0 = _mm256_srli_epi16(x0, 8);
+    const __m256i e1 = _mm256_and_si256(x1, low), o1 = _mm256_srli_epi16(x1, 8);
+    for (int r = 0; r < RB; ++r) {
+      const __m256i qe = _mm256_load_si256(qp + 2 * (r * DG + dg)), qo = _mm256_load_si256(qp + 2 * (r * DG + dg) + 1);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, qe), _mm256_madd_epi16(o0, qo)));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, qe), _mm256_madd_epi16(o1, qo)));
     }
-    for (int r = 0; r < RB; ++r) out[r][half] = pair_sums(acc[r][0], acc[r][1]);
   }
+  for (int r = 0; r < RB; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
 }
 
 // acc[r] += sum_j weights[r][j] * value_j for RB query vectors over the range's n16 keys, whose values
@@ -582,7 +581,7 @@ template <int NZ, int RB>
 inline void accumulate_tiled(float* acc, const float* weights, const int8_t* const* values, int64_t n16) {
   constexpr int64_t D = 64 * NZ;
   alignas(32) int16_t wq[SUB];
-  alignas(32) __m256i wp[RB][SUB / VALUE_TILE];  // each 4 tokens' weights, repeated across a vector
+  alignas(32) __m256i wp[RB][SUB / VALUE_TILE][2];  // each 4 tokens' weights: tokens 0 and 2, 1 and 3
   float step[RB];
   for (int r = 0; r < RB; ++r) {
     const float* w_r = weights + r * SUB;
@@ -598,26 +597,32 @@ inline void accumulate_tiled(float* acc, const float* weights, const int8_t* con
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j + 8), inv));
       _mm256_store_si256(reinterpret_cast<__m256i*>(wq + j), _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
     }
-    for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) wp[r][g] = four_int16(wq + VALUE_TILE * g);
+    for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) {
+      const int16_t* w4 = wq + VALUE_TILE * g;
+      wp[r][g][0] = two_int16(w4[0], w4[2]);
+      wp[r][g][1] = two_int16(w4[1], w4[3]);
+    }
   }
-  for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 dimensions at a time: 2 sums of pairs a query vector
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {  // 16 dimensions at a time: 2 vectors of sums a query vector
     __m256i sum[RB][2];
     for (int r = 0; r < RB; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
     for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) {
       const int8_t* vals = values[g / (KEY_TILE / VALUE_TILE)] + (g % (KEY_TILE / VALUE_TILE)) * VALUE_TILE * D;
-      const __m128i* row = reinterpret_cast<const __m128i*>(vals + 4 * d0);  // 4 tokens of dimensions d0..d0+7
-      const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(row));
-      const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(row + 1));
+      const __m256i* rows = reinterpret_cast<const __m256i*>(vals + 4 * d0);  // 4 tokens of dimensions d0..d0+15
+      const __m256i x0 = _mm256_loadu_si256(rows), x1 = _mm256_loadu_si256(rows + 1);
+      const __m256i e0 = _mm256_srai_epi16(_mm256_slli_epi16(x0, 8), 8), o0 = _mm256_srai_epi16(x0, 8);
+      const __m256i e1 = _mm256_srai_epi16(_mm256_slli_epi16(x1, 8), 8), o1 = _mm256_srai_epi16(x1, 8);
       for (int r = 0; r < RB; ++r) {
-        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(x0, wp[r][g]));
-        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(x1, wp[r][g]));
+        const __m256i we = wp[r][g][0], wo = wp[r][g][1];
+        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, we), _mm256_madd_epi16(o0, wo)));
+        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, we), _mm256_madd_epi16(o1, wo)));
       }
     }
-    for (int r = 0; r < RB; ++r) {
-      float* a = acc + r * D + d0;
-      _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_sums(sum[r][0], sum[r][1])),
-                                          _mm256_set1_ps(step[r]), _mm256_loadu_ps(a)));
-    }
+    for (int r = 0; r < RB; ++r)
+      for (int h = 0; h < 2; ++h) {
+        float* a = acc + r * D + d0 + 8 * h;
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_set1_ps(step[r]), _mm256_loadu_ps(a)));
+      }
   }
 }
 
@@ -627,7 +632,7 @@ inline void score_rows(const int8_t* keys, const __m256i* qp, const float* q_sca
                        const float* k_scale, float* scores, int64_t r, const int8_t* ahead, const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
   __m256i dots[RB][2];
-  score_group<NZ, RB>(keys, qp + r * DG, dots, ahead, ahead2);
+  score_group<NZ, RB>(keys, qp + 2 * r * DG, dots, ahead, ahead2);
   for (int i = 0; i < RB; ++i)
     for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(dots[i][h], _mm256_set1_epi32(q_offset[r + i])));
@@ -641,10 +646,10 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
   constexpr int64_t D = 64 * NZ;
   const int64_t R = it.rows * a.group;
   init_item(it, a, st, qf);
-  // buf (32-byte aligned): the quantized queries, each 4 dimensions repeated across a vector [R, D / 4], then
-  // R scales and R offsets
+  // buf (32-byte aligned): the quantized queries, each 4 dimensions' even and odd pairs repeated across a
+  // vector [R, D / 4, 2], then R scales and R offsets
   __m256i* qp = reinterpret_cast<__m256i*>((reinterpret_cast<uintptr_t>(buf) + 31) / 32 * 32);
-  float* q_scale = reinterpret_cast<float*>(qp + R * (D / 4));
+  float* q_scale = reinterpret_cast<float*>(qp + R * (D / 2));
   int32_t* q_offset = reinterpret_cast<int32_t*>(q_scale + R);
   for (int64_t r = 0; r < R; ++r) {
     const float* x = qf + r * D;
@@ -652,13 +657,16 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
     for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     int32_t total = 0;
-    alignas(8) int16_t q16[D];
+    int16_t q16[D];
     for (int64_t d = 0; d < D; ++d) {
       const int32_t v = int32_t(std::nearbyint(x[d] * inv));
       q16[d] = int16_t(v);
       total += v;
     }
-    for (int64_t dg = 0; dg < D / 4; ++dg) _mm256_store_si256(qp + r * (D / 4) + dg, four_int16(q16 + 4 * dg));
+    for (int64_t dg = 0; dg < D / 4; ++dg) {
+      _mm256_store_si256(qp + r * (D / 2) + 2 * dg, two_int16(q16[4 * dg], q16[4 * dg + 2]));
+      _mm256_store_si256(qp + r * (D / 2) + 2 * dg + 1, two_int16(q16[4 * dg + 1], q16[4 * dg + 3]));
+    }
     q_scale[r] = amax > 0.f ? amax / 32767.f : 0.f;
     q_offset[r] = 128 * total;
   }
@@ -833,8 +841,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       std::atomic<int64_t> next_item{0};
       at::parallel_for(0, lanes, 1, [&](int64_t, int64_t) {
         // buf: SUB keys or values as float32, or (run_item_tiled) the quantized queries, their scales and offsets
-        // (AVX2: each 4 dimensions of a query as a 32-byte vector, 2 * R_max * D floats, aligned to 32 bytes)
-        const int64_t buf_size = SUB * D + 2 * R_max * D + 2 * R_max + 16;
+        // (AVX2: each 4 dimensions of a query as two 32-byte vectors, 4 * R_max * D floats, aligned to 32 bytes)
+        const int64_t buf_size = SUB * D + 4 * R_max * D + 2 * R_max + 16;
         std::vector<float> scratch(R_max * D * 2 + buf_size + R_max * SUB + 2 * R_max);
         float* qf = scratch.data();
         float* own_acc = qf + R_max * D;
