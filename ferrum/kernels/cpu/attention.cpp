@@ -679,10 +679,11 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
       // Prefetched while this group's keys are scored: this range's values of the group (read next, after
       // the softmax), and the next range's keys of the group with both its scale lines. A range's keys
       // are one run of memory when its blocks are in order, which the hardware prefetcher follows; its
-      // values are read 32 bytes of every 256 at a time (each 8 dimensions of every 4 tokens), which it
+      // values are read one line of every four at a time (each 16 dimensions of every 4 tokens), which it
       // does not. Measured against prefetching the next range's keys and values, all of a group's lines
-      // at once (scripts/cpu_kernel_ab.py, Zen 3, 6,000 keys from memory): 0.73-0.84x the time on one
-      // thread and 0.78x on two with blocks in order, 0.74x and 0.83x scattered; benchmarks/cpu-kernels.md.
+      // at once (scripts/cpu_kernel_ab.py, Zen 3, 6,000 keys from memory, when the values were read 32
+      // bytes of every 256): 0.73-0.84x the time on one thread and 0.78x on two with blocks in order,
+      // 0.74x and 0.83x scattered; benchmarks/cpu-kernels.md.
       const int64_t p_next = k0 + SUB + g * KEY_TILE;
       const int8_t* next_keys = nullptr;
       if (p_next < key_end) {
