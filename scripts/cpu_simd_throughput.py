@@ -12,7 +12,7 @@ drifting speed cancels; the median over the trials is reported.
 
 Prints the CPU model and flags, then per instruction: its throughput alone (a cycle) and the cycles of
 4 of it + 4 vpmaddwd (2.0: they issue side by side on separate pipes; 4.0: they share vpmaddwd's).
-Needs g++ and an x86-64 CPU with AVX2 and FMA. Not a test.
+Needs a C++ compiler ($CXX, g++ or c++, as the kernels' build finds it) and an x86-64 CPU with AVX2 and FMA. Not a test.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_kernels_bench import cpu_header  # noqa: E402
+
+from ferrum.kernels.cpu.build import compiler  # noqa: E402
 
 # name -> the instruction writing ymm register {0} (sources ymm8, ymm9; memory at %1)
 INSTRUCTIONS = {
@@ -100,12 +102,15 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=15)
     parser.add_argument("--iterations", type=int, default=2_000_000)
     args = parser.parse_args()
+    cxx = compiler()
+    if cxx is None:
+        raise SystemExit("no C++ compiler: neither $CXX nor g++ / c++ is on the PATH")
     print(cpu_header(), flush=True)
     bodies = loops()
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = Path(tmp) / "simd.cpp", Path(tmp) / "simd"
         source.write_text(program(bodies, args.iterations, args.trials))
-        subprocess.run(["g++", "-O2", "-mavx2", "-mfma", str(source), "-o", str(binary)], check=True)
+        subprocess.run([cxx, "-O2", "-mavx2", "-mfma", str(source), "-o", str(binary)], check=True)
         out = subprocess.run(["taskset", "-c", "0", str(binary)], capture_output=True, text=True, check=True).stdout
     cycles: dict[str, list[float]] = {}
     clock: list[float] = []
@@ -122,6 +127,7 @@ def main() -> None:
         paired = cycles.get(f"{name} x4 + vpmaddwd x4")
         beside = f"{statistics.median(paired):.2f}" if paired else "-"
         print(f"| {name} | {alone:.2f} | {beside} |")
+
 
 if __name__ == "__main__":
     main()

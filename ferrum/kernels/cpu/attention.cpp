@@ -557,8 +557,7 @@ inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2],
                         const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
   const __m256i low = _mm256_set1_epi16(0x00FF);
-  __m256i acc[RB][2];
-  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int r = 0; r < RB; ++r) out[r][0] = out[r][1] = _mm256_setzero_si256();
   for (int64_t dg = 0; dg < DG; ++dg) {
     if (ahead != nullptr) __builtin_prefetch(ahead + 64 * dg);
     if (ahead2 != nullptr) __builtin_prefetch(ahead2 + 64 * dg);
@@ -568,11 +567,10 @@ inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2],
     const __m256i e1 = _mm256_and_si256(x1, low), o1 = _mm256_srli_epi16(x1, 8);
     for (int r = 0; r < RB; ++r) {
       const __m256i qe = _mm256_load_si256(qp + 2 * (r * DG + dg)), qo = _mm256_load_si256(qp + 2 * (r * DG + dg) + 1);
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, qe), _mm256_madd_epi16(o0, qo)));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, qe), _mm256_madd_epi16(o1, qo)));
+      out[r][0] = _mm256_add_epi32(out[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, qe), _mm256_madd_epi16(o0, qo)));
+      out[r][1] = _mm256_add_epi32(out[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, qe), _mm256_madd_epi16(o1, qo)));
     }
   }
-  for (int r = 0; r < RB; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
 }
 
 // acc[r] += sum_j weights[r][j] * value_j for RB query vectors over the range's n16 keys, whose values
