@@ -39,6 +39,11 @@ constexpr int64_t MAX_ROWS = 10;
 constexpr int64_t MAX_ROWS = 8;
 #endif
 constexpr int64_t PARTS = 2;     // int8 parts per row of x
+// plain AVX2's int4 products of ROWS_FROM rows of x or more take int4_groups_rows, ROWS_CHUNK rows at a time.
+// From DENSE_ROWS rows a dense product (the weight dequantized for the call, then torch's matmul) is
+// faster: 256 with int4_groups_rows (Zen 3: the demo model's projections, 2 threads, 0.79x the dense
+// product's time at 192 rows, 1.20x at 384; scripts/cpu_kernels_bench.py), 32 elsewhere.
+constexpr int64_t ROWS_FROM = 2, ROWS_CHUNK = 32;
 // How far ahead of the block being multiplied its weights are prefetched. A thread's row groups lie one
 // after another, so its weights are one stream; left to the hardware prefetchers, the GEMV streamed a
 // model's weights (66 MB, more than the cache holds) at 10-12 GB/s on 2 cores of an AMX Xeon whose plain
@@ -54,43 +59,85 @@ struct QuantizedX {
   std::vector<float> group_sum;  // [rows, K / group]: exact float sums of x
 };
 
-// rows of x [rows, K] as 2 rows of int8 parts each: part 0 of row t is row 2t, part 1 row 2t + 1
+#if defined(__AVX2__)
+// One block's two int8 parts (q1, q2) and their integer sums, 8 lanes at a time: the roundings of the
+// scalar loop in quantize_x (a product, then the nearest integer, ties to even, as cvtps2dq does in the
+// default rounding mode), so the same bytes.
+inline void quantize_block(const float* v, float s1, float inv1, float inv2, int8_t* q1, int8_t* q2, int32_t& sum1,
+                           int32_t& sum2) {
+  __m256i i1[4], i2[4];
+  __m256i t1 = _mm256_setzero_si256(), t2 = _mm256_setzero_si256();
+  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+  for (int j = 0; j < 4; ++j) {
+    const __m256 x = _mm256_loadu_ps(v + 8 * j);
+    const __m256 r1 = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(inv1)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    i1[j] = _mm256_cvtps_epi32(r1);
+    const __m256 rest = _mm256_sub_ps(x, _mm256_mul_ps(r1, _mm256_set1_ps(s1)));
+    i2[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(inv2))), bottom), top);
+    t1 = _mm256_add_epi32(t1, i1[j]);
+    t2 = _mm256_add_epi32(t2, i2[j]);
+  }
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs interleave the 128-bit lanes
+  const auto bytes = [&](const __m256i* i) {
+    return _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])), order);
+  };
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1), bytes(i1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2), bytes(i2));
+  const auto total = [](__m256i t) {
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
+  };
+  sum1 = total(t1);
+  sum2 = total(t2);
+}
+#endif
+
+// rows of x [rows, K] as 2 rows of int8 parts each: part 0 of row t is row 2t, part 1 row 2t + 1. Rows
+// are shared among the threads where there are enough of them (a prefill's; a decode row stays on one).
 template <typename T>
 QuantizedX quantize_x(const T* x, int64_t rows, int64_t K, int64_t group) {
   const int64_t blocks = K / QBLOCK, groups = group ? K / group : 1, per_group = group ? group / QBLOCK : blocks;
   const int64_t parts = PARTS * rows;
   QuantizedX out{parts, K, std::vector<int8_t>(parts * K), std::vector<float>(parts * blocks),
                  std::vector<int32_t>(parts * blocks), std::vector<float>(parts * groups, 0.f)};
-  for (int64_t t = 0; t < rows; ++t) {
-    const int64_t hi = PARTS * t, lo = hi + 1;
-    for (int64_t b = 0; b < blocks; ++b) {
-      float v[QBLOCK];
-      float amax = 0.f, total = 0.f;
-      for (int64_t i = 0; i < QBLOCK; ++i) {
-        v[i] = to_float(x[t * K + b * QBLOCK + i]);
-        amax = std::max(amax, std::fabs(v[i]));
-        total += v[i];
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / K), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t hi = PARTS * t, lo = hi + 1;
+      for (int64_t b = 0; b < blocks; ++b) {
+        alignas(32) float v[QBLOCK];
+        float amax = 0.f, total = 0.f;
+        for (int64_t i = 0; i < QBLOCK; ++i) {
+          v[i] = to_float(x[t * K + b * QBLOCK + i]);
+          amax = std::max(amax, std::fabs(v[i]));
+          total += v[i];
+        }
+        const float s1 = amax / 127.f, s2 = s1 / 254.f;
+        const float inv1 = amax > 0.f ? 127.f / amax : 0.f, inv2 = amax > 0.f ? 254.f * 127.f / amax : 0.f;
+        int8_t* q1 = out.q.data() + hi * K + b * QBLOCK;
+        int8_t* q2 = out.q.data() + lo * K + b * QBLOCK;
+        int32_t sum1 = 0, sum2 = 0;
+#if defined(__AVX2__)
+        quantize_block(v, s1, inv1, inv2, q1, q2, sum1, sum2);
+#else
+        for (int64_t i = 0; i < QBLOCK; ++i) {
+          const float r1 = std::nearbyint(v[i] * inv1);
+          q1[i] = static_cast<int8_t>(r1);
+          const float rest = v[i] - r1 * s1;
+          q2[i] = static_cast<int8_t>(std::clamp(std::nearbyint(rest * inv2), -127.f, 127.f));
+          sum1 += q1[i];
+          sum2 += q2[i];
+        }
+#endif
+        out.scale[hi * blocks + b] = s1;
+        out.scale[lo * blocks + b] = s2;
+        out.q_sum[hi * blocks + b] = sum1;
+        out.q_sum[lo * blocks + b] = sum2;
+        out.group_sum[hi * groups + b / per_group] += total;  // the part rows' sums stay 0: counted once
       }
-      const float s1 = amax / 127.f, s2 = s1 / 254.f;
-      const float inv1 = amax > 0.f ? 127.f / amax : 0.f, inv2 = amax > 0.f ? 254.f * 127.f / amax : 0.f;
-      int8_t* q1 = out.q.data() + hi * K + b * QBLOCK;
-      int8_t* q2 = out.q.data() + lo * K + b * QBLOCK;
-      int32_t sum1 = 0, sum2 = 0;
-      for (int64_t i = 0; i < QBLOCK; ++i) {
-        const float r1 = std::nearbyint(v[i] * inv1);
-        q1[i] = static_cast<int8_t>(r1);
-        const float rest = v[i] - r1 * s1;
-        q2[i] = static_cast<int8_t>(std::clamp(std::nearbyint(rest * inv2), -127.f, 127.f));
-        sum1 += q1[i];
-        sum2 += q2[i];
-      }
-      out.scale[hi * blocks + b] = s1;
-      out.scale[lo * blocks + b] = s2;
-      out.q_sum[hi * blocks + b] = sum1;
-      out.q_sum[lo * blocks + b] = sum2;
-      out.group_sum[hi * groups + b / per_group] += total;  // the part rows' sums stay 0: counted once
     }
-  }
+  });
   return out;
 }
 
@@ -208,6 +255,65 @@ void int4_groups(const QuantizedX& xq, const uint8_t* packed, const P* scale, co
   }
 }
 
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+// Plain AVX2 (no VNNI), any number of part rows R (even: two per row of x): each weight block is unpacked
+// once into its 8 nibble vectors, then every row takes it, two at a time. A row's 8 vpmaddubsw of a
+// block are summed in int16, as a tree (each lane pair is at most 2 * 15 * 127 = 3,810, so 8 of them stay
+// within 32,767), and widened by one vpmaddwd, where int4_groups widens each. The int32 block sums are
+// the same integers, and each row's float work is int4_groups' (the same fmas in the same order), so
+// every row's output is the same bits as there. The rows' accumulators live in memory (R x 8 floats),
+// so R is not bound by the 16 vector registers and a block's weights are read once for all of a
+// prefill chunk's rows.
+template <typename P>
+void int4_groups_rows(const QuantizedX& xq, const uint8_t* packed, const P* scale, const P* minimum, bool zero_point,
+                      int64_t group, float* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t K = xq.K, blocks = K / QBLOCK, groups = K / group, per_group = group / QBLOCK, R = xq.rows;
+  std::vector<__m256> acc(R);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t rg = g0; rg < g1; ++rg) {
+    const uint8_t* wp = packed + rg * blocks * 4 * 32;
+    const P* sp = scale + rg * groups * LANES;
+    const P* mp = minimum + rg * groups * LANES;
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t g = b / per_group;
+      const bool first = b % per_group == 0;  // the group's minimum meets x's sums before its first block
+      const __m256 s = load8(sp + g * LANES);
+      __m256 m = load8(mp + g * LANES);
+      if (zero_point) m = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, m);
+      __builtin_prefetch(wp + b * 4 * 32 + PREFETCH_BYTES);
+      __builtin_prefetch(wp + b * 4 * 32 + PREFETCH_BYTES + 64);
+      __m256i lo[4], hi[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (b * 4 + c) * 32));
+        lo[c] = _mm256_and_si256(v, low);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      const int8_t* a = xq.q.data() + b * QBLOCK;
+      for (int64_t r = 0; r < R; r += 2) {
+        __m256i d[2];
+        for (int i = 0; i < 2; ++i) {
+          const int8_t* ai = a + (r + i) * K;
+          __m256i p[4];
+          for (int c = 0; c < 4; ++c)
+            p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], broadcast4(ai + 4 * c)),
+                                    _mm256_maddubs_epi16(hi[c], broadcast4(ai + 4 * (c + 4))));
+          d[i] = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+        }
+        for (int i = 0; i < 2; ++i) {
+          __m256 sum = acc[r + i];
+          if (first) sum = _mm256_fmadd_ps(m, _mm256_set1_ps(xq.group_sum[(r + i) * groups + g]), sum);
+          acc[r + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d[i], ones)),
+                                       _mm256_mul_ps(s, _mm256_set1_ps(xq.scale[(r + i) * blocks + b])), sum);
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + rg * LANES, acc[r]);
+  }
+}
+#define FERRUM_INT4_ROWS 1
+#endif
+
 template <int R>
 void int8_groups(const QuantizedX& xq, const uint8_t* packed, const float* scale, int64_t group, float* y, int64_t N,
                  int64_t g0, int64_t g1) {
@@ -262,15 +368,14 @@ void over_row_groups(int64_t row_groups, int64_t K, Fn fn) {
   at::parallel_for(0, row_groups, grain, fn);
 }
 
-// y [T, N] in x's dtype, computed MAX_ROWS / PARTS rows of x at a time: fn(xq, parts_out) fills the
+// y [T, N] in x's dtype, computed `chunk` rows of x at a time: fn(xq, parts_out) fills the
 // float rows of their parts, whose pairs are then added and rounded into y
 template <typename Fn>
-at::Tensor by_row_chunks(const at::Tensor& x_in, int64_t K, int64_t N, int64_t group, Fn fn) {
+at::Tensor by_row_chunks(const at::Tensor& x_in, int64_t K, int64_t N, int64_t group, int64_t chunk, Fn fn) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, message("x must be [T, ", K, "]"));
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  std::vector<float> scratch(MAX_ROWS * N);
-  constexpr int64_t chunk = MAX_ROWS / PARTS;
+  std::vector<float> scratch(PARTS * std::min(chunk, x.size(0)) * N);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_gemv", [&] {
     for (int64_t t0 = 0; t0 < x.size(0); t0 += chunk) {
       const int64_t rows = std::min(chunk, x.size(0) - t0);
@@ -315,9 +420,24 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                   (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) &&
                   scale.numel() == N * (K / group) && minimum.numel() == N * (K / group),
               "int4_gemv: scale and offset must be contiguous float32 or float16 [N/8, K/g, 8]");
-  return by_row_chunks(x, K, N, group, [&](const QuantizedX& xq, float* out) {
+#if defined(FERRUM_INT4_ROWS)
+  const bool many = x.size(0) >= ROWS_FROM;
+#else
+  constexpr bool many = false;
+#endif
+  return by_row_chunks(x, K, N, group, many ? ROWS_CHUNK : MAX_ROWS / PARTS, [&](const QuantizedX& xq, float* out) {
     const uint8_t* w = packed.data_ptr<uint8_t>();
     over_row_groups(row_groups, K, [&](int64_t g0, int64_t g1) {
+#if defined(FERRUM_INT4_ROWS)
+      if (many) {
+        if (scale.scalar_type() == at::kFloat)
+          int4_groups_rows<float>(xq, w, scale.data_ptr<float>(), minimum.data_ptr<float>(), zero_point, group, out, N, g0, g1);
+        else
+          int4_groups_rows<c10::Half>(xq, w, scale.data_ptr<c10::Half>(), minimum.data_ptr<c10::Half>(), zero_point, group,
+                                      out, N, g0, g1);
+        return;
+      }
+#endif
       if (scale.scalar_type() == at::kFloat) {
         const float* s = scale.data_ptr<float>();
         const float* m = minimum.data_ptr<float>();
@@ -335,6 +455,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   });
 }
 
+int64_t int4_dense_rows() {
+#if defined(FERRUM_INT4_ROWS)
+  return 256;
+#else
+  return 32;
+#endif
+}
+
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t group) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 8 && packed.size(3) == 32 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous(),
@@ -344,7 +472,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.numel() == (group ? N * (K / group) : N),
               "int8_gemv: scale must be float32 [N/8, 8] or [N/8, K/g, 8]");
-  return by_row_chunks(x, K, N, group, [&](const QuantizedX& xq, float* out) {
+  return by_row_chunks(x, K, N, group, MAX_ROWS / PARTS, [&](const QuantizedX& xq, float* out) {
     const uint8_t* w = packed.data_ptr<uint8_t>();
     const float* s = scale.data_ptr<float>();
     over_row_groups(row_groups, K, [&](int64_t g0, int64_t g1) {
