@@ -63,8 +63,6 @@ def test_the_chain_equals_the_layered_forward(tmp_path: Path, family: str) -> No
     try:
         runner = engine.runner
         assert isinstance(runner.chain, CpuDecodeChain)  # type: ignore[attr-defined]
-        # every projection int4: the chain takes steps of fewer rows than the kernels' dense products
-        assert runner.chain.max_rows == torch.ops.ferrum_cpu.int4_dense_rows() - 1  # type: ignore[attr-defined]
         chained = run(engine, PROMPTS)
         runner.chain = None  # type: ignore[attr-defined]
         layered = run(engine, PROMPTS)
