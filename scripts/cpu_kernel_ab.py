@@ -16,6 +16,10 @@ heads, head_dim 64, float32 q) over int8 or bfloat16 caches of 4,000 blocks a la
 reads one layer's cache 30 times, cold reads the 30 in turn after 64 MB of other writes. The blocks of the
 sequence are in order (as a long prompt's are) or scattered over the 4,000. Not a test: prints the CPU
 model and its SIMD flags first.
+
+With --gemv-rows 1,8,31 it times int4_gemv instead: the demo model's 30 x 4 projections (int4 in groups of
+32, float16 scales, as quantization auto serves them) on x of each row count, each variant's outputs
+compared bit for bit with the first's.
 """
 
 from __future__ import annotations
@@ -83,6 +87,40 @@ def layer_cache(ops: Any, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     return k, v
 
 
+def gemv_table(ops: list[Any], names: list[str], row_counts: list[int], passes: int) -> None:
+    """int4_gemv of each variant over the demo model's projections, ms a pass (all 120), interleaved."""
+    from cpu_kernels_bench import SHAPES, prepared_layer
+
+    from ferrum.weights.quantization.arith import quantize
+    from ferrum.weights.quantization.scheme import QuantScheme
+
+    torch.manual_seed(0)
+    scheme = QuantScheme("int4", group_size=32, params=torch.float16)
+    layers = [prepared_layer(quantize((torch.randn(n, k) * 0.05).to(torch.bfloat16), scheme), "cpu_kernels")
+              for _ in range(LAYERS) for n, k in SHAPES[:4]]
+    print(f"\nint4_gemv, {len(layers)} projections, {passes} passes; ms a pass, median (min); ratio to {names[0]}'s")
+    print("| rows | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for rows in row_counts:
+        xs = {k: torch.randn(rows, k) for _, k in SHAPES[:4]}
+
+        def run(variant: Any, xs: dict[int, torch.Tensor] = xs) -> list[torch.Tensor]:
+            return [variant.int4_gemv(xs[layer.in_features], layer.packed, layer.gemv_scale, layer.gemv_offset,
+                                      layer.gemv_zero_point, 32) for layer in layers]
+
+        outs = [run(variant) for variant in ops]
+        times: list[list[float]] = [[] for _ in names]
+        for p in range(passes):
+            for i in (range(len(names)) if p % 2 == 0 else reversed(range(len(names)))):
+                started = time.perf_counter()
+                run(ops[i])
+                times[i].append((time.perf_counter() - started) * 1e3)
+        base = statistics.median(times[0])
+        cells = [f"{statistics.median(t):.2f} ({min(t):.2f}) {statistics.median(t) / base:.3f}x" for t in times]
+        same = all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out, strict=True))
+        print(f"| {rows} | " + " | ".join(cells) + " |" + ("" if same else " outputs differ"), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", required=True, help="NAME=REV or NAME=DIR (two or more)")
@@ -93,6 +131,7 @@ def main() -> None:
     parser.add_argument("--kv-dtype", choices=("int8", "bfloat16"), default="int8")
     parser.add_argument("--passes", type=int, default=12)
     parser.add_argument("--cache", type=Path, default=Path("~/.cache/ferrum/kernel-ab").expanduser())
+    parser.add_argument("--gemv-rows", default="", help="e.g. 1,8,31: time int4_gemv at these row counts instead")
     args = parser.parse_args()
     variants = [v.split("=", 1) for v in args.variant]
     if len(variants) < 2 or any(len(v) != 2 or not v[0].isidentifier() for v in variants):
@@ -100,6 +139,9 @@ def main() -> None:
     print(cpu_header(), flush=True)
     ops = [built(name, spec, args.cache) for name, spec in variants]
     names = [name for name, _ in variants]
+    if args.gemv_rows:
+        gemv_table(ops, names, [int(r) for r in args.gemv_rows.split(",")], args.passes)
+        return
     kv_dtype = torch.int8 if args.kv_dtype == "int8" else torch.bfloat16
     caches = [layer_cache(ops[0], kv_dtype) for _ in range(LAYERS)]
     evict = torch.randn(16 << 20)
