@@ -19,7 +19,9 @@ model and its SIMD flags first.
 
 With --gemv-rows 1,8,31 it times int4_gemv instead: the demo model's 30 x 4 projections (int4 in groups of
 32, float16 scales, as quantization auto serves them) on x of each row count, each variant's outputs
-compared bit for bit with the first's.
+compared bit for bit with the first's. With --head-rows 4,64,256 it times int8_float_gemv (the int8 LM head,
+49152 x 576) with torch's dense float32 and bfloat16 products of the same weight beside it, and checks that
+the last row's logits are the same bits as that row's alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -121,6 +124,40 @@ def gemv_table(ops: list[Any], names: list[str], row_counts: list[int], passes: 
         print(f"| {rows} | " + " | ".join(cells) + " |" + ("" if same else " outputs differ"), flush=True)
 
 
+def head_table(ops: list[Any], names: list[str], row_counts: list[int], passes: int) -> None:
+    """int8_float_gemv (the int8 LM head) of each variant on the demo model's head, 49152 x 576, with
+    torch's dense float32 and bfloat16 products of the same weight as reference columns."""
+    torch.manual_seed(0)
+    n, k, group = 49152, 576, 32
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n, k // group) * 1e-3
+    dense = {dtype: (qweight.float().view(n, -1, group) * scale[..., None]).view(n, k).to(dtype)
+             for dtype in (torch.float32, torch.bfloat16)}
+    columns = names + ["dense float32", "dense bfloat16"]
+    print(f"\nint8_float_gemv, {n} x {k} in groups of {group}, {passes} passes; ms, median (min); "
+          f"ratio to {names[0]}'s")
+    print("| rows | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for rows in row_counts:
+        x = torch.randn(rows, k)
+        calls = [lambda op=op, x=x: op.int8_float_gemv(x, qweight, scale, group) for op in ops]
+        calls += [lambda w=w, x=x: F.linear(x.to(w.dtype), w) for w in dense.values()]
+        outs = [call() for call in calls[: len(ops)]]
+        alone = [op.int8_float_gemv(x[-1:], qweight, scale, group) for op in ops]
+        times: list[list[float]] = [[] for _ in calls]
+        for p in range(passes):
+            for i in (range(len(calls)) if p % 2 == 0 else reversed(range(len(calls)))):
+                started = time.perf_counter()
+                calls[i]()
+                times[i].append((time.perf_counter() - started) * 1e3)
+        base = statistics.median(times[0])
+        cells = [f"{statistics.median(t):.2f} ({min(t):.2f}) {statistics.median(t) / base:.3f}x" for t in times]
+        same = all(torch.equal(outs[0], out) for out in outs[1:])
+        batch_free = all(torch.equal(out[-1:], one) for out, one in zip(outs, alone, strict=True))
+        print(f"| {rows} | " + " | ".join(cells) + " |" + ("" if same else " outputs differ")
+              + ("" if batch_free else " last row differs from it alone"), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", required=True, help="NAME=REV or NAME=DIR (two or more)")
@@ -132,6 +169,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=12)
     parser.add_argument("--cache", type=Path, default=Path("~/.cache/ferrum/kernel-ab").expanduser())
     parser.add_argument("--gemv-rows", default="", help="e.g. 1,8,31: time int4_gemv at these row counts instead")
+    parser.add_argument("--head-rows", default="", help="e.g. 4,64,256: time int8_float_gemv (the LM head) instead")
     args = parser.parse_args()
     variants = [v.split("=", 1) for v in args.variant]
     if len(variants) < 2 or any(len(v) != 2 or not v[0].isidentifier() for v in variants):
@@ -141,6 +179,9 @@ def main() -> None:
     names = [name for name, _ in variants]
     if args.gemv_rows:
         gemv_table(ops, names, [int(r) for r in args.gemv_rows.split(",")], args.passes)
+        return
+    if args.head_rows:
+        head_table(ops, names, [int(r) for r in args.head_rows.split(",")], args.passes)
         return
     kv_dtype = torch.int8 if args.kv_dtype == "int8" else torch.bfloat16
     caches = [layer_cache(ops[0], kv_dtype) for _ in range(LAYERS)]

@@ -54,7 +54,6 @@ import torch
 
 from ferrum.backends.device import Device
 from ferrum.models.config import ModelConfig
-from ferrum.models.layers.int8_head import Int8Head
 from ferrum.weights.quantization.scheme import QuantizationConfig
 
 CPU_GROUP = 32  # the CPU kernels' activation block: groups of 32 inputs cost no extra scale loads
@@ -95,8 +94,7 @@ def resolve_quantization(config: QuantizationConfig | None, device: Device, mode
     if any(width % CPU_GROUP for width in widths):
         return QuantizationChoice(None, f"quantization auto on {where}: weights as stored (the layers' widths "
                                         f"{sorted(widths)} are not all multiples of {CPU_GROUP})")
-    head = (f"; the LM head int8 in groups of 32 for steps of up to {Int8Head.ROWS} rows (float activations, "
-            "float32 logits)")
+    head = "; the LM head int8 in groups of 32 (float activations, float32 logits)"
     kv_dtype: torch.dtype | None = None
     kernels_read_cache = not device.triton  # (a CPU device with Triton reads its cache with Triton's kernels)
     vnni = "avx512_vnni" in device.cpu_flags

@@ -4,9 +4,9 @@ the CPU's ops, so equal to it bit for bit. The layered forward makes about ten P
 (modules, reshapes, op dispatch); on the demo model (quantization auto, 2 Zen 4 cores) a decode step
 took 8.1 ms layered and takes 5.4 ms chained (benchmarks/cpu-kernels.md).
 
-Taken for steps of fewer than CpuKernelsMethod.DENSE_ROWS rows (larger ones dequantize each weight
-for one dense product) when every projection of every layer is int4 or int8 storage in the integer
-GEMV's layout (quantization auto, a published checkpoint served through it), on one rank, with
+Taken for steps of fewer rows than every projection's CpuKernelsMethod.dense_rows (larger ones
+dequantize each weight for one dense product) when every projection of every layer is int4 or int8
+storage in the integer GEMV's layout (quantization auto, a published checkpoint served through it), on one rank, with
 cpu_paged attention and no per-head q/k norms. `CpuDecodeChain.for_model` says None otherwise.
 """
 
@@ -35,10 +35,9 @@ def _chained(linear: object) -> bool:
 
 
 class CpuDecodeChain:
-    max_rows = CpuKernelsMethod.DENSE_ROWS - 1
-
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
+        self.max_rows = 0  # the most rows of a step it takes: fewer than any projection's dense_rows
         first = model.layers[0]
         assert isinstance(first, DecoderLayer)
         attn = first.self_attn
@@ -54,7 +53,9 @@ class CpuDecodeChain:
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
-                assert isinstance(linear, QuantizedLinear)
+                assert isinstance(linear, QuantizedLinear) and isinstance(linear.method, CpuKernelsMethod)
+                dense_rows = linear.method.dense_rows(linear)
+                self.max_rows = dense_rows - 1 if not self.max_rows else min(self.max_rows, dense_rows - 1)
                 int4 = linear.scheme.method == "int4"
                 group = linear.scheme.group_size if int4 or linear.scheme.per_group else 0
                 self.weights += [linear.packed, linear.gemv_scale, linear.gemv_offset if int4 else _NONE,

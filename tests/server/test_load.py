@@ -1,6 +1,15 @@
 """The demo model under load: 256 concurrent streams, all greedy outputs equal to the one-at-a-time
-ones (float32), memory flat over three rounds, every KV block back; and 100 clients that drop
-mid-stream at random points, after which nothing runs and no KV block is held."""
+ones (float32 activations, quantization auto) but at near-ties, memory flat over three rounds, every KV
+block back; and 100 clients that drop mid-stream at random points, after which nothing runs and no KV
+block is held.
+
+Near-ties: quantization auto on the CPU keeps an int8 KV cache where the instruction set scores it in
+integers (AVX2, AVX512-VNNI). A step's rows are computed the same way alone or in a batch up to the
+integer products' dense threshold, but a batch's larger prefill steps take dense products, whose sums
+differ from the integer ones by about 1e-5; rounded into the int8 cache, such a difference moves a key
+by one step now and then, and a later token's logprob by up to 0.036 nats (measured: 256 requests of these
+prompts batched against each alone, 16 tokens each). So a stream may leave the one-at-a-time answer only
+where that answer's top two tokens were within NEAR_TIE of each other, the other one taken."""
 
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ pytestmark = [
 
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]
 MAX_TOKENS = 16
+NEAR_TIE = 0.1  # nats between the reference's first and second token (about 3x the int8 cache's measured drift)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +42,8 @@ def server() -> Iterator[ServerProcess]:
 
 
 def request(prompt: str, stream: bool, max_tokens: int = MAX_TOKENS) -> dict[str, object]:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
+            "logprobs": 2}
 
 
 def gauges(server: ServerProcess) -> dict[str, float]:
@@ -64,33 +75,52 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-async def _stream_text(client: httpx.AsyncClient, url: str, prompt: str) -> str:
-    pieces = []
+Tokens = list[tuple[str, dict[str, float]]]  # each token with the top two (token -> logprob)
+
+
+def _tokens(logprobs: dict[str, list]) -> Tokens:
+    return list(zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True))
+
+
+async def _stream_tokens(client: httpx.AsyncClient, url: str, prompt: str) -> Tokens:
+    tokens: Tokens = []
     async with client.stream("POST", f"{url}/v1/completions", json=request(prompt, True)) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
                 assert "error" not in event, event
-                pieces.append(event["choices"][0]["text"])
-    return "".join(pieces)
+                tokens += _tokens(event["choices"][0]["logprobs"])
+    return tokens
+
+
+def near_tie_or_equal(reference: Tokens, got: Tokens) -> bool:
+    """Equal, or equal up to a token where the reference's runner-up, within NEAR_TIE, was taken."""
+    assert len(got) == len(reference) == MAX_TOKENS
+    for (ref_token, top), (token, _) in zip(reference, got, strict=True):
+        if token != ref_token:
+            return token in top and top[ref_token] - top[token] <= NEAR_TIE
+    return True
 
 
 def test_256_concurrent_streams_three_rounds(server: ServerProcess) -> None:
     reference = {}
     for prompt in PROMPTS:  # one at a time
         r = httpx.post(f"{server.url}/v1/completions", json=request(prompt, False), timeout=60)
-        reference[prompt] = r.json()["choices"][0]["text"]
+        reference[prompt] = _tokens(r.json()["choices"][0]["logprobs"])
 
-    async def round_() -> list[str]:
+    async def round_() -> list[Tokens]:
         limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            return await asyncio.gather(*(_stream_text(client, server.url, PROMPTS[i % 16]) for i in range(256)))
+            return await asyncio.gather(*(_stream_tokens(client, server.url, PROMPTS[i % 16]) for i in range(256)))
 
     rss = []
     for _ in range(3):
-        texts = asyncio.run(round_())
-        assert [t == reference[PROMPTS[i % 16]] for i, t in enumerate(texts)] == [True] * 256
+        streams = asyncio.run(round_())
+        assert [near_tie_or_equal(reference[PROMPTS[i % 16]], t) for i, t in enumerate(streams)] == [True] * 256
+        changed = sum([tok for tok, _ in t] != [tok for tok, _ in reference[PROMPTS[i % 16]]]
+                      for i, t in enumerate(streams))
+        print(f"{changed} of 256 streams took a near-tie's other token")
         wait_idle(server, 30)  # every KV block back, nothing running or waiting
         rss.append(rss_kib(server.proc.pid))
     print(f"server RSS after rounds 1-3: {[r // 1024 for r in rss]} MiB")

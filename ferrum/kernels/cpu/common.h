@@ -122,6 +122,7 @@ void rope_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& c
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
                      bool zero_point, int64_t group);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t group);
+int64_t int4_dense_rows();
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset, bool zero_point,
                            int64_t group, at::ScalarType dtype);
 at::Tensor int8_dequantize(const at::Tensor& packed, const at::Tensor& scale, int64_t group, at::ScalarType dtype);

@@ -23,6 +23,7 @@ FERRUM_LIBRARY(FERRUM_CPU_OPS, m) {
       "Tensor(c!) v_cache, Tensor slots, int num_heads, int num_kv_heads) -> ()");
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale, Tensor offset, bool zero_point, int group) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scale, int group) -> Tensor");
+  m.def("int4_dense_rows() -> int", &ferrum_cpu::int4_dense_rows);  // no tensors to dispatch on: one kernel
   m.def(
       "int4_dequantize(Tensor packed, Tensor scale, Tensor offset, bool zero_point, int group, ScalarType dtype) "
       "-> Tensor");

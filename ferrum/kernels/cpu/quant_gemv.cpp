@@ -39,8 +39,10 @@ constexpr int64_t MAX_ROWS = 10;
 constexpr int64_t MAX_ROWS = 8;
 #endif
 constexpr int64_t PARTS = 2;     // int8 parts per row of x
-// plain AVX2's int4 products of ROWS_FROM rows of x or more take int4_groups_rows, ROWS_CHUNK rows at a time
-// (CpuKernelsMethod.DENSE_ROWS, 32, still sends longer prefills to a dense product: benchmarks/cpu-kernels.md)
+// plain AVX2's int4 products of ROWS_FROM rows of x or more take int4_groups_rows, ROWS_CHUNK rows at a time.
+// From int4_dense_rows() rows a dense product (the weight dequantized for the call, then torch's matmul)
+// is faster: 256 with int4_groups_rows (Zen 3: the demo model's projections, 2 threads, 0.79x the dense
+// product's time at 192 rows, 1.20x at 384; benchmarks/cpu-kernels.md), 32 elsewhere.
 constexpr int64_t ROWS_FROM = 2, ROWS_CHUNK = 32;
 // How far ahead of the block being multiplied its weights are prefetched. A thread's row groups lie one
 // after another, so its weights are one stream; left to the hardware prefetchers, the GEMV streamed a
@@ -451,6 +453,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
       }
     });
   });
+}
+
+int64_t int4_dense_rows() {
+#if defined(FERRUM_INT4_ROWS)
+  return 256;
+#else
+  return 32;
+#endif
 }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t group) {

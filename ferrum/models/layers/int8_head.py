@@ -1,4 +1,4 @@
-"""CPU: the LM head's weight in int8 for decode steps of a few rows (quantization auto's choice).
+"""CPU: the LM head's weight in int8 (quantization auto's choice).
 
 A decode step on the CPU streams every weight once a token, and the LM head of a small model is a
 large share of them (SmolLM2-135M: 57 MB of bf16 against 66 MB for all its int4 layers). Int8 in
@@ -8,12 +8,15 @@ step (max |w| over the group / 254). Rounding the head's input to int8 as well, 
 for its Q8_0 head, flipped a near-tie in the demo model's greedy answer to "What is the capital of
 France?" (the answer llama-server gives); this form keeps bf16's answer.
 
-Steps of up to ROWS rows go through the int8 kernel in calls of at most CHUNK rows; each row's logits
-are the same bits however many rows come with it, so a speculative verify step's rows (k + 1 at batch 1)
-score as a one-row decode does and greedy outputs match plain decoding. Steps of more rows (large
-batches, prefill) take `dense`, the head it was made from: there the product is bound by compute.
-Measured on a 2-core AMD EPYC Zen 4 (avx512_bf16/vnni, 49152x576 head, 2 threads): int8 in chunks of 4
-against the bf16 GEMM, 2.00 / 4.73 ms at 4 rows, 3.03 / 5.15 at 5, 3.75 / 4.37 at 8, 5.72 / 5.16 at 12.
+Every step goes through the int8 kernel, whatever its rows (it reads each weight row once for 4 rows
+of x): a row's logits are the same bits however many rows come with it, so the head adds nothing to what
+a request's answer owes to its batch, and a speculative verify step's rows (k + 1 at batch 1) score as a
+one-row decode does. (A dense product of the unrounded weight past 8 rows, as this head once
+took, gave a row in a large batch logits that differed from its logits alone by the weight's rounding.)
+Measured on a 2-core AMD EPYC Zen 3 (AVX2 only, 49152 x 576, 2 threads, `python scripts/cpu_kernel_ab.py
+--head-rows ...`), ms: int8 1.1 / 2.1 / 8.5 / 34 / 68 / 163 at 1 / 4 / 16 / 64 / 128 / 256 rows; torch's
+dense float32 product 8.4 / 18 / 20 / 40 / 66 / 132 and bfloat16 3.2 / 12 / 46 / 184 / 364 / 751. So only
+float32 models at 128 rows and more would be faster dense (by up to 1.24x).
 """
 
 from __future__ import annotations
@@ -32,26 +35,15 @@ GROUP = 32
 class Int8Head(nn.Module):
     qweight: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / 32]
-    ROWS = 8  # beyond 8 rows the bf16 GEMM wins (see above)
-    CHUNK = 4  # the kernel's rows a call
 
     def __init__(self, dense: nn.Linear) -> None:
         super().__init__()
-        self.dense = dense
         self.in_features, self.out_features = dense.in_features, dense.out_features
         stored = quantize(dense.weight.detach(), QuantScheme("int8", group_size=GROUP, per_group=True))
         self.register_buffer("qweight", stored.parts["qweight"].contiguous())
         self.register_buffer("scale", stored.parts["scale"].float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.ROWS:
-            out: torch.Tensor = self.dense(x)
-            return out
-        if x.shape[0] <= self.CHUNK:
-            return self._int8(x)
-        return torch.cat([self._int8(rows) for rows in x.split(self.CHUNK)])
-
-    def _int8(self, x: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = torch.ops.ferrum_cpu.int8_float_gemv(x, self.qweight, self.scale, GROUP)
         return logits
 

@@ -26,6 +26,7 @@ q * scale, is not used for such layers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Literal, Self, TypeAlias
 
 import torch
@@ -43,6 +44,11 @@ Combine: TypeAlias = Callable[[torch.Tensor], torch.Tensor]  # the product's col
 _INT4_CPU_ROWS = 16  # the CPU's int4 layout packs rows in blocks of 16 (64 per conversion chunk)
 _INT4_CPU_CHUNK = 4096  # rows repacked at a time: bounds the int32 temporary
 _GEMV_LANES = 8  # the CPU kernels' GEMV computes 8 output rows side by side
+
+
+@cache
+def _int4_dense_rows() -> int:
+    return int(torch.ops.ferrum_cpu.int4_dense_rows())
 
 
 def _per_input(zero: torch.Tensor, group: int, k: int) -> torch.Tensor:
@@ -154,10 +160,15 @@ class CpuKernelsMethod(LinearMethod):
     32 inputs meets the weight as stored, 8 output rows side by side. prepare() repacks the storage
     into the kernels' layout (the rows padded to a multiple of 8): int4's scales with its minimums
     (zero - 8 scale) or zeros, in float16 where that keeps them exact, else float32; int8's bytes
-    offset by 128. Products of DENSE_ROWS rows or more (prefill) dequantize the weight for the call and
-    take one dense matrix product instead."""
+    offset by 128. Products of dense_rows(layer) rows or more (long prefills) dequantize the weight for
+    the call and take one dense matrix product instead."""
 
-    DENSE_ROWS = 32
+    DENSE_ROWS = 32  # int8's, and int4's where the kernels say nothing else
+
+    def dense_rows(self, layer: QuantizedLinear) -> int:
+        """The rows of x from which this layer's product is dense: int4's as the built kernels measure it
+        (256 on plain AVX2, whose int4 kernel takes many rows at once), else DENSE_ROWS."""
+        return _int4_dense_rows() if layer.scheme.method == "int4" else self.DENSE_ROWS
 
     def prepare(self, layer: QuantizedLinear) -> None:
         n, k = layer.shape
@@ -196,7 +207,7 @@ class CpuKernelsMethod(LinearMethod):
 
     def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         offsets = layer.scheme.offsets  # int8 zeros per group: added in float32, then one rounding
-        if x.shape[0] >= self.DENSE_ROWS:  # prefill: one dense product with the weight dequantized for it
+        if x.shape[0] >= self.dense_rows(layer):  # long prefill: one dense product, the weight dequantized for it
             weight = self.dense_weight(layer, torch.float32 if offsets else x.dtype)[: layer.out_features]
             if offsets:
                 weight = (weight + _per_input(layer.zero, layer.scheme.group_size, layer.in_features)).to(x.dtype)
