@@ -36,9 +36,11 @@ the first content delta, TPOT = (e2e - TTFT) / (output tokens - 1)):
   short  `make bench`'s workload (scripts/bench_serve.py, imported): its 16 short fixed prompts, request i
          asking prompt i mod 16, max_tokens 64, EOS honoured; 8 requests at c=1, 4 per slot above
          (--short-requests to change).
-Long context: one streamed request (c=1, `ignore_eos`, max_tokens 64) per --long-context size (default
-~50 and ~6,000 prompt tokens: random common words sized with the folder's tokenizer and chat template; the
-usage each server reports is what the table shows). Ferrum serves max_model_len = the model's
+Long context: streamed requests alone (c=1, `ignore_eos`, max_tokens 64), one per --long-context size (default
+~50 and ~6,000 prompt tokens) in turn, --long-context-rounds times over (default 3; TTFT from the first round,
+later rounds finding the prompt cached; TPOT the rounds' median, so that the machine's drift over the minutes
+falls on both sizes alike). The prompts: random common words sized with the folder's tokenizer and chat
+template; the usage each server reports is what the table shows. Ferrum serves max_model_len = the model's
 max_position_embeddings (8192) by default; llama-server's -c 8192 split over -np 8 slots leaves 1,024 tokens
 a slot, so its long-context requests go to a second llama-server, -np 1 -c --llama-long-ctx (8192),
 started after the first stops (its ready time and RSS are reported apart).
@@ -60,6 +62,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -422,24 +425,37 @@ def measure_workloads(client: Client, pgid: int, loads: list[Workload], max_toke
     return phases
 
 
-def measure_long_context(client: Client, pgid: int, prompts: list[LongPrompt]) -> list[dict[str, Any]]:
-    """One streamed request per prompt, alone: its prompt tokens (the server's usage), TTFT and TPOT."""
-    out = []
-    for prompt in prompts:
-        meter = CpuMeter(pgid)
-        run = client.level([prompt.text], 1, ignore_eos=True)
-        cpu = meter.read()
-        record = run.records[0]
-        row: dict[str, Any] = {
-            "target_tokens": prompt.target, "template_tokens": prompt.tokens, "prompt_tokens": record.prompt_len,
-            "output_tokens": record.output_tokens, "ttft_ms": run.result.ttft.median_ms,
-            "tpot_ms": run.result.tpot.median_ms, "error": record.error, "cpu": cpu,
-        }
-        out.append(row)
-        print(f"   long context ~{prompt.target}: {record.prompt_len} prompt tokens, "
-              f"{record.output_tokens} out, TTFT {fmt(row['ttft_ms'])} ms, TPOT {fmt(row['tpot_ms'])} ms; "
-              f"CPU others {cpu['other_cpu_pct']}%"
-              + (f"; error: {record.error}" if record.error else ""), flush=True)
+def measure_long_context(client: Client, pgid: int, prompts: list[LongPrompt], rounds: int) -> list[dict[str, Any]]:
+    """Streamed requests alone, the prompts in turn, `rounds` times over: per prompt its prompt tokens (the
+    server's usage), the first round's TTFT (later rounds find the prompt in the server's prefix cache) and
+    the median of the rounds' TPOTs. The sizes alternate, so that a drift of the machine's speed over the
+    minutes falls on every size alike; each round's TPOTs are kept (tpot_rounds_ms)."""
+    out: list[dict[str, Any]] = []
+    for round_index in range(rounds):
+        for i, prompt in enumerate(prompts):
+            meter = CpuMeter(pgid)
+            run = client.level([prompt.text], 1, ignore_eos=True)
+            cpu = meter.read()
+            record = run.records[0]
+            tpot = run.result.tpot.median_ms
+            if round_index == 0:
+                out.append({
+                    "target_tokens": prompt.target, "template_tokens": prompt.tokens,
+                    "prompt_tokens": record.prompt_len, "output_tokens": record.output_tokens,
+                    "ttft_ms": run.result.ttft.median_ms, "tpot_ms": None, "tpot_rounds_ms": [],
+                    "error": record.error, "cpu": cpu,
+                })
+            row = out[i]
+            row["tpot_rounds_ms"].append(tpot)
+            row["error"] = row["error"] or record.error
+            row["cpu"]["other_cpu_pct"] = max(row["cpu"]["other_cpu_pct"], cpu["other_cpu_pct"])
+            print(f"   long context ~{prompt.target} (round {round_index + 1}): {record.prompt_len} prompt tokens, "
+                  f"{record.output_tokens} out, TTFT {fmt(run.result.ttft.median_ms)} ms, TPOT {fmt(tpot)} ms; "
+                  f"CPU others {cpu['other_cpu_pct']}%"
+                  + (f"; error: {record.error}" if record.error else ""), flush=True)
+    for row in out:
+        done = [t for t in row["tpot_rounds_ms"] if t is not None]
+        row["tpot_ms"] = statistics.median(done) if done else None
     return out
 
 
@@ -489,7 +505,8 @@ def race_server(spec: ServerSpec, pass_index: int, ctx: RaceContext) -> dict[str
             out["perplexity"] = _perplexity(lambda: [api_perplexity(
                 server.base_url, spec.model, text.read_text(encoding="utf-8"), args.ppl_ctx)])
         if ctx.long_prompts and spec.long_context_cmd is None:
-            out["long_context"] = measure_long_context(client, server.pgid, ctx.long_prompts)
+            out["long_context"] = measure_long_context(client, server.pgid, ctx.long_prompts,
+                                                       ctx.args.long_context_rounds)
         out["peak_rss_mb"] = server.group_peak_rss_mb()
         print(f"   peak RSS {fmt(out['peak_rss_after_workloads_mb'], '.0f')} MB after the workloads, "
               f"{fmt(out['peak_rss_mb'], '.0f')} MB at the end", flush=True)
@@ -524,7 +541,8 @@ def long_context_server(spec: ServerSpec, pass_index: int, ctx: RaceContext) -> 
     try:
         out["ready_s"] = round(server.start(), 3)
         client.level([WARMUP_TEXT], 1, ignore_eos=False)
-        out["long_context"] = measure_long_context(client, server.pgid, ctx.long_prompts)
+        out["long_context"] = measure_long_context(client, server.pgid, ctx.long_prompts,
+                                                       ctx.args.long_context_rounds)
         out["peak_rss_mb"] = server.group_peak_rss_mb()
     except (ServerError, BenchError, OSError) as exc:
         out["error"] = str(exc)
@@ -717,7 +735,9 @@ def markdown(report: dict[str, Any], loads: list[Workload], args: argparse.Names
             f"tokens each evaluated alone, the last {ppl['scored_per_chunk']} of each scored (llama-perplexity "
             f"-c {ppl['ctx']}); llama-server: llama-perplexity on the GGUF; Ferrum: its prompt logprobs through "
             "the API; transformers: in-process on the folder in the served dtype (float32 in the JSON). "
-            "Long context: one streamed request, alone, 64 output tokens; prompt tokens as the server counted them."
+            "Long context: streamed requests alone, 64 output tokens, the sizes in turn, "
+            f"{args.long_context_rounds} rounds: TTFT of the first (uncached), TPOT the rounds' median; prompt tokens "
+            "as the server counted them."
             if ppl.get("text") else "Perplexity: not measured.")
     if any(r.get("long_context_server") for r in report["runs"]):
         note += (" llama-server's long-context requests ran on a second llama-server with one slot of "
@@ -770,6 +790,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--long-context", type=int, nargs="*", default=[50, 6000], metavar="TOKENS",
                     help="prompt sizes of the single long-context requests (none: skip them)")
+    ap.add_argument("--long-context-rounds", type=int, default=3,
+                    help="times the long-context requests run, the sizes in turn (TPOT: the rounds' median)")
     ap.add_argument("--ppl-text", default="tests/data/perplexity.txt", help="the perplexity text ('' to skip)")
     ap.add_argument("--ppl-ctx", type=int, default=256,
                     help="perplexity chunk, a multiple of 256 (llama-perplexity -c); the text needs 2x its tokens")

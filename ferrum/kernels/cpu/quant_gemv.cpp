@@ -25,6 +25,9 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+#define FERRUM_INT16_SUMS 1  // no vpdpbusd: int4 products summed in int16 before one widening a block
+#endif
 
 namespace ferrum_cpu {
 namespace {
@@ -213,6 +216,26 @@ void int4_groups(const QuantizedX& xq, const uint8_t* packed, const P* scale, co
         __builtin_prefetch(wp + b * 4 * 32 + PREFETCH_BYTES);
         __builtin_prefetch(wp + b * 4 * 32 + PREFETCH_BYTES + 64);
         __m256i dot[R];
+#if defined(FERRUM_INT16_SUMS)
+        // plain AVX2: a row's 8 vpmaddubsw of the block summed in int16 (each lane pair at most
+        // 2 * 15 * 127 = 3,810, 8 of them within 32,767), widened by one vpmaddwd: the same integers as
+        // widening each, with 7 vpmaddwd and vpaddd fewer a part row and block (Zen 3, the demo model's 120
+        // projections at 1 row: 0.905x the time, scripts/cpu_kernel_ab.py --gemv-rows 1, 12 passes)
+        __m256i p[R][4];
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (b * 4 + c) * 32));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = xq.q.data() + r * K + b * QBLOCK;
+            p[r][c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(a + 4 * c)),
+                                       _mm256_maddubs_epi16(hi, broadcast4(a + 4 * (c + 4))));
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          dot[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[r][0], p[r][1]),
+                                                      _mm256_add_epi16(p[r][2], p[r][3])),
+                                     _mm256_set1_epi16(1));
+#else
         for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (b * 4 + c) * 32));
@@ -223,6 +246,7 @@ void int4_groups(const QuantizedX& xq, const uint8_t* packed, const P* scale, co
             dot[r] = dot_u8s8(dot[r], hi, broadcast4(a + 4 * (c + 4)));
           }
         }
+#endif
         for (int r = 0; r < R; ++r)
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
                                    _mm256_mul_ps(s, _mm256_set1_ps(xq.scale[r * blocks + b])), acc[r]);
@@ -259,7 +283,7 @@ void int4_groups(const QuantizedX& xq, const uint8_t* packed, const P* scale, co
 // Plain AVX2 (no VNNI), any number of part rows R (even: two per row of x): each weight block is unpacked
 // once into its 8 nibble vectors, then every row takes it, two at a time. A row's 8 vpmaddubsw of a
 // block are summed in int16, as a tree (each lane pair is at most 2 * 15 * 127 = 3,810, so 8 of them stay
-// within 32,767), and widened by one vpmaddwd, where int4_groups widens each. The int32 block sums are
+// within 32,767), and widened by one vpmaddwd, as int4_groups does on plain AVX2. The int32 block sums are
 // the same integers, and each row's float work is int4_groups' (the same fmas in the same order), so
 // every row's output is the same bits as there. The rows' accumulators live in memory (R x 8 floats),
 // so R is not bound by the 16 vector registers and a block's weights are read once for all of a
