@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrum.backends.device import Device
+from ferrum.backends.host_memory import gather_into_huge_pages, huge_pages_offered
 from ferrum.engine.auto_quantization import resolve_quantization
 from ferrum.engine.block_manager import peak_tokens
 from ferrum.engine.config import EngineConfig
@@ -98,6 +99,9 @@ class ModelRank:
         self.model, self.weight_load = self._load(files, weights)
         if self.quantization.int8_head and self.tp.size == 1 and int8_head_fits(self.model.lm_head):
             self.model.lm_head = Int8Head(self.model.lm_head)
+        if self.cpu_kernels and config.kernels.cpu_huge_pages and huge_pages_offered():
+            moved = gather_into_huge_pages(self.model.buffers())  # before any runner takes views of them
+            log.info("CPU: %.0f MB of quantized weights and tables in transparent huge pages", moved / 1e6)
         report(StartupProgress("warming"))
         reset_scales(self.model)  # (built empty: its buffers hold whatever the memory held)
         if self.layout.fp8:
