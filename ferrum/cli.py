@@ -7,25 +7,24 @@ import asyncio
 import os
 import sys
 
-from ferrum.backends.selection import BackendSelectionError
 from ferrum.bench.cli import add_bench_parser, run_bench
-from ferrum.config.loader import ConfigError, load_config
-from ferrum.models.errors import ModelConfigError
-from ferrum.models.loader import WeightsError
-from ferrum.server.launch import StartupError, pull_model
-from ferrum.server.logs import setup_logging
-from ferrum.weights.errors import WeightError
-from ferrum.weights.locations.uri import ModelLocationError
 
-USER_ERRORS = (
-    ConfigError,
-    BackendSelectionError,
-    StartupError,
-    ModelConfigError,
-    WeightsError,
-    WeightError,
-    ModelLocationError,
-)
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that are the user's to fix: printed as one line, exit code 2. Imported here, not at
+    the top: `ferrum serve` starts its engine process before these modules (torch among them) load."""
+    from ferrum.backends.selection import BackendSelectionError
+    from ferrum.config.loader import ConfigError
+    from ferrum.models.errors import ModelConfigError
+    from ferrum.models.loader import WeightsError
+    from ferrum.server.launch import StartupError
+    from ferrum.weights.errors import WeightError
+    from ferrum.weights.locations.uri import ModelLocationError
+
+    return (ConfigError, BackendSelectionError, StartupError, ModelConfigError, WeightsError, WeightError,
+            ModelLocationError)
+
+
 MODEL_HELP = (
     "model location: a local folder, hf://org/name[@revision], s3://bucket/prefix or https://host/folder/"
 )
@@ -169,11 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "serve" and args.engine_process != "off":
+        from ferrum.engine.warm_start import prestart
+
+        prestart()  # the engine process imports its modules while this one imports the server's
+    errors = user_errors()
+    from ferrum.server.logs import setup_logging
 
     if args.command == "bench":
         try:
             sys.exit(run_bench(args))
-        except USER_ERRORS as exc:
+        except errors as exc:
             print(f"ferrum: error: {exc}", file=sys.stderr)
             sys.exit(2)
         except KeyboardInterrupt:
@@ -192,9 +197,12 @@ def main(argv: list[str] | None = None) -> None:
                 "backend", "dtype", "quantization", "max_model_len", "kv_cache_dtype", "port", "log_level")})
             setup_logging(config.server.logging)
             sys.exit(run_model(config, args.temperature))
-        except USER_ERRORS as exc:
+        except errors as exc:
             print(f"ferrum: error: {exc}", file=sys.stderr)
             sys.exit(2)
+    from ferrum.config.loader import load_config
+    from ferrum.server.launch import pull_model
+
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)
@@ -209,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(1)
         elif args.command == "pull":
             print(asyncio.run(pull_model(config)), flush=True)
-    except USER_ERRORS as exc:
+    except errors as exc:
         print(f"ferrum: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

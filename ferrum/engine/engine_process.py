@@ -1,11 +1,12 @@
 """The engine process: its entry point and the messages it sends back.
 
-Started by ProcessEngineClient with multiprocessing's "spawn" context. From the EngineSpec it is
-given it rebuilds the backend registry, takes the backend the API process selected, probes its
-`Device` here (a GPU's CUDA context belongs to this process alone) and builds LLMEngine on it;
-it reports Ready (or StartFailed), then runs the engine loop over two one-way pipes: commands
-(AddRequest, AbortRequest, StopLoop) in, one Stepped message per round out (with the steps its
-backend has counted, for the API process's backend: GET /v1/backends). It ignores SIGINT
+Spawned (warm_start.py: at launch, or ahead of it by `ferrum serve`), it imports the engine's modules
+and waits for its first message, the EngineSpec to build (warm_start.EngineStart). From that it
+rebuilds the backend registry, takes the backend the API process selected, probes its `Device` here
+(a GPU's CUDA context belongs to this process alone) and builds LLMEngine on it; it reports Ready
+(or StartFailed), then runs the engine loop over two one-way pipes: commands (AddRequest,
+AbortRequest, StopLoop) in, one Stepped message per round out (with the steps its backend has
+counted, for the API process's backend: GET /v1/backends). It ignores SIGINT
 (Ctrl-C in a terminal reaches the whole process group; the server stops it with StopLoop), exits
 by itself when the server's end of either pipe goes away, and frees the device through its
 backend's shutdown before it exits.

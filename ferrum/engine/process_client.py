@@ -2,8 +2,9 @@
 
 The engine's Python work (scheduling, sampling, detokenizing) then no longer shares a GIL with the
 HTTP server's (parsing, SSE formatting for every stream). The engine process (engine_process.py) is
-started with "spawn" (never fork after CUDA is initialised) and builds LLMEngine itself from an
-EngineSpec; this side loads the tokenizer from the model's folder for prompts and chat templates,
+spawned (never forked after CUDA is initialised), or on the CPU after `ferrum serve`'s warm start
+forked from a fork server that has imported its modules (warm_start.py), and builds LLMEngine itself
+from an EngineSpec; this side loads the tokenizer from the model's folder for prompts and chat templates,
 and checks requests against the limits the engine process reports.
 
 Commands go down one pipe from the event loop. A reader thread receives the engine's messages from
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -34,10 +34,10 @@ from ferrum.engine.engine_process import (
     Starting,
     StepFailed,
     Stepped,
-    run_engine_process,
 )
 from ferrum.engine.request_streams import EngineDeadError, RequestStreams
 from ferrum.engine.startup import StartupObserver
+from ferrum.engine.warm_start import EngineStart, spawn_engine_process, take, wait_for_spec
 from ferrum.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,21 +80,13 @@ class ProcessEngineClient(RequestStreams):
         EngineDeadError if it cannot be carried over), leaving no process behind; so does
         cancelling the wait. `on_operations(n)`: n more engine steps ran (from the reader thread;
         the API process's `ComputeBackend.record_operation`)."""
-        ctx = multiprocessing.get_context("spawn")
-        child_commands, commands = ctx.Pipe(duplex=False)  # (receiving end, sending end)
-        results, child_results = ctx.Pipe(duplex=False)
-        for pipe in (results, commands):
-            _widen_pipe(pipe)
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-        process = ctx.Process(
-            target=run_engine_process,
-            args=(spec, child_commands, child_results, level),
-            name="ferrum-engine",
-            daemon=True,  # never outlives an interpreter that exits without shutdown()
-        )
-        process.start()
-        child_commands.close()  # the child's ends, closed here: the pipes close when the child exits
-        child_results.close()
+        started = take() or spawn_engine_process(wait_for_spec)
+        process, commands, results = started.process, started.commands, started.results
+        try:
+            commands.send(EngineStart(spec, level))
+        except OSError:  # it died before it was sent (its exit code says how): as a failed start below
+            pass
         loop = asyncio.get_running_loop()
         try:
             first = await loop.run_in_executor(None, _receive_or_none, results)
@@ -225,18 +217,3 @@ async def _stop_process(process: BaseProcess, commands: Connection) -> None:
     if process.exitcode is None:
         process.kill()
         await _wait_for_exit(process, STOP_GRACE_S)
-
-
-F_SETPIPE_SZ = 1031  # Linux fcntl
-
-
-def _widen_pipe(connection: Connection, size: int = 1 << 20) -> None:
-    """Grows a pipe from Linux's 64 KiB to 1 MiB, so that the engine never blocks on sending a step's
-    outputs while this process's reader thread waits its turn for the GIL (up to the interpreter's
-    5 ms switch interval when the event loop is busy with many streams)."""
-    try:
-        import fcntl
-
-        fcntl.fcntl(connection.fileno(), F_SETPIPE_SZ, size)
-    except (ImportError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size: keep the default
-        pass

@@ -25,6 +25,7 @@ from ferrum.engine.builder import EngineSpec, attach_engine
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.process_client import ProcessEngineClient
 from ferrum.engine.startup import StartupObserver, StartupProgress
+from ferrum.engine.warm_start import discard as discard_prestarted_engine
 from ferrum.models.config import load_model_config
 from ferrum.weights.locations.gguf_file import is_gguf_location
 from ferrum.weights.locations.model_files import ModelFiles, local_model_folder
@@ -111,6 +112,7 @@ async def build_engine(
                                                       on_operations=backend.record_operation)
             return client, backend
         log.info("engine: on a thread of the server process")
+        discard_prestarted_engine()
         device = backend.device(device_name)
         loop = asyncio.get_running_loop()
 

@@ -28,6 +28,7 @@ from ferrum.engine.llm_engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from ferrum.engine.process_client import ProcessEngineClient
 from ferrum.engine.sampling_params import SamplingParams
+from ferrum.engine.warm_start import discard, prestart, take
 from ferrum.server.launch import build_engine, engine_in_own_process
 from ferrum.weights.errors import CorruptWeightsError, SourceNotFoundError
 from ferrum.weights.locations.model_files import ModelFiles
@@ -270,6 +271,39 @@ async def test_shutdown_stops_the_process_cleanly(one_thread_children: None) -> 
             pass
     assert not client.is_ready()
     await client.shutdown()  # twice is fine
+
+
+@on_module_loop
+async def test_prestarted_engine_process_is_the_one_launched(engine: LLMEngine, one_thread_children: None) -> None:
+    """`ferrum serve` spawns its engine process before it imports torch (warm_start.prestart), so that both
+    processes import at once; the launch then sends that process its spec instead of spawning another."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    prestart()
+    started = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert [p.name for p in started] == ["ferrum-engine"]
+    client = await ProcessEngineClient.launch(CONFIG)
+    try:
+        assert client.pid == started[0].pid
+        await client.start()
+        prompt = client.tokenizer.encode(PROMPTS[0])
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        result = await asyncio.wait_for(_collect(client, "prestarted", prompt, params), 60)
+        assert _tokens(result) == engine.generate([prompt], params)[0]
+    finally:
+        await asyncio.wait_for(client.shutdown(), 30)
+    assert client.exitcode == 0
+
+
+def test_prestarted_engine_process_left_unused_exits(one_thread_children: None) -> None:
+    """An engine on the server's thread (engine_process: off in a config file) leaves the prestarted
+    process to no launch: discarding it closes its pipe and it exits by itself, importing nothing more."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    prestart()
+    (started,) = [p for p in multiprocessing.active_children() if p.pid not in before]
+    discard()
+    started.join(60)
+    assert started.exitcode == 0
+    assert take() is None  # taken once: a later launch spawns its own
 
 
 def _bad_model_folder(folder: Path, weights: bytes | None) -> Path:
