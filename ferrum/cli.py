@@ -168,10 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.command == "serve" and args.engine_process != "off":
-        from ferrum.engine.warm_start import prestart
+    if args.command != "serve" or args.engine_process == "off":
+        return _run(args)
+    from ferrum.engine.warm_start import discard, prestart
 
-        prestart()  # the engine process imports its modules while this one imports the server's
+    prestart()  # the engine process imports its modules while this one imports the server's
+    try:
+        _run(args)
+    finally:
+        discard()  # if the server stopped before a launch took it, it exits now
+
+
+def _run(args: argparse.Namespace) -> None:
     errors = user_errors()
     from ferrum.server.logs import setup_logging
 

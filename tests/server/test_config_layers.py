@@ -10,6 +10,7 @@ import pytest
 from ferrum.cli import build_parser, main
 from ferrum.config.loader import ConfigError, load_config
 from ferrum.config.server_settings import LimitsConfig
+from ferrum.engine.warm_start import take
 from ferrum.weights.quantization.scheme import QuantizationConfig
 from tests.engines import without_default_quantization
 
@@ -240,3 +241,4 @@ def test_a_refused_method_exits_2_without_a_traceback(argv: list[str], capsys: p
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "error: quantization method 'bitsandbytes'" in err and "Traceback" not in err
+    assert take() is None  # `serve` spawned its engine process first; nothing took it, and it was let go
