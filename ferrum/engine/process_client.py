@@ -2,10 +2,10 @@
 
 The engine's Python work (scheduling, sampling, detokenizing) then no longer shares a GIL with the
 HTTP server's (parsing, SSE formatting for every stream). The engine process (engine_process.py) is
-spawned (never forked after CUDA is initialised), or on the CPU after `ferrum serve`'s warm start
-forked from a fork server that has imported its modules (warm_start.py), and builds LLMEngine itself
-from an EngineSpec; this side loads the tokenizer from the model's folder for prompts and chat templates,
-and checks requests against the limits the engine process reports.
+spawned (never forked: no CUDA context or thread pool of this process goes with it), at launch or,
+under `ferrum serve`, before the server's own imports (warm_start.py), and builds LLMEngine itself from
+the EngineSpec it is sent first; this side loads the tokenizer from the model's folder for prompts and
+chat templates, and checks requests against the limits the engine process reports.
 
 Commands go down one pipe from the event loop. A reader thread receives the engine's messages from
 the other and hands them to the event loop with call_soon_threadsafe; the engine's steps, which the

@@ -578,8 +578,11 @@ inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2],
 template <int NZ, int RB>
 inline void accumulate_tiled(float* acc, const float* weights, const int8_t* const* values, int64_t n16) {
   constexpr int64_t D = 64 * NZ;
-  alignas(32) int16_t wq[SUB];
-  alignas(32) __m256i wp[RB][SUB / VALUE_TILE][2];  // each 4 tokens' weights: tokens 0 and 2, 1 and 3
+  // each 4 tokens' weights as (w0, w2, w1, w3), each pair one int32 that the value loop broadcasts from here
+  // (against broadcasting every pair into a vector in memory first, then loading those: the same bits, the
+  // value loop 9.7 cycles an iteration instead of 11.6 by llvm-mca for Zen 3; the kernel 0.94-0.97x the
+  // time at 512 and 6,000 keys, warm and cold, 1 and 2 threads, `scripts/cpu_kernel_ab.py`, 24 passes)
+  alignas(32) int16_t wq[RB][SUB];
   float step[RB];
   for (int r = 0; r < RB; ++r) {
     const float* w_r = weights + r * SUB;
@@ -590,36 +593,33 @@ inline void accumulate_tiled(float* acc, const float* weights, const int8_t* con
     const float w_max = *std::max_element(lanes, lanes + 8);
     step[r] = w_max > 0.f ? w_max / 32767.f : 0.f;
     const __m256 inv = _mm256_set1_ps(w_max > 0.f ? 32767.f / w_max : 0.f);
-    // each 4 tokens' weights stored as (w0, w2, w1, w3): each pair one int32 to broadcast (one vpshufb here
-    // and a broadcast load a pair, where building each pair from two int16 took several scalar ops: the same
-    // bits, 0.88-0.97x the kernel's time at 512-6,000 keys on Zen 3, `scripts/cpu_kernel_ab.py`, 12 passes)
+    // (one vpshufb here, where building each pair from two int16 took several scalar ops: the same bits,
+    // 0.88-0.97x the kernel's time at 512-6,000 keys on Zen 3, `scripts/cpu_kernel_ab.py`, 12 passes)
     const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
                                            0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
     for (int64_t j = 0; j < n16; j += 16) {
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j), inv));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j + 8), inv));
       const __m256i ordered = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(wq + j), _mm256_shuffle_epi8(ordered, pairs));
-    }
-    for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) {
-      int32_t even, odd;
-      std::memcpy(&even, wq + VALUE_TILE * g, 4);
-      std::memcpy(&odd, wq + VALUE_TILE * g + 2, 4);
-      wp[r][g][0] = _mm256_set1_epi32(even);
-      wp[r][g][1] = _mm256_set1_epi32(odd);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(wq[r] + j), _mm256_shuffle_epi8(ordered, pairs));
     }
   }
+  const int8_t* groups[SUB / VALUE_TILE];  // each 4 tokens' values
+  for (int64_t g = 0; g < n16 / VALUE_TILE; ++g)
+    groups[g] = values[g / (KEY_TILE / VALUE_TILE)] + (g % (KEY_TILE / VALUE_TILE)) * VALUE_TILE * D;
   for (int64_t d0 = 0; d0 < D; d0 += 16) {  // 16 dimensions at a time: 2 vectors of sums a query vector
     __m256i sum[RB][2];
     for (int r = 0; r < RB; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
     for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) {
-      const int8_t* vals = values[g / (KEY_TILE / VALUE_TILE)] + (g % (KEY_TILE / VALUE_TILE)) * VALUE_TILE * D;
-      const __m256i* rows = reinterpret_cast<const __m256i*>(vals + 4 * d0);  // 4 tokens of dimensions d0..d0+15
+      const __m256i* rows = reinterpret_cast<const __m256i*>(groups[g] + 4 * d0);  // 4 tokens of dimensions d0..d0+15
       const __m256i x0 = _mm256_loadu_si256(rows), x1 = _mm256_loadu_si256(rows + 1);
       const __m256i e0 = _mm256_srai_epi16(_mm256_slli_epi16(x0, 8), 8), o0 = _mm256_srai_epi16(x0, 8);
       const __m256i e1 = _mm256_srai_epi16(_mm256_slli_epi16(x1, 8), 8), o1 = _mm256_srai_epi16(x1, 8);
       for (int r = 0; r < RB; ++r) {
-        const __m256i we = wp[r][g][0], wo = wp[r][g][1];
+        int32_t even, odd;  // tokens 0 and 2, 1 and 3
+        std::memcpy(&even, wq[r] + VALUE_TILE * g, 4);
+        std::memcpy(&odd, wq[r] + VALUE_TILE * g + 2, 4);
+        const __m256i we = _mm256_set1_epi32(even), wo = _mm256_set1_epi32(odd);
         sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, we), _mm256_madd_epi16(o0, wo)));
         sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, we), _mm256_madd_epi16(o1, wo)));
       }
