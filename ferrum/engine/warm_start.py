@@ -30,7 +30,7 @@ F_SETPIPE_SZ = 1031  # Linux fcntl
 
 @dataclass(frozen=True)
 class EngineStart:
-    """The first message down a prestarted engine process's command pipe: what to build."""
+    """The first message down every engine process's command pipe: what to build."""
 
     spec: EngineSpec
     log_level: int
