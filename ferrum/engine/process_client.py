@@ -37,7 +37,7 @@ from ferrum.engine.engine_process import (
 )
 from ferrum.engine.request_streams import EngineDeadError, RequestStreams
 from ferrum.engine.startup import StartupObserver
-from ferrum.engine.warm_start import EngineStart, spawn_engine_process, take, wait_for_spec
+from ferrum.engine.warm_start import EngineStart, spawn_engine_process, take
 from ferrum.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class ProcessEngineClient(RequestStreams):
         cancelling the wait. `on_operations(n)`: n more engine steps ran (from the reader thread;
         the API process's `ComputeBackend.record_operation`)."""
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-        started = take() or spawn_engine_process(wait_for_spec)
+        started = take() or spawn_engine_process()
         process, commands, results = started.process, started.commands, started.results
         try:
             commands.send(EngineStart(spec, level))

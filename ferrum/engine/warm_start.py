@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -64,16 +63,16 @@ def widen_pipe(connection: Connection, size: int = 1 << 20) -> None:
         pass
 
 
-def spawn_engine_process(target: Callable[..., None], *args: object) -> EngineProcess:
-    """A spawned process running target(child_commands, child_results, *args), with widened pipes."""
+def spawn_engine_process() -> EngineProcess:
+    """A spawned engine process (wait_for_spec), with widened pipes."""
     ctx = multiprocessing.get_context("spawn")
     child_commands, commands = ctx.Pipe(duplex=False)  # (receiving end, sending end)
     results, child_results = ctx.Pipe(duplex=False)
     for pipe in (results, commands):
         widen_pipe(pipe)
     process = ctx.Process(
-        target=target,
-        args=(child_commands, child_results, *args),
+        target=wait_for_spec,
+        args=(child_commands, child_results),
         name="ferrum-engine",
         daemon=True,  # never outlives an interpreter that exits without shutdown()
     )
@@ -86,7 +85,7 @@ def spawn_engine_process(target: Callable[..., None], *args: object) -> EnginePr
 def prestart() -> None:
     """Spawns the engine process now, to import while this process does; the next launch takes it."""
     if _waiting.process is None:
-        _waiting.process = spawn_engine_process(wait_for_spec)
+        _waiting.process = spawn_engine_process()
 
 
 def take() -> EngineProcess | None:
@@ -100,7 +99,8 @@ def take() -> EngineProcess | None:
 
 
 def wait_for_spec(commands: Connection, results: Connection) -> None:
-    """A prestarted engine process's target: the engine's imports, then the engine of the first message."""
+    """Every engine process's target: the engine's imports, then the engine its first message names (at once
+    when spawned at launch; once the server process has resolved the model when prestarted)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ferrum.engine.engine_process import run_engine_process
 
