@@ -336,13 +336,16 @@ def time_batch1_decode(folder: Path, prompt_len: int = 128, new_tokens: int = 25
                             new_tokens)
 
 
-def record_offline(name: str, folder: Path, out: Path, quantization: str | None = None) -> None:
+def record_offline(name: str, folder: Path, out: Path, quantization: str | None = None,
+                   kernels: dict | None = None) -> None:
     """`ferrum bench offline` (256 requests, 100-1024 in and out) on `folder` as a subprocess, recorded
-    under phase "offline" as `name` (its output JSON at `out`)."""
+    under phase "offline" as `name` (its output JSON at `out`); `kernels`: engine.kernels settings."""
     cmd = [sys.executable, "-m", "ferrum.cli", "bench", "offline", "--model", str(folder), "--max-model-len", "2048",
            "--num-prompts", "256", "--output-json", str(out)]
     if quantization is not None:
         cmd += ["--quantization", quantization]
+    if kernels:
+        cmd += ["--kernels", json.dumps(kernels)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if done.returncode or not out.exists():
         record("offline", name, "failed", note=done.stderr[-800:])

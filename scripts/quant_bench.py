@@ -72,14 +72,21 @@ def floor_bytes(folder: Path, method: str, head_quantized: bool) -> int:
 
 def quant_setting(method: str, head: bool) -> dict[str, Any]:
     """The engine settings of a method; int4-a8 / int4-a16: int4 with the decode GEMV's int8 inputs on / off
-    (KernelConfig.gemv_int4.int8_inputs; plain int4: the default)."""
+    (KernelConfig.gemv_int4.int8_inputs; plain int4: the default); int4-r8: int4 with its products of
+    DEQUANTIZE_FROM rows and more on the int8 tensor cores (KernelConfig.int4_int8_rows)."""
     if method == "bf16":
         return {}
+    if method == "int4-r8":
+        return {"quantization": {"method": "int4", "skip": [] if head else ["lm_head"]},
+                "kernels": {"int4_int8_rows": INT8_ROWS}}
     base, _, inputs = method.partition("-a")
     setting: dict[str, Any] = {"quantization": {"method": base, "skip": [] if head else ["lm_head"]}}
     if inputs:
         setting["kernels"] = {"gemv_int4": {"int8_inputs": inputs == "8"}}
     return setting
+
+
+INT8_ROWS = 129  # int4-r8's KernelConfig.int4_int8_rows: quant_matmul.DEQUANTIZE_FROM
 
 
 def batch_step_ms(folder: Path, batch: int, setting: dict[str, Any], prompt_len: int = 128, tokens: int = 64) -> float:
@@ -177,8 +184,9 @@ def main() -> None:
                            f"floor {floor * 1e3:.3f} ms -> {floor / (res['ms_per_token'] / 1e3):.1%} of floor")
         if args.offline:
             for method in methods:
+                setting = quant_setting(method, False)
                 record_offline(f"{shape} {method}", folder, args.out / f"offline-{shape}-{method}.json",
-                               None if method == "bf16" else method)
+                               setting.get("quantization", {}).get("method"), setting.get("kernels"))
         (args.out / "quant_bench.json").write_text(json.dumps(RESULTS, indent=1))
     print_results(args.out / "quant_bench.json")
 

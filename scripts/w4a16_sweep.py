@@ -62,6 +62,15 @@ def weight_tilings(m: int, packed: tuple[bool, ...]) -> list[GemmConfig]:
             for bm, bn, warps, stages in WEIGHT_TILES if bm <= max(64, m) for split in (1, 2, 4) for bf16x2 in packed]
 
 
+def int4_weight(n: int, k: int) -> tuple[torch.Tensor, QuantWeight, torch.Tensor]:
+    """A random bf16 weight [n, k] on the GPU, it quantized to int4 in groups of 128 as the kernels take it, and
+    that dequantized to bf16."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+    qt = quantize(w, QuantScheme("int4", 128))
+    qw = QuantWeight("int4", qt.parts["qweight"], qt.parts["scale"], qt.parts["zero"], 128)
+    return w, qw, dequantize(qt, torch.bfloat16)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="16,64")
@@ -80,10 +89,7 @@ def main() -> None:
     rows: list[dict] = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
-        qt = quantize(w, QuantScheme("int4", 128))
-        qw = QuantWeight("int4", qt.parts["qweight"], qt.parts["scale"], qt.parts["zero"], 128)
-        deq = dequantize(qt, torch.bfloat16)
+        w, qw, deq = int4_weight(n, k)
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x, deq).float()

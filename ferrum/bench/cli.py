@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import sys
@@ -26,6 +27,16 @@ def _length_range(text: str) -> LengthRange:
         return LengthRange.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _json_mapping(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _positive_list(text: str, what: str) -> tuple[int, ...]:
@@ -113,6 +124,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     off.add_argument("--speculative-config", metavar="JSON",
                      help='speculative decoding, as for `ferrum serve`: {"method": "ngram", "num_speculative_tokens": '
                           '4}; the report gives the acceptance')
+    off.add_argument("--kernels", type=_json_mapping, metavar="JSON",
+                     help='the engine\'s kernel settings, as under `engine: {kernels: ...}` in the YAML: '
+                          '{"max_decode_splits": 8, "int4_int8_rows": 129}')
     _workload_flags(off)
 
     srv = modes.add_parser("serve", help="stream the workload to a running server at several concurrencies")
@@ -159,6 +173,8 @@ def _offline(args: argparse.Namespace) -> int:
         engine["enable_prefix_caching"] = False
     if args.quantization is not None:
         engine["quantization"] = quantization_config({"method": args.quantization})
+    if args.kernels is not None:
+        engine["kernels"] = args.kernels
     result = run_offline(OfflineOptions(args.model, _workload(args), args.backend, engine))
     print(offline_table(result), flush=True)
     if args.output_json:

@@ -131,7 +131,8 @@ class ModelRank:
         try:
             return load_model(self.model_config, files.weights, self.device, self.dtype,
                               layer_ops(self.device, self.cpu_kernels), loader, progress, tp=self.tp,
-                              quantization=self.quantization.quantization, chosen=self.quantization.reason or None)
+                              quantization=self.quantization.quantization, chosen=self.quantization.reason or None,
+                              kernels=self.config.kernels)
         finally:
             run_sync(loader.aclose())
 

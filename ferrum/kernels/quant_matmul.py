@@ -45,7 +45,16 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            128 or 256 rows, ran a layer 1.02-1.11x slower). The dequantization runs
                            at the rate of a stream of mostly writes (~3 TB/s on an H200, every
                            tiling alike). The buffer is the largest weight in bf16, 235 MB for the
-                           8B gate/up, held by the caching allocator
+                           8B gate/up, held by the caching allocator.
+                           M >= GemmRules.int4_int8_rows too (KernelConfig.int4_int8_rows; 0, the
+                           default: never): W8A8 on the int8 tensor cores. One kernel requantizes the
+                           weight to int8 with a scale an output channel (requantize_int4: each row's
+                           bound from its groups' scales and zeros, so nothing clamps) into a
+                           transient [N, K] int8 buffer, half the bf16 one's bytes; then int8's W8A8
+                           below (x per row, torch._int_mm, the scales). The tensor cores' int8 rate
+                           is twice bf16's, and the buffer's writes half. Errors: x's rounding as
+                           W8A8 int8's, plus the weight's, half a step of 1/127 of its row's largest
+                           magnitude (~7e-3 relative for Gaussian rows)
                    int8    M > 16, K and N multiples of 8: W8A8, x quantized per row to int8 as it
                            comes (scale = max|x_row| / 127, one Triton kernel), torch._int_mm (int8
                            tensor cores, int32 sums), then * x_scale * w_scale (+ bias) in one kernel;
@@ -71,6 +80,7 @@ without outliers (tests/kernels/test_quant_kernels.py checks these bounds):
                      ~6e-3: x's rounding to 1/127 of each 32 inputs' largest magnitude bound 2e-2
     W4A16, W8A16     ~3e-3: the dequantized weight rounded to bf16 before the dot    bound 1e-2
     W8A8 int8        ~1e-2: x's rounding to 1/127 of its row's largest magnitude     bound 2e-2
+      int4 requantized ~1.2e-2: that, and the weight's rounding to 1/127 of its row's  bound 2e-2
     W8A8 fp8         ~3e-2: x's rounding to e4m3's 3 mantissa bits                   bound 5e-2
 (per-row activation scales grow the W8A8 error with a row's outliers: max|x| / rms(x).)
 Whether the device runs the method at all (fp8: compute capability 8.9) is checked at start-up.
@@ -84,7 +94,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.config import GemvTable, KernelConfig
+from ferrum.kernels.config import DEFAULT_GEMM, GemmRules, GemvTable, KernelConfig
 from ferrum.kernels.counts import COUNTS, done_counts
 from ferrum.kernels.gemv import INT4, INT4_K, KernelWeight, gemv, kernel_weight
 from ferrum.kernels.planes import factor_stride, group_factors
@@ -175,11 +185,11 @@ def _w8a16_config(m: int) -> GemmConfig:
 
 
 def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
-                 table: GemvTable | None = None, fp8_rowwise: bool = True) -> torch.Tensor:
+                 table: GemvTable | None = None, rules: GemmRules = DEFAULT_GEMM) -> torch.Tensor:
     """x [..., K] (contiguous along K) @ dequantize(w).T + bias -> [..., N] in x's dtype, by the
     path the module docstring gives for M (the rows of x) and w.kind. table: the GEMV's for M <=
-    GEMV_ROWS (default: KernelConfig's for w.kind). fp8_rowwise: torch._scaled_mm takes row-wise
-    scales on this device (compute capability 9.0; an 8.9 GPU takes the Triton W8A16 GEMM)."""
+    GEMV_ROWS (default: KernelConfig's for w.kind). rules: the device's (GemmRules: whether
+    torch._scaled_mm takes row-wise scales; from how many rows int4 takes the int8 tensor cores)."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"quant_matmul: x has {x.shape[-1]} features, the {w.kind} weight takes {k}")
@@ -191,13 +201,15 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = x.new_empty(0, n)
     elif m <= GEMV_ROWS:
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
+    elif w.kind == "int4" and m >= DEQUANTIZE_FROM and 0 < rules.int4_int8_rows <= m and n % 8 == 0:
+        y = _w8a8_int8(flat, requantize_int4(w), bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM:
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
     elif w.kind in ("int8", "fp8") and w.group_size and m >= GROUPED_DEQUANTIZE_FROM:
         y = torch.nn.functional.linear(flat, dequantize_grouped(w, flat.dtype), bias)
     elif w.kind == "int8" and m > 16 and k % 8 == 0 and n % 8 == 0 and not w.group_size:
         y = _w8a8_int8(flat, w, bias)
-    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0 and fp8_rowwise and not w.group_size:
+    elif w.kind == "fp8" and m > 16 and k % 16 == 0 and n % 16 == 0 and rules.fp8_rowwise and not w.group_size:
         y = _w8a8_fp8(flat, w, bias)
     else:
         y = triton_gemm(flat, w, bias)
@@ -345,6 +357,65 @@ def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.te
     s, z = group_factors(S + rn * stride_sn, Z + rn * factor_stride(stride_sn, QUANT), k0 // GROUP, nmask, QUANT)
     w = _unpack_int4(words) * s[:, None] + z[:, None]
     tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], w.to(OUT.dtype.element_ty), mask=omask)
+
+
+def requantize_int4(w: QuantWeight) -> QuantWeight:
+    """The int4 weight as int8 with one scale an output channel (a QuantWeight of kind int8: qweight int8
+    [N, K], scale float32 [N]), by one kernel: each row's (q - 8) * scale + zero over its channel scale,
+    rounded to nearest (ties away from zero). The channel scale is the row's bound over its groups,
+    max(|zero - 8 scale|, |zero + 7 scale|) / 127, from the factors alone (each group's extremes, q = 0 and
+    15, are its rounded minimum and maximum), so nothing is clamped; the rounding adds at most half a step
+    of 1/127 of the row's largest magnitude to each weight."""
+    kw = kernel_weight(w)
+    n, k = kw.out_rows, kw.in_features
+    device = w.qweight.device
+    out = torch.empty(n, k, dtype=torch.int8, device=device)
+    scale = torch.empty(n, dtype=torch.float32, device=device)
+    block_n, block_k = 32, min(kw.group, 128)
+    n_blocks, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    per_program = triton.cdiv(k_blocks, max(1, min(k_blocks, triton.cdiv(1024, n_blocks))))  # ~1,024 programs
+    groups = triton.cdiv(k, kw.group)
+    _requantize_int4_kernel[(n_blocks, triton.cdiv(k_blocks, per_program))](
+        kw.data, kw.scale, kw.zero, out, scale, n, k, groups, kw.stride_wn, kw.stride_sn, out.stride(0),
+        GROUP=kw.group, BLOCK_G=min(triton.next_power_of_2(groups), 64), BLOCK_N=block_n, BLOCK_K=block_k,
+        PER_PROGRAM=per_program, QUANT=kw.quant, num_warps=4)
+    return QuantWeight("int8", out, scale)
+
+
+@triton.jit
+def _requantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, OUT_SCALE: tl.tensor,
+                            N: tl.tensor, K: tl.tensor, GROUPS: tl.tensor, stride_wn: tl.tensor,
+                            stride_sn: tl.tensor, stride_on: tl.tensor, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PROGRAM: tl.constexpr,
+                            QUANT: tl.constexpr) -> None:
+    """BLOCK_N rows x PER_PROGRAM blocks of BLOCK_K inputs (BLOCK_K divides GROUP: each block within one
+    group; the last masked at K). Every program finds its rows' bound over all their groups' factors; the
+    first along K stores it."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    s_rows = S + rn * stride_sn
+    z_rows = Z + rn * factor_stride(stride_sn, QUANT)
+    bound = tl.zeros([BLOCK_N], tl.float32)
+    for g0 in range(0, GROUPS, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        s, z = group_factors(s_rows[:, None], z_rows[:, None], g[None, :], nmask[:, None] & (g < GROUPS)[None, :],
+                             QUANT)
+        bound = tl.maximum(bound, tl.max(tl.maximum(tl.abs(z - 8.0 * s), tl.abs(z + 7.0 * s)), axis=1))
+    step = tl.maximum(bound, 1e-30) / 127.0
+    if tl.program_id(1) == 0:
+        tl.store(OUT_SCALE + rn, step, mask=nmask)
+    inv = 1.0 / step
+    for b in range(PER_PROGRAM):
+        k0 = (tl.program_id(1) * PER_PROGRAM + b) * BLOCK_K
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        words = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kw[None, :],
+                        mask=nmask[:, None] & (kw < K // 8)[None, :], other=0)
+        s, z = group_factors(s_rows, z_rows, k0 // GROUP, nmask & (k0 < K), QUANT)
+        v = (_unpack_int4(words) * s[:, None] + z[:, None]) * inv[:, None]
+        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+        tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], q, mask=nmask[:, None] & (kk < K)[None, :])
 
 
 def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from ferrum.backends.device import Device
+from ferrum.kernels.config import KernelConfig
 from ferrum.models.config import ModelConfig
 from ferrum.models.layers import LayerOps, RotaryEmbedding
 from ferrum.models.layers.linear import LinearFactory
@@ -81,7 +82,7 @@ class WeightLoadReport:
 
 def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: LayerOps,
                 tp: TensorParallel | None = None, quantization: QuantizationConfig | None = None,
-                integer_gemv: bool = False) -> LlamaForCausalLM:
+                integer_gemv: bool = False, kernels: KernelConfig | None = None) -> LlamaForCausalLM:
     """`integer_gemv`: quantized layers compute through the CPU kernels' integer GEMV (activations
     quantized to int8 per 32 inputs: quantization auto's choice) where the CPU kernels are loaded; else
     through torch's CPU ops, whose products equal the dequantized weights'. The model's parameters
@@ -89,7 +90,8 @@ def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: La
     (uninitialised; a quantized layer's storage in its own dtypes), its rotary tables computed there
     in float32. A checkpoint stored quantized (config.published) is served in its own format, which
     `quantization` may name (vLLM's --quantization gptq etc.). QuantizationConfigError for a
-    quantization the model, the checkpoint or the device cannot take."""
+    quantization the model, the checkpoint or the device cannot take. `kernels`: the engine's kernel
+    settings (how the quantized layers multiply many rows on a GPU)."""
     published = None
     if config.published is not None or (quantization is not None and quantization.published):
         check_requested(quantization.method if quantization is not None else None, config.published,
@@ -97,7 +99,7 @@ def build_model(config: ModelConfig, device: Device, dtype: torch.dtype, ops: La
         assert config.published is not None
         published, quantization = PublishedLayers(config.published, checkpoint_modules), None
     linears = LinearFactory.for_device(device, dtype, quantization, published,
-                                       cpu_kernels=integer_gemv and ops.name == "cpu")
+                                       cpu_kernels=integer_gemv and ops.name == "cpu", kernels=kernels)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops, tp, linears)
     model = model.to(dtype).to_empty(device=device.torch_device)  # allocated once, in the target dtype
@@ -255,6 +257,7 @@ def load_model(
     tp: TensorParallel | None = None,
     quantization: QuantizationConfig | None = None,
     chosen: str | None = None,
+    kernels: KernelConfig | None = None,
 ) -> tuple[LlamaForCausalLM, WeightLoadReport]:
     """build_model, then load_weights, from synchronous code (the engine's constructor), then the
     quantized layers prepared (`chosen`: what quantization auto picked and why, for the report; its
@@ -275,7 +278,8 @@ def load_model(
 
     def build() -> LlamaForCausalLM:
         try:
-            model = build_model(config, device, dtype, ops, tp, quantization, integer_gemv=chosen is not None)
+            model = build_model(config, device, dtype, ops, tp, quantization, integer_gemv=chosen is not None,
+                                kernels=kernels)
             device.runtime.synchronize()
         except BaseException as exc:
             built.set_exception(exc)

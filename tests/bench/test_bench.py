@@ -212,6 +212,16 @@ def test_bench_offline_refuses_requests_longer_than_the_context(capsys: pytest.C
     assert "max_model_len is 64" in capsys.readouterr().err
 
 
+def test_bench_offline_takes_kernel_settings_and_refuses_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kernels is the YAML's engine.kernels as JSON: an unknown key stops the run (exit 2) naming it, before
+    any model is read; something other than a JSON object is a usage error."""
+    base = ["bench", "offline", "--model", "/nonexistent/model", "--backend", "cpu"]
+    assert _run_cli([*base, "--kernels", '{"int4_int8_rows": 129, "pld": false}']) == 2
+    assert "unknown engine.kernels key(s): pld" in capsys.readouterr().err
+    assert _run_cli([*base, "--kernels", "[129]"]) == 2
+    assert "expected a JSON object" in capsys.readouterr().err
+
+
 # -- ferrum bench serve -------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from ferrum.engine.limits import PromptTooLongError, RequestLimits
 from ferrum.engine.memory_plan import plan_gpu, plan_host
 from ferrum.engine.observer import StepRecord
 from ferrum.engine.sampling_params import SamplingParams
+from ferrum.kernels.config import GemmRules
 from ferrum.models.attention.layout import KVCacheLayout
 from tests.backends.test_backends import GIB, StubRuntime, gpu_facts
 from tests.engines import host_device
@@ -152,6 +153,10 @@ def test_step_observer_sees_every_step(engine) -> None:  # the conftest engine: 
 def test_engine_config_reads_kernel_settings_from_yaml() -> None:
     config = EngineConfig.from_mapping({"kernels": {"pdl": False, "max_decode_splits": 16, "gemv": {"k_slice": 1024}}})
     assert (config.kernels.pdl, config.kernels.max_decode_splits, config.kernels.gemv.k_slice) == (False, 16, 1024)
+    rows = EngineConfig.from_mapping({"kernels": {"int4_int8_rows": 129}}).kernels
+    assert rows.gemm_rules(True) == GemmRules(True, 129)
+    with pytest.raises(ValueError, match="int4_int8_rows"):
+        EngineConfig.from_mapping({"kernels": {"int4_int8_rows": -1}})
     with pytest.raises(ValueError, match="unknown engine.kernels key"):
         EngineConfig.from_mapping({"kernels": {"pld": False}})
     with pytest.raises(ValueError, match="power of two"):

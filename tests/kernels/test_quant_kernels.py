@@ -21,7 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ferrum.kernels.config import GemvTable, KernelConfig
+from ferrum.kernels.config import GemmRules, GemvTable, KernelConfig
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.weights.quantization.arith import dequantize, quantize
 from ferrum.weights.quantization.scheme import QuantScheme
@@ -291,6 +291,30 @@ def test_int4_dequantized_by_the_kernel_as_by_the_loader(kind: str) -> None:
     assert rel_err(qm.dequantize_int4(qw, DTYPE), ref_w) < 4e-3  # the rounding to DTYPE only (bf16: 2^-9)
 
 
+@pytest.mark.parametrize(("kind", "k", "group"), [("int4", 384, 128), ("int4", 576, 128), ("int4-k", 384, 32)])
+def test_int4_requantized_to_int8_per_channel(kind: str, k: int, group: int) -> None:
+    """requantize_int4 (int4 on the int8 tensor cores, KernelConfig.int4_int8_rows): each row's step is its
+    bound from the groups' scales and zeros over 127, which for round-to-nearest groups (each group's codes
+    reach 0 and 15) is the row's largest magnitude over 127; every code the weight over the step rounded, a
+    ragged last group (576) included."""
+    gen = torch.Generator().manual_seed(k)
+    w = (torch.randn(40, k, generator=gen) / 8).to(DTYPE)
+    qw, ref_w = quantized(w, kind, group) if kind == "int4" else quantized(w, kind)
+    r = qm.requantize_int4(qw)
+    assert r.kind == "int8" and r.qweight.dtype == torch.int8 and tuple(r.qweight.shape) == (40, k)
+    step = r.scale.double().cpu()
+    largest = ref_w.abs().amax(dim=1) / 127
+    assert bool((step >= largest * (1 - 1e-6)).all())  # a bound: no code clamps
+    if kind == "int4":
+        assert torch.allclose(step, largest, rtol=1e-5)
+    codes = r.qweight.double().cpu()
+    v = ref_w / step[:, None]
+    near_tie = ((v.abs() - v.abs().floor()) - 0.5).abs() < 1e-4  # float32's rounding of v may fall either way
+    want = v.sign() * (v.abs() + 0.5).floor()
+    assert bool(((codes - want).abs() <= near_tie.double()).all())
+    assert rel_err(codes * step[:, None], ref_w) < 1e-2  # half a step of 1/127 of a row's largest
+
+
 GEMMS = [  # W8A16: K = 96, a partial tile; W4A16: K = 256, two tiles of four groups of 32 (a scale a word)
     ("int8", qm.GemmConfig(16, 16, 64, 4, 2)), ("fp8", qm.GemmConfig(16, 16, 64, 4, 2)),
     ("int8-g", qm.GemmConfig(16, 16, 64, 4, 2)), ("fp8-g", qm.GemmConfig(16, 16, 64, 4, 2)),  # groups of 32
@@ -400,6 +424,26 @@ def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
         qo, ref_o = quantized(ref_w[:, : k - 4].to(DTYPE), kind)
         xo = x[:, : k - 4]
         assert rel_err(qm.quant_matmul(xo.to(DEVICE), qo), xo.double() @ ref_o.T) < 1e-2
+
+
+@gpu_only
+@pytest.mark.parametrize("kind", ["int4", "int4-k"])
+def test_int4_products_on_the_int8_tensor_cores(kind: str) -> None:
+    """GemmRules.int4_int8_rows: from that many rows (and DEQUANTIZE_FROM) int4 runs as W8A8, its bound the module's;
+    below it, and with the rule off, the usual paths."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 1024, 2048
+    qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), kind, 128) if kind == "int4" else \
+        quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), kind)
+    bias = torch.randn(n, generator=gen).to(DTYPE)
+    rules = GemmRules(int4_int8_rows=200)
+    for m in (150, 300):
+        x = torch.randn(m, k, generator=gen).to(DTYPE)
+        ref = x.double() @ ref_w.T + bias.double()
+        on = qm.quant_matmul(x.to(DEVICE), qw, bias.to(DEVICE), rules=rules)
+        off = qm.quant_matmul(x.to(DEVICE), qw, bias.to(DEVICE))
+        assert rel_err(on, ref) < (2e-2 if m >= 200 else 1e-2) and rel_err(off, ref) < 1e-2
+        assert torch.equal(on, off) == (m < 200)
 
 
 @gpu_only

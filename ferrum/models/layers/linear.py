@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ferrum.backends.device import Device
+from ferrum.kernels.config import DEFAULT_GEMM, GemmRules, KernelConfig
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.models.layers.parallel import ParallelLMHead, RowParallelLinear, TensorParallel
 from ferrum.models.layers.quantized_linear import QuantizedExperts, QuantizedLinear, QuantKernels
@@ -61,16 +62,17 @@ class LinearFactory:
     quantization: QuantizationConfig | None = None
     dtype: torch.dtype = torch.float32
     kernels: QuantKernels = "cpu"
-    fp8_rowwise: bool = True  # CUDA: torch._scaled_mm takes row-wise scales (compute capability 9.0)
+    gemm: GemmRules = DEFAULT_GEMM  # CUDA: how quant_matmul multiplies many rows on the device
     published: PublishedLayers | None = None
 
     fp8_unsupported: str | None = None  # why the device cannot run fp8 (None: it can)
 
     @classmethod
     def for_device(cls, device: Device, dtype: torch.dtype, quantization: QuantizationConfig | None,
-                   published: PublishedLayers | None = None, cpu_kernels: bool = False) -> LinearFactory:
+                   published: PublishedLayers | None = None, cpu_kernels: bool = False,
+                   kernels: KernelConfig | None = None) -> LinearFactory:
         """A layer in fp8 (quantized on load or published) is a QuantizationConfigError where the device
-        cannot run it (CUDA before compute capability 8.9)."""
+        cannot run it (CUDA before compute capability 8.9). `kernels`: the engine's (its GemmRules)."""
         unsupported = None
         if device.kind == "cuda" and not device.fp8:
             cc = device.compute_capability or (0, 0)
@@ -78,8 +80,9 @@ class LinearFactory:
                            f"({device.description}) has {cc[0]}.{cc[1]}: use int8 or int4")
         if unsupported and quantization is not None and quantization.method == "fp8":
             raise QuantizationConfigError(unsupported)
+        rowwise = (device.compute_capability or (9, 0)) >= (9, 0)
         return cls(quantization, dtype, quant_kernels(device, cpu_kernels),
-                   (device.compute_capability or (9, 0)) >= (9, 0), published, unsupported)
+                   (kernels or KernelConfig()).gemm_rules(rowwise), published, unsupported)
 
     def scheme_for(self, path: str, in_features: int) -> QuantScheme | None:
         if self.published is not None:
@@ -111,7 +114,7 @@ class LinearFactory:
             return nn.Linear(in_features, out_features, bias=bias)
         self._check_in_features(scheme, in_features, path)
         return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype,
-                               fp8_rowwise=self.fp8_rowwise)
+                               gemm=self.gemm)
 
     def experts(self, path: str, in_features: int, out_features: int,
                 tp: TensorParallel | None = None) -> QuantizedExperts | None:
@@ -127,7 +130,7 @@ class LinearFactory:
                                             f"split over tensor_parallel_size={tp.size})")
         self._check_in_features(scheme, in_features, path)
         return QuantizedExperts(in_features, out_features, False, scheme, self.kernels, self.dtype,
-                                fp8_rowwise=self.fp8_rowwise)
+                                gemm=self.gemm)
 
     def row_parallel(self, path: str, in_features: int, out_features: int, bias: bool,
                      tp: TensorParallel) -> RowParallelLinear | QuantizedLinear:
@@ -150,7 +153,7 @@ class LinearFactory:
             scheme.check_shard(in_features, what)
             self._check_in_features(scheme, in_features, what)
         return QuantizedLinear(in_features, out_features, bias, scheme, self.kernels, self.dtype, tp.all_reduce,
-                               fp8_rowwise=self.fp8_rowwise)
+                               gemm=self.gemm)
 
     def lm_head(self, rows: int, hidden: int, vocab_size: int,
                 tp: TensorParallel) -> nn.Linear | ParallelLMHead | QuantizedLinear:
@@ -162,7 +165,7 @@ class LinearFactory:
         self._check_in_features(scheme, hidden, "lm_head")
         combine = None if tp.size == 1 else partial(_gather_vocab, tp, vocab_size)
         return QuantizedLinear(hidden, rows, False, scheme, self.kernels, self.dtype, combine,
-                               fp8_rowwise=self.fp8_rowwise)
+                               gemm=self.gemm)
 
 
 def check_skip(quantization: QuantizationConfig, layers: Iterable[str]) -> None:

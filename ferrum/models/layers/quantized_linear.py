@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferrum.kernels.config import DEFAULT_GEMM, GemmRules
 from ferrum.kernels.quant_weight import QuantWeight
 from ferrum.weights.quantization.arith import dequantize, int4_factors, unpack_int4
 from ferrum.weights.quantization.scheme import QuantScheme
@@ -93,14 +94,14 @@ class DequantizeMethod(LinearMethod):
 
 
 class KernelsMethod(LinearMethod):
-    def __init__(self, fp8_rowwise: bool) -> None:
+    def __init__(self, gemm: GemmRules) -> None:
         from ferrum.kernels.quant_matmul import quant_matmul
 
         self.quant_matmul = quant_matmul
-        self.fp8_rowwise = fp8_rowwise  # the device's _scaled_mm takes row-wise scales (cc 9.0)
+        self.gemm = gemm  # how many rows are multiplied on this device
 
     def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_matmul(x, layer.kernel_weight(), fp8_rowwise=self.fp8_rowwise)
+        return self.quant_matmul(x, layer.kernel_weight(), rules=self.gemm)
 
 
 class CpuInt8Method(LinearMethod):
@@ -258,12 +259,12 @@ class CpuKernelsMethod(LinearMethod):
 
 
 def linear_method(kernels: QuantKernels, scheme: QuantScheme, dtype: torch.dtype, in_features: int,
-                  fp8_rowwise: bool = True) -> LinearMethod:
+                  gemm: GemmRules = DEFAULT_GEMM) -> LinearMethod:
     """The CPU's int8 / int4 ops only where the activations are half precision: in float32 they ran
     the demo model 7x (int8) and 15x (int4) slower than dequantizing each weight per call
     (scripts/quant_cpu_bench.py, AMD EPYC Zen 4: 5.5 and 2.5 against 38 tokens/s)."""
     if kernels == "kernels":
-        return KernelsMethod(fp8_rowwise)
+        return KernelsMethod(gemm)
     if kernels == "cpu_kernels" and cpu_gemv_takes(scheme, in_features):
         return CpuKernelsMethod()
     half = dtype in (torch.bfloat16, torch.float16)
@@ -297,14 +298,14 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme,
                  kernels: QuantKernels, dtype: torch.dtype, combine: Combine | None = None,
-                 fp8_rowwise: bool = True) -> None:
+                 gemm: GemmRules = DEFAULT_GEMM) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.scheme, self.dtype, self.combine = scheme, dtype, combine
         for name, (shape, part_dtype) in part_layout(scheme, out_features, in_features, dtype).items():
             self.register_buffer(name, torch.empty(shape, dtype=part_dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.method = linear_method(kernels, scheme, dtype, in_features, fp8_rowwise)
+        self.method = linear_method(kernels, scheme, dtype, in_features, gemm)
         self.repacked = False  # prepare() put the storage into the method's own layout
         self.gemv_zero_point = False  # the CPU GEMV's int4 offsets are zeros (else minimums)
         self.register_buffer("input_order", None)
