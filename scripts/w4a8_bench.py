@@ -1,18 +1,25 @@
 """int4 products of many rows (large decode batches, prefill) on a CUDA GPU, on the Llama-3.1-8B
 projections: bf16 cuBLAS on the unquantized weight against the int4 paths of
-ferrum.kernels.quant_matmul:
+ferrum.kernels.quant_matmul and two candidates:
 
-    dequantize   the weight dequantized to bf16 (dequantize_int4), then cuBLAS
-    int8         the weight requantized to int8 with a scale an output channel (requantize_int4), x
-                 quantized per row (quantize_rows), torch._int_mm, the scales applied (_scale_kernel)
-    int8-triton  the same with the product and the scales in one Triton int8 GEMM (a candidate of this
+    default      quant_matmul as served by default (the W4A16 kernels below DEQUANTIZE_FROM rows, then
+                 the weight dequantized to bf16 and cuBLAS)
+    int8_rule    quant_matmul with GemmRules(int4_int8_rows=DEQUANTIZE_FROM) (KernelConfig.int4_int8_rows):
+                 from DEQUANTIZE_FROM rows the weight requantized to int8 with a scale an output channel
+                 (requantize_int4), x quantized per row (quantize_rows), torch._int_mm, the scales
+                 (_scale_kernel); `int8` is that path at every M
+    triton       the same with the product and the scales in one Triton int8 GEMM (a candidate of this
                  script only: each tiling of TRITON_TILES)
+    groups       the int4 codes used as int8 where they lie, one int8 MMA a group of 128 scaled into float32
+                 (x per row and group; the weight exact; no transient buffer; a candidate of this script
+                 only: each tiling and split of GROUPS_TILES)
 
 and each part alone (the requantization, the dequantization, the int8 product of a requantized weight).
 Prints one line per shape and M (CUDA-graph medians, us) with each path's error against the
-dequantized weight's product in float32, and writes them as JSON.
+dequantized weight's product in float32, a LAYER line per M (the four projections' sums; the candidates'
+best tiling each), and writes them as JSON.
 
-    python scripts/w4a8_bench.py [--m 129,192,256,512,2048] [--shapes qkv,o,gate_up,down] [--json FILE]
+    python scripts/w4a8_bench.py [--m 64,96,129,192,256,512,2048] [--shapes qkv,o,gate_up,down] [--json FILE]
 """
 
 from __future__ import annotations
@@ -92,16 +99,18 @@ def _quantize_groups_kernel(X, Q, XS, XSUM, K, G, stride_xm, GROUP: tl.constexpr
 
 @triton.jit
 def _w4a8_groups_kernel(XQ, XS, XSUM, W, S, Z, OUT, M, N, K, G, stride_wn, stride_sn, stride_om,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
     """out tile [BLOCK_M, BLOCK_N] = sum over groups of 128: step_x[m, g] * scale[n, g] * (xq . q) + xsum[m, g] *
     (zero[n, g] - 8 scale[n, g]), the int4 codes q (0..15) used as int8 where they lie: the weight exact, x
-    rounded to int8 per row and group; one int8 MMA a group, its int32 sums scaled into float32."""
+    rounded to int8 per row and group; one int8 MMA a group, its int32 sums scaled into float32. SPLIT > 1:
+    program (tile, s) sums the s-th of SPLIT runs of groups into float32 partials OUT [SPLIT, M, N]."""
     rm, rn = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     mmask, nmask = rm < M, rn < N
     rk = tl.arange(0, 128)
     rw = tl.arange(0, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for g in range(0, G):
+    per = tl.cdiv(G, SPLIT)
+    for g in range(tl.program_id(1) * per, tl.minimum(G, (tl.program_id(1) + 1) * per)):
         a = tl.load(XQ + rm[:, None].to(tl.int64) * K + (g * 128 + rk)[None, :], mask=mmask[:, None], other=0)
         words = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + (g * 16 + rw)[None, :], mask=nmask[:, None],
                         other=0)
@@ -126,12 +135,14 @@ def _w4a8_groups_kernel(XQ, XS, XSUM, W, S, Z, OUT, M, N, K, G, stride_wn, strid
         s = tl.load(S + rn * stride_sn + g, mask=nmask, other=0.0).to(tl.float32)
         z = tl.load(Z + rn * stride_sn + g, mask=nmask, other=0.0).to(tl.float32)
         acc += dots.to(tl.float32) * xs[:, None] * s[None, :] + xsum[:, None] * (z - 8.0 * s)[None, :]
-    tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),
+    out = OUT + tl.program_id(1).to(tl.int64) * M * N if SPLIT > 1 else OUT
+    tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
-def w4a8_groups(x: torch.Tensor, w: QuantWeight, tile: tuple[int, int, int, int]) -> torch.Tensor:
-    """int4 in groups of 128 against x rounded to int8 per row and group, the codes as int8 in one Triton GEMM."""
+def w4a8_groups(x: torch.Tensor, w: QuantWeight, tile: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """int4 in groups of 128 against x rounded to int8 per row and group, the codes as int8 in one Triton GEMM
+    (tile: block_m, block_n, warps, stages, split; a split's float32 partials summed by torch)."""
     m, k = x.shape
     n, groups = w.out_features, k // 128
     xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
@@ -139,12 +150,20 @@ def w4a8_groups(x: torch.Tensor, w: QuantWeight, tile: tuple[int, int, int, int]
     xsum = torch.empty_like(xs)
     _quantize_groups_kernel[(m, groups)](x, xq, xs, xsum, k, groups, x.stride(0), GROUP=128, num_warps=1)
     words = w.qweight.view(torch.int32)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, warps, stages = tile
-    _w4a8_groups_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+    bm, bn, warps, stages, split = tile
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if split == 1 else torch.empty(
+        split, m, n, dtype=torch.float32, device=x.device)
+    _w4a8_groups_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn), split)](
         xq, xs, xsum, words, w.scale, w.zero, out, m, n, k, groups, words.stride(0), w.scale.stride(0),
-        out.stride(0), BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
-    return out
+        n, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, SPLIT=split, num_warps=warps, num_stages=stages)
+    return out if split == 1 else out.sum(0).to(x.dtype)
+
+
+def best_of(row: dict, kind: str) -> tuple[float, str]:
+    """The fastest timing of a row's candidates of one kind ("triton", "groups") and its key; inf where none ran."""
+    times = [(v, key) for key, v in row.items()
+             if key.startswith(kind) and key[len(kind):len(kind) + 1].isdigit() and not key.endswith("_err")]
+    return min(times, default=(float("inf"), "none"))
 
 
 def requantized_product(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -152,7 +171,8 @@ def requantized_product(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return qm._w8a8_int8(x, qm.requantize_int4(w), None)
 
 
-GROUPS_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 256, 8, 3)]
+GROUPS_TILES = [(64, 128, 4, 3, 1), (128, 128, 8, 3, 1), (128, 64, 4, 3, 1), (64, 64, 4, 4, 1), (128, 256, 8, 3, 1),
+                (64, 64, 4, 4, 2), (64, 64, 4, 4, 4), (64, 128, 4, 3, 4), (128, 64, 4, 3, 2)]
 
 
 def triton_int8(x: torch.Tensor, w: QuantWeight, tile: tuple[int, int, int, int, int]) -> torch.Tensor:
@@ -171,7 +191,7 @@ def triton_int8(x: torch.Tensor, w: QuantWeight, tile: tuple[int, int, int, int,
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--m", default="129,192,256,512,2048")
+    p.add_argument("--m", default="64,96,129,192,256,512,2048")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--json", help="write every timing here")
     args = p.parse_args()
@@ -186,8 +206,8 @@ def main() -> None:
             ref = x.float() @ deq.float().T
             paths: dict[str, Callable[[], Any]] = {
                 "bf16": partial(torch.nn.functional.linear, x, w),
-                "served": partial(qm.quant_matmul, x, qw, rules=GemmRules(int4_int8_rows=DEQUANTIZE_FROM)),
-                "dequantize": partial(qm.quant_matmul, x, qw),
+                "default": partial(qm.quant_matmul, x, qw),
+                "int8_rule": partial(qm.quant_matmul, x, qw, rules=GemmRules(int4_int8_rows=DEQUANTIZE_FROM)),
                 "int8": partial(requantized_product, x, qw),
                 "requantize": partial(qm.requantize_int4, qw),
                 "dequantize_only": partial(qm.dequantize_int4, qw, torch.bfloat16),
@@ -202,29 +222,29 @@ def main() -> None:
             for label, fn in paths.items():
                 try:
                     out = fn()
-                    if out.shape == ref.shape and out.dtype == torch.bfloat16 and label != "bf16":
+                    if isinstance(out, torch.Tensor) and out.shape == ref.shape and out.dtype == torch.bfloat16 \
+                            and label != "bf16":
                         row[label + "_err"] = float((out.float() - ref).norm() / ref.norm())
                     row[label] = graph_time(fn) * 1e6
                 except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported and skipped
                     print(f"{name} M={m} {label}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-            best = min((v, key) for key, v in row.items() if key.startswith("triton") and not key.endswith("_err"))
-            row["triton_best"] = best[1]
+            best = {kind: best_of(row, kind) for kind in ("triton", "groups")}
+            row.update({f"{kind}_best": key for kind, (_, key) in best.items()})
             rows.append(row)
-            print(f"{name:8} M={m:5}: bf16 {row['bf16']:7.1f} | dequantize {row['dequantize']:7.1f} "
-                  f"({row['bf16'] / row['dequantize']:.2f}x) | int8 {row['int8']:7.1f} "
-                  f"({row['bf16'] / row['int8']:.2f}x, "
-                  f"err {row.get('int8_err', 0):.1e}) | best triton {best[0]:7.1f} ({row['bf16'] / best[0]:.2f}x, "
-                  f"{best[1]}) | parts: requantize {row['requantize']:.1f}, dequantize {row['dequantize_only']:.1f}, "
+            print(f"{name:8} M={m:5}: bf16 {row['bf16']:7.1f} | default {row['default']:7.1f} "
+                  f"({row['bf16'] / row['default']:.2f}x) | int8 {row['int8']:7.1f} "
+                  f"({row['bf16'] / row['int8']:.2f}x, err {row.get('int8_err', 0):.1e}) | "
+                  + " | ".join(f"best {kind} {us:7.1f} ({row['bf16'] / us:.2f}x, {key}, "
+                               f"err {row.get(key + '_err', 0):.1e})" for kind, (us, key) in best.items())
+                  + f" | parts: requantize {row['requantize']:.1f}, dequantize {row['dequantize_only']:.1f}, "
                   f"int8 product {row['int8_product_only']:.1f}, _int_mm {row['int_mm_only']:.1f}", flush=True)
     for m in sorted({r["m"] for r in rows}):
         sel = [r for r in rows if r["m"] == m]
-        totals = {key: sum(r[key] for r in sel) for key in ("bf16", "dequantize", "int8")}
-        tri = sum(min(v for key, v in r.items() if key.startswith("triton") and key[6:7].isdigit()
-                      and not key.endswith("_err")) for r in sel)
-        print(f"LAYER M={m}: bf16 {totals['bf16']:.1f} | dequantize {totals['dequantize']:.1f} "
-              f"({totals['bf16'] / totals['dequantize']:.2f}x) | int8 {totals['int8']:.1f} "
-              f"({totals['bf16'] / totals['int8']:.2f}x) | triton best each {tri:.1f} ({totals['bf16'] / tri:.2f}x)",
-              flush=True)
+        totals = {key: sum(r[key] for r in sel) for key in ("bf16", "default", "int8_rule", "int8")}
+        totals.update({kind: sum(best_of(r, kind)[0] for r in sel) for kind in ("triton", "groups")})
+        print(f"LAYER M={m}: bf16 {totals['bf16']:.1f} us | " + " | ".join(
+            f"{key} {totals[key]:.1f} ({totals['bf16'] / totals[key]:.2f}x)"
+            for key in ("default", "int8_rule", "int8", "triton", "groups")), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
