@@ -13,9 +13,7 @@ in two int8 parts; one int8 part gave 14.158, 1.022x), top-1 agreement >= 93% (9
 text from the demo GGUF (Q4_1 stored as it ships): 13.793. The int8 KV cache, alone on the bf16 model
 (AMD EPYC Zen 5, 2026-11-25): 13.848 prefilled and 13.864 four tokens a step (0.9994x, 1.0014x), top-1
 97%; with the rest of auto: 13.905 and 13.936, and with the cache in tiles 13.911 and 13.888
-(1.0039x, 1.0022x), top-1 97%. On AVX2 alone (AMD EPYC Zen 3, 2026-12-07), the tiles' queries and value
-weights in 7 bits: 13.880 -> 13.906 four tokens a step (1.0018x, top-1 97.4%), against 1.0002x (98.0%) with
-16-bit queries and weights.
+(1.0039x, 1.0022x), top-1 97%.
 """
 
 from __future__ import annotations

@@ -526,48 +526,49 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
 }
 #define FERRUM_TILED_ITEMS 1
 #elif defined(__AVX2__)
-// An int8 cache in tiles (common.h) on AVX2 without VNNI, head_dim = 64 * NZ: keys and values are used as
-// integers where they lie, multiplied by 7-bit queries and weights with vpmaddubsw (each int16 lane the
-// exact sum of two products: at most 2 x 255 x 63 for a key plus 128 and a query, 2 x 127 x 127 for a value
-// and a weight, below int16's limit), widened by vpmaddwd against ones into int32 lanes of four products,
-// with no conversion to float32 and no gathering of bytes. Each query vector is quantized to 7 bits,
-// q = s qi with s = max|q| / 63, and scored against the tiles' keys plus 128: sum((k + 128) qi) - 128
-// sum(qi). A range's weights times the values' scales are quantized per query vector likewise (w >= 0:
-// wi = w / s rounded, s = max w / 127). A key's D products and a range's SUB weighted values of one
-// dimension stay below 2^31 in int32 for D up to 128.
+// An int8 cache in tiles (common.h) on AVX2 without VNNI, head_dim = 64 * NZ: keys and values are split
+// into 16-bit integers where they lie and multiplied by int16 queries and weights with vpmaddwd (each int32
+// lane the exact sum of two products), with no conversion to float32 and no gathering of bytes. (vpmaddubsw
+// on the bytes themselves would saturate: 255 * 127 * 2 > 32767.) Each query vector is quantized to int16,
+// q = s qi with s = max|q| / 32767 (an error of at most s / 2), and scored against the tiles' keys plus
+// 128: sum((k + 128) qi) - 128 sum(qi). A range's weights times the values' scales are quantized per query
+// vector likewise (w >= 0: wi = w / s rounded, s = max w / 32767). A key's D products (k + 128 <= 255) and a
+// range's SUB weighted values of one dimension (|v| <= 127) stay below 2^31 in int32 for D up to 128.
 //
 // A 32-byte row of a tile holds 8 keys' 4 dimensions (keys) or 8 dimensions' 4 tokens (values), each
-// int32 lane one key or one dimension; one vpmaddubsw against the query's 4 bytes (or the 4 tokens'
-// weights) repeated in every lane, then one vpmaddwd, is each lane's four products summed: the sums come
-// out one lane a key or a dimension, in order, and each step reads a cache line whole.
-//
-// Before (2026-12-07), queries and weights were 16-bit and the bytes split into even and odd 16-bit lanes
-// for vpmaddwd: the same multiply ops, but 5 operations a row vector and query vector against 3 now. What
-// 7 bits cost the demo model on the decode path (transformers in float32, its keys and values rounded as
-// this cache holds them, every query and weight rounded as here, 690 tokens; benchmarks/cpu-kernels.md):
-// perplexity 14.085 against 14.092 with 16-bit queries and weights, top-1 agreement 97.1%; 6-bit queries
-// would cost 1.1%.
-constexpr float QUERY_MAX = 63.f;  // a query's largest magnitude, in 7 bits: (k + 128) q pairs within int16
+// int32 lane one key or one dimension. Its even bytes and odd bytes (a mask and a shift; the signed values
+// by shifts) are each 16 lanes of int16, two of the lane's four bytes; one vpmaddwd of each against the
+// query's (or the weights') matching pair, added, is the lane's four products summed. So the sums come
+// out one lane a key or a dimension, in order, with no vphaddd + vpermd to pair them up (on Zen 3 those
+// issue 0.5 and 0.77 a cycle: 12% of the kernel's time), and each step reads a cache line whole. Against
+// widening each 16-byte half with vpmovzx/sx and pairing after (scripts/cpu_kernel_ab.py, Zen 3, blocks in
+// order, 16 passes): 0.93-0.97x the time at 2,048 and 6,000 keys, warm and from memory, 1 and 2 threads;
+// blocks scattered 1.00x; the outputs bit for bit the same.
+inline __m256i two_int16(int16_t a, int16_t b) {  // (a, b) in every int32 lane
+  return _mm256_set1_epi32(int32_t(uint32_t(uint16_t(a)) | (uint32_t(uint16_t(b)) << 16)));
+}
 
-// The int32 sums of 16 keys (a tile group: `keys`, key_byte's layout, plus 128) times RB 7-bit query
-// vectors, given as each 4 dimensions' bytes repeated across a vector (qp: DG vectors a query vector):
-// out[r][0] keys 0-7, out[r][1] keys 8-15. Meanwhile the DG cache lines of two other tile
+// The int32 sums of 16 keys (a tile group: `keys`, key_byte's layout, plus 128) times RB int16 query
+// vectors, given as each 4 dimensions' even and odd pairs (qp: 2 vectors a dimension group, 2 DG vectors a
+// query vector): out[r][0] keys 0-7, out[r][1] keys 8-15. Meanwhile the DG cache lines of two other tile
 // groups are prefetched, a line of each between each dimension group's products (nullptr: none).
 template <int NZ, int RB>
 inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2], const int8_t* ahead,
                         const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi16(0x00FF);
   for (int r = 0; r < RB; ++r) out[r][0] = out[r][1] = _mm256_setzero_si256();
   for (int64_t dg = 0; dg < DG; ++dg) {
     if (ahead != nullptr) __builtin_prefetch(ahead + 64 * dg);
     if (ahead2 != nullptr) __builtin_prefetch(ahead2 + 64 * dg);
     const __m256i* rows = reinterpret_cast<const __m256i*>(keys + 64 * dg);  // dimensions 4dg..4dg+3
     const __m256i x0 = _mm256_loadu_si256(rows), x1 = _mm256_loadu_si256(rows + 1);  // keys 0-7, 8-15
+    const __m256i e0 = _mm256_and_si256(x0, low), o0 = _mm256_srli_epi16(x0, 8);
+    const __m256i e1 = _mm256_and_si256(x1, low), o1 = _mm256_srli_epi16(x1, 8);
     for (int r = 0; r < RB; ++r) {
-      const __m256i q = _mm256_load_si256(qp + r * DG + dg);
-      out[r][0] = _mm256_add_epi32(out[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(x0, q), ones));
-      out[r][1] = _mm256_add_epi32(out[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(x1, q), ones));
+      const __m256i qe = _mm256_load_si256(qp + 2 * (r * DG + dg)), qo = _mm256_load_si256(qp + 2 * (r * DG + dg) + 1);
+      out[r][0] = _mm256_add_epi32(out[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, qe), _mm256_madd_epi16(o0, qo)));
+      out[r][1] = _mm256_add_epi32(out[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, qe), _mm256_madd_epi16(o1, qo)));
     }
   }
 }
@@ -577,13 +578,11 @@ inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2],
 template <int NZ, int RB>
 inline void accumulate_tiled(float* acc, const float* weights, const int8_t* const* values, int64_t n16) {
   constexpr int64_t D = 64 * NZ;
-  // each 4 tokens' weights as 4 bytes, one int32 that the value loop broadcasts from here: 7 bits, w / s
-  // rounded with s = max w / 127, so that vpmaddubsw's pairs of products (at most 2 x 127 x 127) never
-  // saturate int16. Against 16-bit weights split into pairs for vpmaddwd (the values then split into even and
-  // odd bytes by shifts): the same multiply ops, 3 operations a value vector and query vector instead of 5.
-  // Its perplexity cost on the demo model, every weight rounded so: none within the measure's noise (14.069
-  // against 14.082 with 16-bit weights, top-1 agreement 99.1%; benchmarks/cpu-kernels.md).
-  alignas(32) uint8_t wq[RB][SUB];
+  // each 4 tokens' weights as (w0, w2, w1, w3), each pair one int32 that the value loop broadcasts from here
+  // (against broadcasting every pair into a vector in memory first, then loading those: the same bits, the
+  // value loop 9.7 cycles an iteration instead of 11.6 by llvm-mca for Zen 3; the kernel 0.94-0.97x the
+  // time at 512 and 6,000 keys, warm and cold, 1 and 2 threads, `scripts/cpu_kernel_ab.py`, 24 passes)
+  alignas(32) int16_t wq[RB][SUB];
   float step[RB];
   for (int r = 0; r < RB; ++r) {
     const float* w_r = weights + r * SUB;
@@ -592,34 +591,37 @@ inline void accumulate_tiled(float* acc, const float* weights, const int8_t* con
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, top);
     const float w_max = *std::max_element(lanes, lanes + 8);
-    step[r] = w_max > 0.f ? w_max / 127.f : 0.f;
-    const __m256 inv = _mm256_set1_ps(w_max > 0.f ? 127.f / w_max : 0.f);
-    // 16 weights: int32 -> int16 (lanes a0-3 b0-3 | a4-7 b4-7) -> bytes, then the dwords put in order
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    step[r] = w_max > 0.f ? w_max / 32767.f : 0.f;
+    const __m256 inv = _mm256_set1_ps(w_max > 0.f ? 32767.f / w_max : 0.f);
+    // (one vpshufb here, where building each pair from two int16 took several scalar ops: the same bits,
+    // 0.88-0.97x the kernel's time at 512-6,000 keys on Zen 3, `scripts/cpu_kernel_ab.py`, 12 passes)
+    const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
     for (int64_t j = 0; j < n16; j += 16) {
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j), inv));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j + 8), inv));
-      const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(lo, hi), _mm256_setzero_si256());
-      _mm_store_si128(reinterpret_cast<__m128i*>(wq[r] + j),
-                      _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bytes, order)));
+      const __m256i ordered = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(wq[r] + j), _mm256_shuffle_epi8(ordered, pairs));
     }
   }
   const int8_t* groups[SUB / VALUE_TILE];  // each 4 tokens' values
   for (int64_t g = 0; g < n16 / VALUE_TILE; ++g)
     groups[g] = values[g / (KEY_TILE / VALUE_TILE)] + (g % (KEY_TILE / VALUE_TILE)) * VALUE_TILE * D;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t d0 = 0; d0 < D; d0 += 16) {  // 16 dimensions at a time: 2 vectors of sums a query vector
     __m256i sum[RB][2];
     for (int r = 0; r < RB; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
     for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) {
       const __m256i* rows = reinterpret_cast<const __m256i*>(groups[g] + 4 * d0);  // 4 tokens of dimensions d0..d0+15
       const __m256i x0 = _mm256_loadu_si256(rows), x1 = _mm256_loadu_si256(rows + 1);
+      const __m256i e0 = _mm256_srai_epi16(_mm256_slli_epi16(x0, 8), 8), o0 = _mm256_srai_epi16(x0, 8);
+      const __m256i e1 = _mm256_srai_epi16(_mm256_slli_epi16(x1, 8), 8), o1 = _mm256_srai_epi16(x1, 8);
       for (int r = 0; r < RB; ++r) {
-        int32_t four;  // tokens 0-3's weights, one a byte
-        std::memcpy(&four, wq[r] + VALUE_TILE * g, 4);
-        const __m256i w = _mm256_set1_epi32(four);
-        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x0), ones));
-        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x1), ones));
+        int32_t even, odd;  // tokens 0 and 2, 1 and 3
+        std::memcpy(&even, wq[r] + VALUE_TILE * g, 4);
+        std::memcpy(&odd, wq[r] + VALUE_TILE * g + 2, 4);
+        const __m256i we = _mm256_set1_epi32(even), wo = _mm256_set1_epi32(odd);
+        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, we), _mm256_madd_epi16(o0, wo)));
+        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, we), _mm256_madd_epi16(o1, wo)));
       }
     }
     for (int r = 0; r < RB; ++r)
@@ -636,7 +638,7 @@ inline void score_rows(const int8_t* keys, const __m256i* qp, const float* q_sca
                        const float* k_scale, float* scores, int64_t r, const int8_t* ahead, const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
   __m256i dots[RB][2];
-  score_group<NZ, RB>(keys, qp + r * DG, dots, ahead, ahead2);
+  score_group<NZ, RB>(keys, qp + 2 * r * DG, dots, ahead, ahead2);
   for (int i = 0; i < RB; ++i)
     for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(dots[i][h], _mm256_set1_epi32(q_offset[r + i])));
@@ -650,29 +652,28 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
   constexpr int64_t D = 64 * NZ;
   const int64_t R = it.rows * a.group;
   init_item(it, a, st, qf);
-  // buf (32-byte aligned): the quantized queries, each 4 dimensions' bytes repeated across a vector
-  // [R, D / 4], then R scales and R offsets
+  // buf (32-byte aligned): the quantized queries, each 4 dimensions' even and odd pairs repeated across a
+  // vector [R, D / 4, 2], then R scales and R offsets
   __m256i* qp = reinterpret_cast<__m256i*>((reinterpret_cast<uintptr_t>(buf) + 31) / 32 * 32);
-  float* q_scale = reinterpret_cast<float*>(qp + R * (D / 4));
+  float* q_scale = reinterpret_cast<float*>(qp + R * (D / 2));
   int32_t* q_offset = reinterpret_cast<int32_t*>(q_scale + R);
   for (int64_t r = 0; r < R; ++r) {
     const float* x = qf + r * D;
     float amax = 0.f;
     for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const float inv = amax > 0.f ? QUERY_MAX / amax : 0.f;
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     int32_t total = 0;
-    int8_t q7[D];
+    int16_t q16[D];
     for (int64_t d = 0; d < D; ++d) {
       const int32_t v = int32_t(std::nearbyint(x[d] * inv));
-      q7[d] = int8_t(v);
+      q16[d] = int16_t(v);
       total += v;
     }
     for (int64_t dg = 0; dg < D / 4; ++dg) {
-      int32_t four;
-      std::memcpy(&four, q7 + 4 * dg, 4);
-      _mm256_store_si256(qp + r * (D / 4) + dg, _mm256_set1_epi32(four));
+      _mm256_store_si256(qp + r * (D / 2) + 2 * dg, two_int16(q16[4 * dg], q16[4 * dg + 2]));
+      _mm256_store_si256(qp + r * (D / 2) + 2 * dg + 1, two_int16(q16[4 * dg + 1], q16[4 * dg + 3]));
     }
-    q_scale[r] = amax > 0.f ? amax / QUERY_MAX : 0.f;
+    q_scale[r] = amax > 0.f ? amax / 32767.f : 0.f;
     q_offset[r] = 128 * total;
   }
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
