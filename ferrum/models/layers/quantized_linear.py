@@ -98,7 +98,7 @@ class KernelsMethod(LinearMethod):
         from ferrum.kernels.quant_matmul import quant_matmul
 
         self.quant_matmul = quant_matmul
-        self.gemm = gemm  # how many rows are multiplied on this device
+        self.gemm = gemm  # the device's rules for products of many rows (GemmRules)
 
     def matmul(self, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         return self.quant_matmul(x, layer.kernel_weight(), rules=self.gemm)
