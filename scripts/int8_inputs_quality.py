@@ -10,7 +10,7 @@ that rounding to every such product's input in HF transformers' float32 Llama, o
 quantized and dequantized as the loader does, at every position of a fixed text (as if each token were
 decoded), and prints the perplexity and the top-1 agreement with the unquantized model for: the
 unquantized weights, int4, int4 with int8 inputs, and both again with the head quantized. Then the roundings
-of int4's products of many rows on the int8 tensor cores (KernelConfig.int4_int8_rows: the weight
+of int4's products of many rows on the int8 tensor cores (KernelConfig.int4_w8a8_rows: the weight
 requantized to int8 per output channel, x to int8 per row; each alone; and scripts/w4a8_bench.py's
 alternatives: both in fp8 e4m3, x to int8 per chunk of 64 or 192 inputs).
 """

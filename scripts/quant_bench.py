@@ -73,12 +73,12 @@ def floor_bytes(folder: Path, method: str, head_quantized: bool) -> int:
 def quant_setting(method: str, head: bool) -> dict[str, Any]:
     """The engine settings of a method; int4-a8 / int4-a16: int4 with the decode GEMV's int8 inputs on / off
     (KernelConfig.gemv_int4.int8_inputs; plain int4: the default); int4-r8: int4 with its products of
-    DEQUANTIZE_FROM rows and more on the int8 tensor cores (KernelConfig.int4_int8_rows)."""
+    DEQUANTIZE_FROM rows and more as W8A8 in int8 (KernelConfig.int4_w8a8_rows); int4-f8: the same in fp8."""
     if method == "bf16":
         return {}
-    if method == "int4-r8":
+    if method in ("int4-r8", "int4-f8"):
         return {"quantization": {"method": "int4", "skip": [] if head else ["lm_head"]},
-                "kernels": {"int4_int8_rows": INT8_ROWS}}
+                "kernels": {"int4_w8a8_rows": INT8_ROWS, "int4_w8a8_format": "fp8" if method == "int4-f8" else "int8"}}
     base, _, inputs = method.partition("-a")
     setting: dict[str, Any] = {"quantization": {"method": base, "skip": [] if head else ["lm_head"]}}
     if inputs:
@@ -86,7 +86,7 @@ def quant_setting(method: str, head: bool) -> dict[str, Any]:
     return setting
 
 
-INT8_ROWS = 129  # int4-r8's KernelConfig.int4_int8_rows: quant_matmul.DEQUANTIZE_FROM
+INT8_ROWS = 129  # int4-r8's KernelConfig.int4_w8a8_rows: quant_matmul.DEQUANTIZE_FROM
 
 
 def batch_step_ms(folder: Path, batch: int, setting: dict[str, Any], prompt_len: int = 128, tokens: int = 64) -> float:

@@ -126,7 +126,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                           '4}; the report gives the acceptance')
     off.add_argument("--kernels", type=_json_mapping, metavar="JSON",
                      help='the engine\'s kernel settings, as under `engine: {kernels: ...}` in the YAML: '
-                          '{"max_decode_splits": 8, "int4_int8_rows": 129}')
+                          '{"max_decode_splits": 8, "int4_w8a8_rows": 129}')
     _workload_flags(off)
 
     srv = modes.add_parser("serve", help="stream the workload to a running server at several concurrencies")

@@ -79,12 +79,14 @@ class GemvTable:
 class GemmRules:
     """How ferrum.kernels.quant_matmul multiplies many rows by a quantized weight on one device.
     fp8_rowwise: torch._scaled_mm takes row-wise scales there (compute capability 9.0; an 8.9 GPU takes
-    the Triton W8A16 GEMM). int4_int8_rows: int4 products of at least this many rows (and at least
-    quant_matmul.DEQUANTIZE_FROM) run as W8A8 on the int8 tensor cores, the weight requantized to int8 per
-    output channel and x rounded to int8 per row (quant_matmul's docstring); 0: never (dequantize + cuBLAS)."""
+    the Triton W8A16 GEMM). int4_w8a8_rows: int4 products of at least this many rows (and at least
+    quant_matmul.DEQUANTIZE_FROM) run as W8A8 on the tensor cores in int4_w8a8_format ("int8", or "fp8"
+    e4m3 where fp8_rowwise), the weight requantized per output channel and x rounded per row
+    (quant_matmul's docstring); 0: never (dequantize + cuBLAS)."""
 
     fp8_rowwise: bool = True
-    int4_int8_rows: int = 0
+    int4_w8a8_rows: int = 0
+    int4_w8a8_format: Literal["int8", "fp8"] = "int8"
 
 
 DEFAULT_GEMM = GemmRules()  # a compute capability 9.0 GPU's, KernelConfig's defaults
@@ -108,11 +110,13 @@ class KernelConfig:
     86.5 against 89.0 us a layer's four projections). int4 and int8 at one row read 32 and 16
     inputs a thread (ferrum.kernels.gemv_chunks): their warps are capped at one per 1024 and 512
     inputs of the slice.
-    int4_int8_rows: int4 products of at least this many rows (prefill chunks, large decode batches) on the
-    int8 tensor cores: W8A8 with the weight requantized to int8 per output channel and x rounded to int8
-    per row (GemmRules); 0, the default: dequantized to bf16, then cuBLAS. On the demo model, rounding every
-    product so costs 3.0% perplexity on top of int4's own (scripts/int8_inputs_quality.py: x per row 1.9%,
-    the requantized weights 0.2%). Not yet measured on a GPU (benchmarks/quantization.md).
+    int4_w8a8_rows: int4 products of at least this many rows (prefill chunks, large decode batches) as W8A8
+    on the tensor cores, in int4_w8a8_format: "int8" (the weight requantized to int8 per output channel, x
+    rounded to int8 per row, a Triton int8 GEMM with the scales in its epilogue) or "fp8" (both in float8
+    e4m3, torch._scaled_mm; where row-wise scales are not taken, compute capability below 9.0, int8 serves);
+    0, the default: dequantized to bf16, then cuBLAS (GemmRules). On the demo model, rounding every product
+    so costs perplexity on top of int4's own (scripts/int8_inputs_quality.py): int8 3.0% (x per row 1.9%,
+    the requantized weights 0.2%), fp8 1.6%. Timings: benchmarks/quantization.md.
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
     (ferrum.engine.parallel.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md).
@@ -147,7 +151,8 @@ class KernelConfig:
     gemv_fp8: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 1024))
     gemv_int4: GemvTable = field(default_factory=lambda: replace(GemvTable.sliced(4, 2048, int8_inputs=True),
                                                                  whole_k_without_norm=4096, whole_k_features=16))
-    int4_int8_rows: int = 0
+    int4_w8a8_rows: int = 0
+    int4_w8a8_format: Literal["int8", "fp8"] = "int8"
     one_shot_all_reduce_kb: int = 512
     one_shot_push: bool = True
     graph_prompt_keys: int = 65536
@@ -162,10 +167,12 @@ class KernelConfig:
             raise ValueError(f"kernels.max_decode_splits must be in 1..64, got {self.max_decode_splits!r}")
         if isinstance(self.fused_decode_rows, bool) or not 0 <= self.fused_decode_rows <= 16:
             raise ValueError(f"kernels.fused_decode_rows must be in 0..16, got {self.fused_decode_rows!r}")
-        if isinstance(self.int4_int8_rows, bool) or not isinstance(self.int4_int8_rows, int) \
-                or self.int4_int8_rows < 0:
-            raise ValueError(f"kernels.int4_int8_rows must be a count of rows >= 0 (0: never), got "
-                             f"{self.int4_int8_rows!r}")
+        if isinstance(self.int4_w8a8_rows, bool) or not isinstance(self.int4_w8a8_rows, int) \
+                or self.int4_w8a8_rows < 0:
+            raise ValueError(f"kernels.int4_w8a8_rows must be a count of rows >= 0 (0: never), got "
+                             f"{self.int4_w8a8_rows!r}")
+        if self.int4_w8a8_format not in ("int8", "fp8"):
+            raise ValueError(f"kernels.int4_w8a8_format must be int8 or fp8, got {self.int4_w8a8_format!r}")
         if isinstance(self.one_shot_all_reduce_kb, bool) or not 0 <= self.one_shot_all_reduce_kb <= 65536:
             raise ValueError(f"kernels.one_shot_all_reduce_kb must be in 0..65536, got {self.one_shot_all_reduce_kb!r}")
         if not isinstance(self.one_shot_push, bool):
@@ -185,7 +192,8 @@ class KernelConfig:
 
     def gemm_rules(self, fp8_rowwise: bool) -> GemmRules:
         """quant_matmul's rules on a device whose torch._scaled_mm does (or does not) take row-wise scales."""
-        return GemmRules(fp8_rowwise, self.int4_int8_rows)
+        fmt = self.int4_w8a8_format if fp8_rowwise else "int8"
+        return GemmRules(fp8_rowwise, self.int4_w8a8_rows, fmt)
 
     def gemv_table(self, kind: Literal["int8", "fp8", "int4"] | None) -> GemvTable:
         """The fused projections' table for a weight stored as `kind` (None: in the activations' dtype)."""

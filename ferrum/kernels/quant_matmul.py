@@ -46,15 +46,16 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            at the rate of a stream of mostly writes (~3 TB/s on an H200, every
                            tiling alike). The buffer is the largest weight in bf16, 235 MB for the
                            8B gate/up, held by the caching allocator.
-                           M >= GemmRules.int4_int8_rows too (KernelConfig.int4_int8_rows; 0, the
-                           default: never): W8A8 on the int8 tensor cores. One kernel requantizes the
-                           weight to int8 with a scale an output channel (requantize_int4: each row's
-                           bound from its groups' scales and zeros, so nothing clamps) into a
-                           transient [N, K] int8 buffer, half the bf16 one's bytes; then int8's W8A8
-                           below (x per row, torch._int_mm, the scales). The tensor cores' int8 rate
-                           is twice bf16's, and the buffer's writes half. Errors: x's rounding as
-                           W8A8 int8's, plus the weight's, half a step of 1/127 of its row's largest
-                           magnitude (~7e-3 relative for Gaussian rows)
+                           M >= GemmRules.int4_w8a8_rows too (KernelConfig.int4_w8a8_rows; 0, the
+                           default: never), K and N multiples of 16: W8A8 on the tensor cores, whose
+                           int8 and fp8 rates are twice bf16's. requantize_int4 writes the weight in
+                           the format (int8, or fp8 e4m3 by GemmRules.int4_w8a8_format) with a scale
+                           an output channel (each row's bound from its groups' scales and zeros, so
+                           nothing clamps) into a transient [N, K] buffer, half the bf16 one's bytes;
+                           then int8: x per row and one Triton int8 GEMM with the scales and bias in
+                           its epilogue (w8a8_int8_gemm); fp8: fp8's W8A8 below. Errors: x's rounding
+                           as W8A8's, plus the weight's: int8 half a step of 1/127 of its row's
+                           largest magnitude (~7e-3 relative for Gaussian rows), fp8 2^-4 relative
                    int8    M > 16, K and N multiples of 8: W8A8, x quantized per row to int8 as it
                            comes (scale = max|x_row| / 127, one Triton kernel), torch._int_mm (int8
                            tensor cores, int32 sums), then * x_scale * w_scale (+ bias) in one kernel;
@@ -201,8 +202,10 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = x.new_empty(0, n)
     elif m <= GEMV_ROWS:
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
-    elif w.kind == "int4" and m >= DEQUANTIZE_FROM and 0 < rules.int4_int8_rows <= m and n % 8 == 0:
-        y = _w8a8_int8(flat, requantize_int4(w), bias)
+    elif w.kind == "int4" and m >= DEQUANTIZE_FROM and 0 < rules.int4_w8a8_rows <= m and k % 16 == 0 \
+            and n % 16 == 0:
+        y = _w8a8_fp8(flat, requantize_int4(w, torch.float8_e4m3fn), bias) if rules.int4_w8a8_format == "fp8" \
+            else w8a8_int8_gemm(flat, requantize_int4(w), bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM:
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
     elif w.kind in ("int8", "fp8") and w.group_size and m >= GROUPED_DEQUANTIZE_FROM:
@@ -359,38 +362,41 @@ def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.te
     tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], w.to(OUT.dtype.element_ty), mask=omask)
 
 
-def requantize_int4(w: QuantWeight) -> QuantWeight:
-    """The int4 weight as int8 with one scale an output channel (a QuantWeight of kind int8: qweight int8
-    [N, K], scale float32 [N]), by one kernel: each row's (q - 8) * scale + zero over its channel scale,
-    rounded to nearest (ties away from zero). The channel scale is the row's bound over its groups,
-    max(|zero - 8 scale|, |zero + 7 scale|) / 127, from the factors alone (each group's extremes, q = 0 and
-    15, are its rounded minimum and maximum), so nothing is clamped; the rounding adds at most half a step
-    of 1/127 of the row's largest magnitude to each weight."""
+def requantize_int4(w: QuantWeight, dtype: torch.dtype = torch.int8) -> QuantWeight:
+    """The int4 weight in `dtype` (int8 or float8_e4m3fn) with one scale an output channel (a QuantWeight
+    of that kind: qweight [N, K], scale float32 [N]): each row's (q - 8) * scale + zero over its channel's
+    step, rounded (int8: to nearest, ties away from zero; fp8: the conversion's nearest even). The step is
+    the row's bound over its groups, max(|zero - 8 scale|, |zero + 7 scale|) over the format's largest
+    (127, 448), from the factors alone (each group's extremes, q = 0 and 15, are its rounded minimum and
+    maximum), so nothing clamps. int8's rounding adds at most half a step of 1/127 of the row's largest
+    magnitude to each weight; fp8's a relative 2^-4 of each weight. Two kernels: the rows' steps
+    (the factors only), then one [32, min(group, 256)] block of codes a program, no loop (as the
+    dequantize kernel: a stream of reads and half its writes). K is a multiple of 8 (whole words)."""
+    if dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"requantize_int4: int8 or float8_e4m3fn, got {dtype}")
     kw = kernel_weight(w)
     n, k = kw.out_rows, kw.in_features
     device = w.qweight.device
-    out = torch.empty(n, k, dtype=torch.int8, device=device)
-    scale = torch.empty(n, dtype=torch.float32, device=device)
-    block_n, block_k = 32, min(kw.group, 128)
-    n_blocks, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    per_program = triton.cdiv(k_blocks, max(1, min(k_blocks, triton.cdiv(1024, n_blocks))))  # ~1,024 programs
+    fp8 = dtype == torch.float8_e4m3fn
+    step = torch.empty(n, dtype=torch.float32, device=device)
     groups = triton.cdiv(k, kw.group)
-    _requantize_int4_kernel[(n_blocks, triton.cdiv(k_blocks, per_program))](
-        kw.data, kw.scale, kw.zero, out, scale, n, k, groups, kw.stride_wn, kw.stride_sn, out.stride(0),
-        GROUP=kw.group, BLOCK_G=min(triton.next_power_of_2(groups), 64), BLOCK_N=block_n, BLOCK_K=block_k,
-        PER_PROGRAM=per_program, QUANT=kw.quant, num_warps=4)
-    return QuantWeight("int8", out, scale)
+    _int4_row_steps_kernel[(triton.cdiv(n, 64),)](
+        kw.scale, kw.zero, step, n, groups, kw.stride_sn, QMAX=448.0 if fp8 else 127.0, BLOCK_N=64,
+        BLOCK_G=min(triton.next_power_of_2(groups), 64), QUANT=kw.quant, num_warps=4)
+    out = torch.empty(n, k, dtype=dtype, device=device)
+    pairs = out.view(torch.int32)  # [N, K / 4]: each word's 8 codes stored as two 32-bit words
+    block_n, block_k = 32, min(kw.group, 256)
+    _requantize_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        kw.data, kw.scale, kw.zero, step, pairs, n, k, kw.stride_wn, kw.stride_sn, pairs.stride(0), GROUP=kw.group,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, QUANT=kw.quant, FP8=fp8, num_warps=4)
+    return QuantWeight("fp8" if fp8 else "int8", out, step)
 
 
 @triton.jit
-def _requantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.tensor, OUT_SCALE: tl.tensor,
-                            N: tl.tensor, K: tl.tensor, GROUPS: tl.tensor, stride_wn: tl.tensor,
-                            stride_sn: tl.tensor, stride_on: tl.tensor, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_PROGRAM: tl.constexpr,
-                            QUANT: tl.constexpr) -> None:
-    """BLOCK_N rows x PER_PROGRAM blocks of BLOCK_K inputs (BLOCK_K divides GROUP: each block within one
-    group; the last masked at K). Every program finds its rows' bound over all their groups' factors; the
-    first along K stores it."""
+def _int4_row_steps_kernel(S: tl.tensor, Z: tl.tensor, STEP: tl.tensor, N: tl.tensor, GROUPS: tl.tensor,
+                           stride_sn: tl.tensor, QMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                           QUANT: tl.constexpr) -> None:
+    """BLOCK_N rows' steps: each row's bound over all its groups' factors, over QMAX."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     s_rows = S + rn * stride_sn
@@ -401,21 +407,96 @@ def _requantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.te
         s, z = group_factors(s_rows[:, None], z_rows[:, None], g[None, :], nmask[:, None] & (g < GROUPS)[None, :],
                              QUANT)
         bound = tl.maximum(bound, tl.max(tl.maximum(tl.abs(z - 8.0 * s), tl.abs(z + 7.0 * s)), axis=1))
-    step = tl.maximum(bound, 1e-30) / 127.0
-    if tl.program_id(1) == 0:
-        tl.store(OUT_SCALE + rn, step, mask=nmask)
-    inv = 1.0 / step
-    for b in range(PER_PROGRAM):
-        k0 = (tl.program_id(1) * PER_PROGRAM + b) * BLOCK_K
-        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        kk = k0 + tl.arange(0, BLOCK_K)
-        words = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kw[None, :],
-                        mask=nmask[:, None] & (kw < K // 8)[None, :], other=0)
-        s, z = group_factors(s_rows, z_rows, k0 // GROUP, nmask & (k0 < K), QUANT)
-        v = (_unpack_int4(words) * s[:, None] + z[:, None]) * inv[:, None]
-        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
-        tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + kk[None, :], q, mask=nmask[:, None] & (kk < K)[None, :])
+    tl.store(STEP + rn, tl.maximum(bound, 1e-30) / QMAX, mask=nmask)
+
+
+@triton.jit
+def _requantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, STEP: tl.tensor, OUT: tl.tensor,
+                            N: tl.tensor, K: tl.tensor, stride_wn: tl.tensor, stride_sn: tl.tensor,
+                            stride_on: tl.tensor, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVEN_K: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr) -> None:
+    """One [BLOCK_N, BLOCK_K] block (within one group: BLOCK_K divides GROUP; unless EVEN_K the last,
+    in a ragged last group, masked at K) of the weight over its rows' steps, rounded to OUT's format. Each
+    word's 8 inputs are its 8 nibbles, rounded one plane at a time and packed back into two 32-bit words in
+    input order (byte i of the pair is input 8j + i), stored as one 8-byte pair a word: no interleave of
+    the planes and no byte stores."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    nmask = rn < N
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (kw < K // 8)[None, :]
+    words = tl.load(W + rn[:, None].to(tl.int64) * stride_wn + kw[None, :], mask=wmask, other=0)
+    s, z = group_factors(S + rn * stride_sn, Z + rn * factor_stride(stride_sn, QUANT), k0 // GROUP, nmask, QUANT)
+    inv = 1.0 / tl.load(STEP + rn, mask=nmask, other=1.0)
+    a, b = (s * inv)[:, None], (z * inv)[:, None]
+    lo = tl.zeros(words.shape, tl.uint32)
+    hi = tl.zeros(words.shape, tl.uint32)
+    for p in tl.static_range(8):
+        v = (((words >> (4 * p)) & 0xF).to(tl.float32) - 8.0) * a + b
+        if FP8:
+            byte = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            q = tl.minimum(tl.maximum(tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)), -127.0), 127.0)
+            byte = q.to(tl.int8).to(tl.uint8, bitcast=True)
+        if p < 4:
+            lo |= byte.to(tl.uint32) << (8 * p)
+        else:
+            hi |= byte.to(tl.uint32) << (8 * (p - 4))
+    pairs = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K // 4))  # column 2j: inputs 8j..8j+3, 2j+1: the rest
+    cols = 2 * (k0 // 8) + tl.arange(0, BLOCK_K // 4)
+    omask = nmask[:, None] if EVEN_K else nmask[:, None] & (cols < K // 4)[None, :]
+    tl.store(OUT + rn[:, None].to(tl.int64) * stride_on + cols[None, :], pairs, mask=omask)
+
+
+def w8a8_int8_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ (w.qweight * w.scale[:, None]).T (+ bias) in x's dtype, w int8 with a scale a row: x
+    rounded to int8 per row (quantize_rows), one Triton int8 GEMM (int32 sums) with both scales and the
+    bias in its epilogue (one kernel where _w8a8_int8 takes torch._int_mm and a scale kernel)."""
+    m, k = x.shape
+    n = w.out_features
+    cfg = config or w8a8_int8_config(m, n)
+    xq, x_scale = quantize_rows(x, torch.int8)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _w8a8_int8_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)](
+        xq, w.qweight, x_scale, w.scale, bias if bias is not None else out, out, m, n, k, xq.stride(0),
+        w.qweight.stride(0), out.stride(0), BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
+def w8a8_int8_config(m: int, n: int) -> GemmConfig:
+    """The int8 GEMM's tiles: 64 x 128 up to 256 rows (more programs for the few rows), else 128 x 128."""
+    return GemmConfig(64, 128, 128, 4, 4) if m <= 256 else GemmConfig(128, 128, 128, 8, 3)
+
+
+@triton.jit
+def _w8a8_int8_kernel(X: tl.tensor, W: tl.tensor, XS: tl.tensor, WS: tl.tensor, B: tl.tensor, OUT: tl.tensor,
+                      M: tl.tensor, N: tl.tensor, K: tl.tensor, stride_xm: tl.tensor, stride_wn: tl.tensor,
+                      stride_om: tl.tensor, BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr) -> None:
+    """One out tile [BLOCK_M, BLOCK_N]: int8 x tiles against the weight's [BLOCK_K, BLOCK_N] (read
+    transposed from its rows), int32 sums, * x's row scale * the weight's channel scale (+ bias)."""
+    pid_m, pid_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = rm < M, rn < N
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + rk) < K
+        a = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :],
+                    mask=mmask[:, None] if EVEN_K else mmask[:, None] & kmask[None, :], other=0)
+        b = tl.load(W + rn[None, :].to(tl.int64) * stride_wn + (k0 + rk)[:, None],
+                    mask=nmask[None, :] if EVEN_K else nmask[None, :] & kmask[:, None], other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    y = acc.to(tl.float32) * tl.load(XS + rm, mask=mmask, other=0.0)[:, None] \
+        * tl.load(WS + rn, mask=nmask, other=0.0)[None, :]
+    if BIAS:
+        y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :], y.to(OUT.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
 
 
 def triton_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,

@@ -216,7 +216,7 @@ def test_bench_offline_takes_kernel_settings_and_refuses_unknown_ones(capsys: py
     """--kernels is the YAML's engine.kernels as JSON: an unknown key stops the run (exit 2) naming it, before
     any model is read; something other than a JSON object is a usage error."""
     base = ["bench", "offline", "--model", "/nonexistent/model", "--backend", "cpu"]
-    assert _run_cli([*base, "--kernels", '{"int4_int8_rows": 129, "pld": false}']) == 2
+    assert _run_cli([*base, "--kernels", '{"int4_w8a8_rows": 129, "pld": false}']) == 2
     assert "unknown engine.kernels key(s): pld" in capsys.readouterr().err
     assert _run_cli([*base, "--kernels", "[129]"]) == 2
     assert "expected a JSON object" in capsys.readouterr().err

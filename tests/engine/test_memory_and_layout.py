@@ -153,10 +153,13 @@ def test_step_observer_sees_every_step(engine) -> None:  # the conftest engine: 
 def test_engine_config_reads_kernel_settings_from_yaml() -> None:
     config = EngineConfig.from_mapping({"kernels": {"pdl": False, "max_decode_splits": 16, "gemv": {"k_slice": 1024}}})
     assert (config.kernels.pdl, config.kernels.max_decode_splits, config.kernels.gemv.k_slice) == (False, 16, 1024)
-    rows = EngineConfig.from_mapping({"kernels": {"int4_int8_rows": 129}}).kernels
-    assert rows.gemm_rules(True) == GemmRules(True, 129)
-    with pytest.raises(ValueError, match="int4_int8_rows"):
-        EngineConfig.from_mapping({"kernels": {"int4_int8_rows": -1}})
+    rows = EngineConfig.from_mapping({"kernels": {"int4_w8a8_rows": 129, "int4_w8a8_format": "fp8"}}).kernels
+    assert rows.gemm_rules(True) == GemmRules(True, 129, "fp8")
+    assert rows.gemm_rules(False) == GemmRules(False, 129, "int8")  # no row-wise fp8 _scaled_mm: int8 serves
+    with pytest.raises(ValueError, match="int4_w8a8_rows"):
+        EngineConfig.from_mapping({"kernels": {"int4_w8a8_rows": -1}})
+    with pytest.raises(ValueError, match="int4_w8a8_format"):
+        EngineConfig.from_mapping({"kernels": {"int4_w8a8_format": "int4"}})
     with pytest.raises(ValueError, match="unknown engine.kernels key"):
         EngineConfig.from_mapping({"kernels": {"pld": False}})
     with pytest.raises(ValueError, match="power of two"):

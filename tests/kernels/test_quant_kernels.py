@@ -293,7 +293,7 @@ def test_int4_dequantized_by_the_kernel_as_by_the_loader(kind: str) -> None:
 
 @pytest.mark.parametrize(("kind", "k", "group"), [("int4", 384, 128), ("int4", 576, 128), ("int4-k", 384, 32)])
 def test_int4_requantized_to_int8_per_channel(kind: str, k: int, group: int) -> None:
-    """requantize_int4 (int4 on the int8 tensor cores, KernelConfig.int4_int8_rows): each row's step is its
+    """requantize_int4 (int4 as W8A8 on the tensor cores, KernelConfig.int4_w8a8_rows): each row's step is its
     bound from the groups' scales and zeros over 127, which for round-to-nearest groups (each group's codes
     reach 0 and 15) is the row's largest magnitude over 127; every code the weight over the step rounded, a
     ragged last group (576) included."""
@@ -426,23 +426,49 @@ def test_quant_matmul_by_method(kind: str, bound: float, m: int) -> None:
         assert rel_err(qm.quant_matmul(xo.to(DEVICE), qo), xo.double() @ ref_o.T) < 1e-2
 
 
+def test_int8_gemm_with_scales_in_its_epilogue() -> None:
+    """w8a8_int8_gemm (int4's W8A8 in int8, on a weight of a scale a row; interpreted: tiny tiles): x rounded
+    per row, a partial tile in M, N and K, bias; within the rounding of x."""
+    gen = torch.Generator().manual_seed(12)
+    m, n, k = 20, 24, 80
+    qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int8")
+    x = torch.randn(m, k, generator=gen).to(DTYPE)
+    bias = torch.randn(n, generator=gen).to(DTYPE)
+    ref = x.double() @ ref_w.T + bias.double()
+    out = qm.w8a8_int8_gemm(x.to(DEVICE), qw, bias.to(DEVICE), qm.GemmConfig(16, 16, 32, 4, 2))
+    assert out.dtype == DTYPE and tuple(out.shape) == (m, n)
+    assert rel_err(out, ref) < 1.5e-2  # x per row to int8, the output rounded to DTYPE
+    assert rel_err(qm.w8a8_int8_gemm(x.to(DEVICE), qw, None, qm.GemmConfig(16, 16, 32, 4, 2)),
+                   x.double() @ ref_w.T) < 1.5e-2
+
+
 @gpu_only
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("kind", ["int4", "int4-k"])
-def test_int4_products_on_the_int8_tensor_cores(kind: str) -> None:
-    """GemmRules.int4_int8_rows: from that many rows (and DEQUANTIZE_FROM) int4 runs as W8A8, its bound the module's;
-    below it, and with the rule off, the usual paths."""
+def test_int4_products_as_w8a8(kind: str, fmt: str) -> None:
+    """GemmRules.int4_w8a8_rows: from that many rows (and DEQUANTIZE_FROM) int4 runs as W8A8 in the format, its
+    bound the module's; below it, and with the rule off, the usual paths. fp8: every requantized weight within
+    half an e4m3 step of the weight over its row's step."""
     gen = torch.Generator().manual_seed(11)
     n, k = 1024, 2048
     qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), kind, 128) if kind == "int4" else \
         quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), kind)
     bias = torch.randn(n, generator=gen).to(DTYPE)
-    rules = GemmRules(int4_int8_rows=200)
+    if fmt == "fp8":
+        r = qm.requantize_int4(qw, torch.float8_e4m3fn)
+        step = r.scale.double().cpu()
+        v = ref_w / step[:, None]
+        assert bool((v.abs() <= 448 * (1 + 1e-6)).all())
+        got = r.qweight.cpu().double()
+        assert bool(((got - v).abs() <= v.abs() / 16 + 2.0 ** -10).all())  # half of e4m3's 2^-3, subnormals
+    rules = GemmRules(int4_w8a8_rows=200, int4_w8a8_format=fmt)  # type: ignore[arg-type]
     for m in (150, 300):
         x = torch.randn(m, k, generator=gen).to(DTYPE)
         ref = x.double() @ ref_w.T + bias.double()
         on = qm.quant_matmul(x.to(DEVICE), qw, bias.to(DEVICE), rules=rules)
         off = qm.quant_matmul(x.to(DEVICE), qw, bias.to(DEVICE))
-        assert rel_err(on, ref) < (2e-2 if m >= 200 else 1e-2) and rel_err(off, ref) < 1e-2
+        bound = {"int8": 2e-2, "fp8": 5e-2}[fmt] if m >= 200 else 1e-2  # fp8 e4m3 x and weight: ~3.7% (emulated)
+        assert rel_err(on, ref) < bound and rel_err(off, ref) < 1e-2
         assert torch.equal(on, off) == (m < 200)
 
 
