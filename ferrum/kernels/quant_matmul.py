@@ -365,7 +365,7 @@ def _dequantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, OUT: tl.te
 def requantize_int4(w: QuantWeight, dtype: torch.dtype = torch.int8) -> QuantWeight:
     """The int4 weight in `dtype` (int8 or float8_e4m3fn) with one scale an output channel (a QuantWeight
     of that kind: qweight [N, K], scale float32 [N]): each row's (q - 8) * scale + zero over its channel's
-    step, rounded (int8: to nearest, ties away from zero; fp8: the conversion's nearest even). The step is
+    step, rounded to nearest (ties to even; fp8 by the conversion). The step is
     the row's bound over its groups, max(|zero - 8 scale|, |zero + 7 scale|) over the format's largest
     (127, 448), from the factors alone (each group's extremes, q = 0 and 15, are its rounded minimum and
     maximum), so nothing clamps. int8's rounding adds at most half a step of 1/127 of the row's largest
@@ -434,14 +434,13 @@ def _requantize_int4_kernel(W: tl.tensor, S: tl.tensor, Z: tl.tensor, STEP: tl.t
     for p in tl.static_range(8):
         v = (((words >> (4 * p)) & 0xF).to(tl.float32) - 8.0) * a + b
         if FP8:
-            byte = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            q = tl.minimum(tl.maximum(tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)), -127.0), 127.0)
-            byte = q.to(tl.int8).to(tl.uint8, bitcast=True)
+            byte = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+        else:  # 1.5 * 2^23 + v rounds v to an integer in the float's low bits: its low byte is the int8
+            byte = (v + 12582912.0).to(tl.uint32, bitcast=True) & 0xFF
         if p < 4:
-            lo |= byte.to(tl.uint32) << (8 * p)
+            lo |= byte << (8 * p)
         else:
-            hi |= byte.to(tl.uint32) << (8 * (p - 4))
+            hi |= byte << (8 * (p - 4))
     pairs = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K // 4))  # column 2j: inputs 8j..8j+3, 2j+1: the rest
     cols = 2 * (k0 // 8) + tl.arange(0, BLOCK_K // 4)
     omask = nmask[:, None] if EVEN_K else nmask[:, None] & (cols < K // 4)[None, :]

@@ -309,7 +309,7 @@ def test_int4_requantized_to_int8_per_channel(kind: str, k: int, group: int) -> 
         assert torch.allclose(step, largest, rtol=1e-5)
     codes = r.qweight.double().cpu()
     v = ref_w / step[:, None]
-    near_tie = ((v.abs() - v.abs().floor()) - 0.5).abs() < 1e-4  # float32's rounding of v may fall either way
+    near_tie = ((v.abs() - v.abs().floor()) - 0.5).abs() < 1e-4  # float32's v may round either way (ties: even)
     want = v.sign() * (v.abs() + 0.5).floor()
     assert bool(((codes - want).abs() <= near_tie.double()).all())
     assert rel_err(codes * step[:, None], ref_w) < 1e-2  # half a step of 1/127 of a row's largest
