@@ -110,7 +110,7 @@ def pack_step(
     prompt_rows: list[tuple[Sequence, PromptRows]] = []
     for s in ordered:
         seq, past, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-        rows.append(SequenceRows(len(ids), n, past, seq.block_table))
+        rows.append(SequenceRows(len(ids), n, past, seq.block_table, past >= seq.num_prompt_tokens))
         if seq.scores_prompt:  # positions [first, end) score the prompt tokens after them
             first, end = max(past, seq.num_prompt_scored), min(past + n, seq.num_prompt_tokens - 1)
             if first < end:

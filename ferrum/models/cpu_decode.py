@@ -89,5 +89,5 @@ class CpuDecodeChain:
             x, self.norms, self.weights, self.layout, [c[0] for c in kv_caches], [c[1] for c in kv_caches],
             batch.positions, batch.rotary.cos_table, batch.rotary.sin_table, batch.slot_mapping, batch.block_tables,
             batch.seq_lens, batch.query_starts, batch.block_size, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.eps, self.windows)
+            self.eps, self.windows, batch.generated)
         return out

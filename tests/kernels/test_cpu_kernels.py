@@ -178,6 +178,49 @@ def test_paged_attention_reads_an_int8_cache(ops: object, head_dim: int, tiles: 
                             block_size, 1.0)
 
 
+def seven_bit_tiles() -> bool:
+    """Whether this build reads generated rows of an int8 cache in 7 bits: AVX2's tiles (no AVX512-VNNI, or the
+    x86-64-v3 build of test_the_portable_build_passes_the_kernel_tests)."""
+    flags = _cpu_flags()
+    return "FERRUM_TEST_MARCH" in os.environ or ("avx2" in flags and not {"avx512_vnni", "avx512bw"} <= flags)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_generated_rows_read_an_int8_cache_with_seven_bit_queries(ops: object, head_dim: int) -> None:
+    """`generated` (the sequences whose rows are all generated tokens): on AVX2's tiles their queries and value
+    weights are 7 bits, within the reference with the queries so rounded (max|q| / 63) plus each weight's half
+    step (at most |v| / 254 where one key dominates a short range); every other sequence's rows equal the call
+    without it, bit for bit (prompt rows keep 16 bits). Elsewhere (VNNI) the flag changes nothing."""
+    torch.manual_seed(4)
+    heads, kv_heads, block_size, cases = 6, 2, 16, [(1, 37), (1, 1500), (20, 90), (3, 33)]
+    num_blocks = sum(-(-length // block_size) for _, length in cases) + 2
+    k = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k8, v8 = written_int8(ops, k, v, block_size)
+    tables, table, lens, starts = scattered_tables(cases, num_blocks, block_size)
+    q = torch.randn(starts[-1], heads, head_dim, dtype=torch.bfloat16)
+    args = (table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), block_size,
+            1 / math.sqrt(head_dim), 0, None, None)
+    plain, flagged = torch.empty_like(q), torch.empty_like(q)
+    generated = torch.tensor([True, True, False, True])
+    ops.paged_attention(plain, q, k8, v8, *args)  # type: ignore[attr-defined]
+    ops.paged_attention(flagged, q, k8, v8, *args, generated)  # type: ignore[attr-defined]
+    prompt = slice(starts[2], starts[3])
+    assert torch.equal(flagged[prompt], plain[prompt])
+    if not seven_bit_tiles():
+        assert torch.equal(flagged, plain)
+        return
+    step = q.float().abs().amax(-1, keepdim=True).clamp_min(1e-30) / 63
+    q7 = ((q.float() / step).round() * step).to(q.dtype)
+    k_rows, v_rows = untiled(k8, True), untiled(v8, False)
+    reference = reference_attention(q7, dequantized(k_rows), dequantized(v_rows), tables, lens, starts, block_size)
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in (0, 1, 3)])
+    assert (flagged[rows].float() - reference[rows]).abs().max().item() < 3e-2
+    assert not torch.equal(flagged[rows], plain[rows])  # the 7-bit path ran
+    with pytest.raises(RuntimeError, match="generated must be bool"):
+        ops.paged_attention(flagged, q, k8, v8, *args, generated[:3])  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
 def test_a_head_major_cache_holds_and_reads_as_a_block_major_one(ops: object, dtype: torch.dtype) -> None:
     """KVCacheLayout.allocate's CPU cache stores each kv head's blocks back to back (a transposed view): what

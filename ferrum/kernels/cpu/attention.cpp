@@ -64,6 +64,7 @@ struct ItemArgs {
   int64_t window;  // a query sees itself and the window - 1 keys before it; 0: every key before it
   float scale;
   bool tiled;  // an int8 cache in tiles (common.h)
+  bool seven_bit;  // AVX2's tiles: 7-bit queries and value weights (the sequence's rows are generated tokens)
 };
 
 // One cached head as float32: a float cache's values as they are, an int8 cache's times their scale.
@@ -437,7 +438,7 @@ inline void accumulate_tiled(float* acc, const float* weights, const int8_t* con
   }
 }
 
-template <typename T, int NZ>
+template <typename T, int NZ, bool = false>  // (the 7-bit rows are AVX2's: here every row takes both parts)
 void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, float* qf, float* buf, float* scores) {
   constexpr int64_t D = 64 * NZ, DG = D / 4;  // DG: groups of 4 dimensions, one vpdpbusd each
   const int64_t R = it.rows * a.group;
@@ -544,45 +545,67 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
 // widening each 16-byte half with vpmovzx/sx and pairing after (scripts/cpu_kernel_ab.py, Zen 3, blocks in
 // order, 16 passes): 0.93-0.97x the time at 2,048 and 6,000 keys, warm and from memory, 1 and 2 threads;
 // blocks scattered 1.00x; the outputs bit for bit the same.
+//
+// Q7 (the rows of sequences whose every row this step is a generated token: decodes, speculative verifies):
+// queries and value weights in 7 bits, so that the cache's bytes go to vpmaddubsw as they lie (each int16
+// lane the exact sum of two products: at most 2 x 255 x 63 for a key plus 128 and a query, 2 x 127 x 127
+// for a value and a weight), widened by one vpmaddwd against ones into int32 lanes of four products: 3
+// operations a row vector and query vector against 5. q = s qi with s = max|q| / 63; w = s wi with s =
+// max w / 127. Prompt rows keep 16 bits: a prompt read from the prefix cache must score as the same prompt
+// prefilled from its first token (which reads its keys as computed), and at 7 bits the demo model's near-tie
+// first answer token flipped between the two (benchmarks/cpu-kernels.md). Measured (scripts/cpu_kernel_ab.py,
+// Zen 3): 0.816x the 16-bit kernel's time at 6,000 keys warm, 0.874x from memory, 2 threads; the decode
+// path's perplexity on the demo model 1.0018x the unquantized model's (16 bits: 1.0002x).
+constexpr float QUERY_MAX7 = 63.f;  // a 7-bit query's largest magnitude: (k + 128) q pairs within int16
+
 inline __m256i two_int16(int16_t a, int16_t b) {  // (a, b) in every int32 lane
   return _mm256_set1_epi32(int32_t(uint32_t(uint16_t(a)) | (uint32_t(uint16_t(b)) << 16)));
 }
 
 // The int32 sums of 16 keys (a tile group: `keys`, key_byte's layout, plus 128) times RB int16 query
 // vectors, given as each 4 dimensions' even and odd pairs (qp: 2 vectors a dimension group, 2 DG vectors a
-// query vector): out[r][0] keys 0-7, out[r][1] keys 8-15. Meanwhile the DG cache lines of two other tile
+// query vector; Q7: 7-bit queries, each 4 dimensions' bytes in one vector): out[r][0] keys 0-7, out[r][1] keys 8-15. Meanwhile the DG cache lines of two other tile
 // groups are prefetched, a line of each between each dimension group's products (nullptr: none).
-template <int NZ, int RB>
+template <int NZ, int RB, bool Q7>
 inline void score_group(const int8_t* keys, const __m256i* qp, __m256i out[][2], const int8_t* ahead,
                         const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
-  const __m256i low = _mm256_set1_epi16(0x00FF);
+  const __m256i low = _mm256_set1_epi16(0x00FF), ones = _mm256_set1_epi16(1);
   for (int r = 0; r < RB; ++r) out[r][0] = out[r][1] = _mm256_setzero_si256();
   for (int64_t dg = 0; dg < DG; ++dg) {
     if (ahead != nullptr) __builtin_prefetch(ahead + 64 * dg);
     if (ahead2 != nullptr) __builtin_prefetch(ahead2 + 64 * dg);
     const __m256i* rows = reinterpret_cast<const __m256i*>(keys + 64 * dg);  // dimensions 4dg..4dg+3
     const __m256i x0 = _mm256_loadu_si256(rows), x1 = _mm256_loadu_si256(rows + 1);  // keys 0-7, 8-15
-    const __m256i e0 = _mm256_and_si256(x0, low), o0 = _mm256_srli_epi16(x0, 8);
-    const __m256i e1 = _mm256_and_si256(x1, low), o1 = _mm256_srli_epi16(x1, 8);
-    for (int r = 0; r < RB; ++r) {
-      const __m256i qe = _mm256_load_si256(qp + 2 * (r * DG + dg)), qo = _mm256_load_si256(qp + 2 * (r * DG + dg) + 1);
-      out[r][0] = _mm256_add_epi32(out[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, qe), _mm256_madd_epi16(o0, qo)));
-      out[r][1] = _mm256_add_epi32(out[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, qe), _mm256_madd_epi16(o1, qo)));
+    if constexpr (Q7) {  // qp: each 4 dimensions' 4 bytes repeated across a vector, DG vectors a query vector
+      for (int r = 0; r < RB; ++r) {
+        const __m256i q = _mm256_load_si256(qp + r * DG + dg);
+        out[r][0] = _mm256_add_epi32(out[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(x0, q), ones));
+        out[r][1] = _mm256_add_epi32(out[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(x1, q), ones));
+      }
+    } else {
+      const __m256i e0 = _mm256_and_si256(x0, low), o0 = _mm256_srli_epi16(x0, 8);
+      const __m256i e1 = _mm256_and_si256(x1, low), o1 = _mm256_srli_epi16(x1, 8);
+      for (int r = 0; r < RB; ++r) {
+        const __m256i qe = _mm256_load_si256(qp + 2 * (r * DG + dg)), qo = _mm256_load_si256(qp + 2 * (r * DG + dg) + 1);
+        out[r][0] = _mm256_add_epi32(out[r][0], _mm256_add_epi32(_mm256_madd_epi16(e0, qe), _mm256_madd_epi16(o0, qo)));
+        out[r][1] = _mm256_add_epi32(out[r][1], _mm256_add_epi32(_mm256_madd_epi16(e1, qe), _mm256_madd_epi16(o1, qo)));
+      }
     }
   }
 }
 
 // acc[r] += sum_j weights[r][j] * value_j for RB query vectors over the range's n16 keys, whose values
 // lie in 16-key tile groups `values[n16 / 16]` (value_byte's layout); weights past the range's keys are 0.
-template <int NZ, int RB>
+template <int NZ, int RB, bool Q7>
 inline void accumulate_tiled(float* acc, const float* weights, const int8_t* const* values, int64_t n16) {
   constexpr int64_t D = 64 * NZ;
+  constexpr float W_MAX = Q7 ? 127.f : 32767.f;  // Q7: each 4 tokens' weights as 4 bytes, one int32
   // each 4 tokens' weights as (w0, w2, w1, w3), each pair one int32 that the value loop broadcasts from here
   // (against broadcasting every pair into a vector in memory first, then loading those: the same bits, the
   // value loop 9.7 cycles an iteration instead of 11.6 by llvm-mca for Zen 3; the kernel 0.94-0.97x the
   // time at 512 and 6,000 keys, warm and cold, 1 and 2 threads, `scripts/cpu_kernel_ab.py`, 24 passes)
-  alignas(32) int16_t wq[RB][SUB];
+  alignas(32) int16_t wq[RB][SUB];  // Q7: bytes, the first SUB of each row
   float step[RB];
   for (int r = 0; r < RB; ++r) {
     const float* w_r = weights + r * SUB;
@@ -591,28 +614,46 @@ inline void accumulate_tiled(float* acc, const float* weights, const int8_t* con
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, top);
     const float w_max = *std::max_element(lanes, lanes + 8);
-    step[r] = w_max > 0.f ? w_max / 32767.f : 0.f;
-    const __m256 inv = _mm256_set1_ps(w_max > 0.f ? 32767.f / w_max : 0.f);
+    step[r] = w_max > 0.f ? w_max / W_MAX : 0.f;
+    const __m256 inv = _mm256_set1_ps(w_max > 0.f ? W_MAX / w_max : 0.f);
     // (one vpshufb here, where building each pair from two int16 took several scalar ops: the same bits,
     // 0.88-0.97x the kernel's time at 512-6,000 keys on Zen 3, `scripts/cpu_kernel_ab.py`, 12 passes)
     const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
                                            0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t j = 0; j < n16; j += 16) {
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j), inv));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w_r + j + 8), inv));
-      const __m256i ordered = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(wq[r] + j), _mm256_shuffle_epi8(ordered, pairs));
+      if constexpr (Q7) {  // int32 -> int16 (lanes a0-3 b0-3 | a4-7 b4-7) -> bytes, the dwords put in order
+        const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(lo, hi), _mm256_setzero_si256());
+        _mm_store_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint8_t*>(wq[r]) + j),
+                        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bytes, order)));
+      } else {
+        const __m256i ordered = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wq[r] + j), _mm256_shuffle_epi8(ordered, pairs));
+      }
     }
   }
   const int8_t* groups[SUB / VALUE_TILE];  // each 4 tokens' values
   for (int64_t g = 0; g < n16 / VALUE_TILE; ++g)
     groups[g] = values[g / (KEY_TILE / VALUE_TILE)] + (g % (KEY_TILE / VALUE_TILE)) * VALUE_TILE * D;
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t d0 = 0; d0 < D; d0 += 16) {  // 16 dimensions at a time: 2 vectors of sums a query vector
     __m256i sum[RB][2];
     for (int r = 0; r < RB; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
     for (int64_t g = 0; g < n16 / VALUE_TILE; ++g) {
       const __m256i* rows = reinterpret_cast<const __m256i*>(groups[g] + 4 * d0);  // 4 tokens of dimensions d0..d0+15
       const __m256i x0 = _mm256_loadu_si256(rows), x1 = _mm256_loadu_si256(rows + 1);
+      if constexpr (Q7) {
+        for (int r = 0; r < RB; ++r) {
+          int32_t four;  // tokens 0-3's weights, one a byte
+          std::memcpy(&four, reinterpret_cast<const uint8_t*>(wq[r]) + VALUE_TILE * g, 4);
+          const __m256i w = _mm256_set1_epi32(four);
+          sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x0), ones));
+          sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x1), ones));
+        }
+        continue;
+      }
       const __m256i e0 = _mm256_srai_epi16(_mm256_slli_epi16(x0, 8), 8), o0 = _mm256_srai_epi16(x0, 8);
       const __m256i e1 = _mm256_srai_epi16(_mm256_slli_epi16(x1, 8), 8), o1 = _mm256_srai_epi16(x1, 8);
       for (int r = 0; r < RB; ++r) {
@@ -633,12 +674,12 @@ inline void accumulate_tiled(float* acc, const float* weights, const int8_t* con
 }
 
 // score_group for RB query vectors from row r into scores (SUB apart), times the keys' and queries' scales
-template <int NZ, int RB>
+template <int NZ, int RB, bool Q7>
 inline void score_rows(const int8_t* keys, const __m256i* qp, const float* q_scale, const int32_t* q_offset,
                        const float* k_scale, float* scores, int64_t r, const int8_t* ahead, const int8_t* ahead2) {
   constexpr int64_t DG = 16 * NZ;
   __m256i dots[RB][2];
-  score_group<NZ, RB>(keys, qp + 2 * r * DG, dots, ahead, ahead2);
+  score_group<NZ, RB, Q7>(keys, qp + (Q7 ? 1 : 2) * r * DG, dots, ahead, ahead2);
   for (int i = 0; i < RB; ++i)
     for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(dots[i][h], _mm256_set1_epi32(q_offset[r + i])));
@@ -647,7 +688,7 @@ inline void score_rows(const int8_t* keys, const __m256i* qp, const float* q_sca
     }
 }
 
-template <typename T, int NZ>
+template <typename T, int NZ, bool Q7>
 void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, float* qf, float* buf, float* scores) {
   constexpr int64_t D = 64 * NZ;
   const int64_t R = it.rows * a.group;
@@ -661,7 +702,8 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
     const float* x = qf + r * D;
     float amax = 0.f;
     for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    constexpr float Q_MAX = Q7 ? QUERY_MAX7 : 32767.f;
+    const float inv = amax > 0.f ? Q_MAX / amax : 0.f;
     int32_t total = 0;
     int16_t q16[D];
     for (int64_t d = 0; d < D; ++d) {
@@ -670,10 +712,17 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
       total += v;
     }
     for (int64_t dg = 0; dg < D / 4; ++dg) {
-      _mm256_store_si256(qp + r * (D / 2) + 2 * dg, two_int16(q16[4 * dg], q16[4 * dg + 2]));
-      _mm256_store_si256(qp + r * (D / 2) + 2 * dg + 1, two_int16(q16[4 * dg + 1], q16[4 * dg + 3]));
+      if constexpr (Q7) {
+        const int8_t q7[4] = {int8_t(q16[4 * dg]), int8_t(q16[4 * dg + 1]), int8_t(q16[4 * dg + 2]), int8_t(q16[4 * dg + 3])};
+        int32_t four;
+        std::memcpy(&four, q7, 4);
+        _mm256_store_si256(qp + r * (D / 4) + dg, _mm256_set1_epi32(four));
+      } else {
+        _mm256_store_si256(qp + r * (D / 2) + 2 * dg, two_int16(q16[4 * dg], q16[4 * dg + 2]));
+        _mm256_store_si256(qp + r * (D / 2) + 2 * dg + 1, two_int16(q16[4 * dg + 1], q16[4 * dg + 3]));
+      }
     }
-    q_scale[r] = amax > 0.f ? amax / 32767.f : 0.f;
+    q_scale[r] = amax > 0.f ? amax / Q_MAX : 0.f;
     q_offset[r] = 128 * total;
   }
   const int64_t key_end = std::min(it.key1, a.past + it.row0 + it.rows);
@@ -701,10 +750,10 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
       const float* ks = tiles.k_scale + g * KEY_TILE;
       int64_t r = 0;  // the first call of the group prefetches
       for (; r + 3 <= R; r += 3)
-        score_rows<NZ, 3>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r, r == 0 ? tiles.values[g] : nullptr,
+        score_rows<NZ, 3, Q7>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r, r == 0 ? tiles.values[g] : nullptr,
                           r == 0 ? next_keys : nullptr);
       for (; r < R; ++r)
-        score_rows<NZ, 1>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r, r == 0 ? tiles.values[g] : nullptr,
+        score_rows<NZ, 1, Q7>(tiles.keys[g], qp, q_scale, q_offset, ks, s_g, r, r == 0 ? tiles.values[g] : nullptr,
                           r == 0 ? next_keys : nullptr);
     }
     for (int64_t r = 0; r < R; ++r) {
@@ -713,19 +762,24 @@ void run_item_tiled(const Item& it, const ItemArgs<T, int8_t>& a, Partial st, fl
         store16(scores + r * SUB + j0, mul16(load16(scores + r * SUB + j0), load16(tiles.v_scale + j0)));
     }
     int64_t r = 0;
-    for (; r + 3 <= R; r += 3) accumulate_tiled<NZ, 3>(st.acc + r * D, scores + r * SUB, tiles.values, n16);
-    for (; r < R; ++r) accumulate_tiled<NZ, 1>(st.acc + r * D, scores + r * SUB, tiles.values, n16);
+    for (; r + 3 <= R; r += 3) accumulate_tiled<NZ, 3, Q7>(st.acc + r * D, scores + r * SUB, tiles.values, n16);
+    for (; r < R; ++r) accumulate_tiled<NZ, 1, Q7>(st.acc + r * D, scores + r * SUB, tiles.values, n16);
   }
 }
 #define FERRUM_TILED_ITEMS 1
+#define FERRUM_TILED_Q7 1
 #endif
 
 template <typename T, typename C>
 void run_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, float* buf, float* scores) {
 #if defined(FERRUM_TILED_ITEMS)
   if constexpr (std::is_same_v<C, int8_t>) {
-    if (a.tiled && a.head_dim == 64) return run_item_tiled<T, 1>(it, a, st, qf, buf, scores);
-    if (a.tiled && a.head_dim == 128) return run_item_tiled<T, 2>(it, a, st, qf, buf, scores);
+#if defined(FERRUM_TILED_Q7)
+    if (a.tiled && a.seven_bit && a.head_dim == 64) return run_item_tiled<T, 1, true>(it, a, st, qf, buf, scores);
+    if (a.tiled && a.seven_bit && a.head_dim == 128) return run_item_tiled<T, 2, true>(it, a, st, qf, buf, scores);
+#endif
+    if (a.tiled && a.head_dim == 64) return run_item_tiled<T, 1, false>(it, a, st, qf, buf, scores);
+    if (a.tiled && a.head_dim == 128) return run_item_tiled<T, 2, false>(it, a, st, qf, buf, scores);
   }
 #endif
   switch (a.head_dim) {
@@ -742,11 +796,13 @@ void run_item(const Item& it, const ItemArgs<T, C>& a, Partial st, float* qf, fl
 
 // out [T, H, D], q [T, H, D] (last dim contiguous), k_cache / v_cache [slots, KV, D] contiguous,
 // block_tables int32 [B, W], seq_lens int32 [B], query_starts int32 [B + 1]; window: the sliding window
-// (0: none), whose keys alone are read (a table's blocks before its first query's window are never read).
+// (0: none), whose keys alone are read (a table's blocks before its first query's window are never read);
+// generated: bool [B], the sequences whose rows this step are all generated tokens (AVX2's int8 tiles read
+// them with 7-bit queries and value weights; None: none).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                      int64_t block_size, double scale, int64_t window, const c10::optional<at::Tensor>& k,
-                     const c10::optional<at::Tensor>& v) {
+                     const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& generated) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_attention: out must be contiguous, shaped and typed like q");
@@ -783,6 +839,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  if (generated.has_value())
+    TORCH_CHECK(generated->scalar_type() == at::kBool && generated->dim() == 1 && generated->size(0) == num_seqs &&
+                    generated->is_contiguous(),
+                "paged_attention: generated must be bool [sequences], contiguous");
+  const bool* generated_seqs = generated.has_value() ? generated->data_ptr<bool>() : nullptr;
 
   // the work items; split ranges only where rows and heads alone leave threads idle
   std::vector<Item> items;
@@ -870,12 +931,14 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
             const int64_t row = starts[it.seq] * k->stride(0);
             const ItemArgs<scalar_t, scalar_t> args{q_rows, q.stride(0), q.stride(1), k->data_ptr<scalar_t>() + row,
                                                     v->data_ptr<scalar_t>() + row, CacheStrides{k->stride(0), 0, D},
-                                                    own_rows.data(), 1, 0, group, D, window, float(scale), false};
+                                                    own_rows.data(), 1, 0, group, D, window, float(scale), false,
+                                                    false};
             run_item(it, args, st, qf, buf, scores);
           } else {
             const ItemArgs<scalar_t, C> args{q_rows, q.stride(0), q.stride(1), kc, vc, strides,
                                              tables + it.seq * width, block_size, lens[it.seq] - n, group, D,
-                                             window, float(scale), tiled};
+                                             window, float(scale), tiled, generated_seqs != nullptr &&
+                                             generated_seqs[it.seq] != 0};
             run_item(it, args, st, qf, buf, scores);
           }
           if (it.partial >= 0) continue;

@@ -111,7 +111,7 @@ inline CacheStrides cache_strides(const at::Tensor& cache, int64_t block_size, c
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                      int64_t block_size, double scale, int64_t window, const c10::optional<at::Tensor>& k,
-                     const c10::optional<at::Tensor>& v);
+                     const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& generated);
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                             const c10::optional<at::Tensor>& residual);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
@@ -131,7 +131,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
                          const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         c10::IntArrayRef windows);
+                         c10::IntArrayRef windows, const c10::optional<at::Tensor>& generated);
 at::Tensor int8_float_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t group);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_fit(const at::Tensor& weight, int64_t group, bool symmetric,
                                                         at::ScalarType params);

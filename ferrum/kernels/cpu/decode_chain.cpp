@@ -35,7 +35,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
                          const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         c10::IntArrayRef windows) {
+                         c10::IntArrayRef windows, const c10::optional<at::Tensor>& generated) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(v_caches.size() == k_caches.size() && static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
                   static_cast<int64_t>(weights.size()) == layers * PROJECTIONS * PER_PROJECTION &&
@@ -66,7 +66,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms, at::Tenso
       v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
     }
     paged_attention(out, qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim}), k_caches[l], v_caches[l],
-                    block_tables, seq_lens, query_starts, block_size, scale, windows[l], k, v);
+                    block_tables, seq_lens, query_starts, block_size, scale, windows[l], k, v, generated);
     x = project(out.view({rows, q_size}), weights, layout, l * PROJECTIONS + 1);
     std::tie(normed, summed) = rms_norm(x, norms[2 * l + 1], eps, residual);
     residual = summed;

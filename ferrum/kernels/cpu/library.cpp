@@ -15,7 +15,7 @@ FERRUM_LIBRARY(FERRUM_CPU_OPS, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_starts, int block_size, float scale, int window=0, Tensor? k=None, "
-      "Tensor? v=None) -> ()");
+      "Tensor? v=None, Tensor? generated=None) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def(
@@ -32,7 +32,7 @@ FERRUM_LIBRARY(FERRUM_CPU_OPS, m) {
       "decode_layers(Tensor x, Tensor[] norms, Tensor[] weights, int[] layout, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor positions, Tensor cos_table, Tensor sin_table, Tensor slots, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_starts, int block_size, int num_heads, int num_kv_heads, "
-      "int head_dim, float eps, int[] windows) -> Tensor");
+      "int head_dim, float eps, int[] windows, Tensor? generated=None) -> Tensor");
   m.def("int8_float_gemv(Tensor x, Tensor weight, Tensor scale, int group) -> Tensor");
   m.def("int4_fit(Tensor weight, int group, bool symmetric, ScalarType params) -> (Tensor, Tensor, Tensor)");
 }

@@ -7,7 +7,9 @@ queries see the cached tokens before them and their own, causally). With a cache
 activations (int8, or bfloat16 under float32) a prompt prefilled from its first token reads its keys and
 values from the projection as computed, so it is scored as a cache of the activations' dtype would score
 it; every other step (decodes, chunks after cached tokens, speculative verify steps) reads every key from
-the cache, rounded. Nothing is gathered or copied
+the cache, rounded (on AVX2, the rows of sequences whose rows are all generated tokens with 7-bit queries and
+value weights, `generated`; prompt rows with 16-bit ones, so that a prompt read from the prefix cache
+scores as when prefilled). Nothing is gathered or copied
 per step: a step's inputs are its new tokens' positions and slots, and per sequence its block table,
 context length and first query row. A layer with a sliding window reads only the keys inside it (the
 blocks before it may have been given back: their table entries are never read).
@@ -42,6 +44,7 @@ class CpuAttentionBatch:
     rotary: RotaryEmbedding
     block_size: int
     fresh: bool  # a prompt starts in this step (an int8 cache: its keys are read as computed)
+    generated: torch.Tensor | None = None  # [S] bool: the sequences whose rows are all generated tokens (None: none)
 
     def attend(self, layer: Attention, qkv: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """qkv: [T, q_size + 2 kv_size] -> attention output [T, q_size]; writes k, v to the cache."""
@@ -62,7 +65,7 @@ class CpuAttentionBatch:
             step_v = qkv[:, layer.q_size + layer.kv_size :].view(rows, kv_heads, dim)
         torch.ops.ferrum_cpu.paged_attention(out, qkv[:, : layer.q_size].view(rows, heads, dim), cache[0], cache[1],
                                              self.block_tables, self.seq_lens, self.query_starts, self.block_size,
-                                             dim**-0.5, layer.window or 0, step_k, step_v)
+                                             dim**-0.5, layer.window or 0, step_k, step_v, self.generated)
         return out.view(rows, layer.q_size)
 
 
@@ -89,4 +92,5 @@ class CpuPagedAttention:
             rotary=rotary,
             block_size=self.layout.block_size,
             fresh=any(s.past == 0 for s in seqs),
+            generated=torch.tensor([s.generated for s in seqs]) if any(s.generated for s in seqs) else None,
         )

@@ -28,6 +28,7 @@ class SequenceRows:
     length: int  # its new tokens this step
     past: int  # its tokens already in the cache
     block_table: Sequence[int]
+    generated: bool = False  # every row is a generated token (a decode, a speculative verify), none a prompt's
 
 
 @dataclass(frozen=True)
