@@ -73,9 +73,13 @@ def floor_bytes(folder: Path, method: str, head_quantized: bool) -> int:
 def quant_setting(method: str, head: bool) -> dict[str, Any]:
     """The engine settings of a method; int4-a8 / int4-a16: int4 with the decode GEMV's int8 inputs on / off
     (KernelConfig.gemv_int4.int8_inputs; plain int4: the default); int4-r8: int4 with its products of
-    DEQUANTIZE_FROM rows and more as W8A8 in int8 (KernelConfig.int4_w8a8_rows); int4-f8: the same in fp8."""
+    DEQUANTIZE_FROM rows and more as W8A8 in int8 (KernelConfig.int4_w8a8_rows); int4-f8: the same in fp8 (int4's
+    default on compute capability 9.0); int4-w16: W4A16 at every M (int4_w8a8_rows 0)."""
     if method == "bf16":
         return {}
+    if method == "int4-w16":
+        return {"quantization": {"method": "int4", "skip": [] if head else ["lm_head"]},
+                "kernels": {"int4_w8a8_rows": 0}}
     if method in ("int4-r8", "int4-f8"):
         return {"quantization": {"method": "int4", "skip": [] if head else ["lm_head"]},
                 "kernels": {"int4_w8a8_rows": INT8_ROWS, "int4_w8a8_format": "fp8" if method == "int4-f8" else "int8"}}

@@ -89,7 +89,7 @@ class GemmRules:
     int4_w8a8_format: Literal["int8", "fp8"] = "int8"
 
 
-DEFAULT_GEMM = GemmRules()  # a compute capability 9.0 GPU's, KernelConfig's defaults
+DEFAULT_GEMM = GemmRules()  # quant_matmul's when given none: row-wise fp8; int4 W4A16 at every M (no W8A8)
 
 
 @dataclass(frozen=True)
@@ -110,13 +110,17 @@ class KernelConfig:
     86.5 against 89.0 us a layer's four projections). int4 and int8 at one row read 32 and 16
     inputs a thread (ferrum.kernels.gemv_chunks): their warps are capped at one per 1024 and 512
     inputs of the slice.
-    int4_w8a8_rows: int4 products of at least this many rows (prefill chunks, large decode batches) as W8A8
-    on the tensor cores, in int4_w8a8_format: "int8" (the weight requantized to int8 per output channel, x
-    rounded to int8 per row, a Triton int8 GEMM with the scales in its epilogue) or "fp8" (both in float8
-    e4m3, torch._scaled_mm; where row-wise scales are not taken, compute capability below 9.0, int8 serves);
-    0, the default: dequantized to bf16, then cuBLAS (GemmRules). On the demo model, rounding every product
-    so costs perplexity on top of int4's own (scripts/int8_inputs_quality.py): int8 3.0% (x per row 1.9%,
-    the requantized weights 0.2%), fp8 1.6%. Timings: benchmarks/quantization.md.
+    int4_w8a8_rows: int4 products of at least this many rows (and quant_matmul.DEQUANTIZE_FROM, 129: prefill
+    chunks, large decode batches) as W8A8 on the tensor cores, in int4_w8a8_format: "fp8" (the weight
+    requantized to float8 e4m3 per output channel, x per row, torch._scaled_mm with row-wise scales; where
+    those are not taken, compute capability below 9.0, int8 serves) or "int8" (the weight and x in int8, a
+    Triton int8 GEMM with the scales in its epilogue). None, the default: from DEQUANTIZE_FROM rows on
+    compute capability 9.0 (row-wise fp8), else never; 0: never (the weight dequantized to bf16, then
+    cuBLAS: W4A16 at every M). Measured on an H100 (Llama-3.1-8B int4 g128, `ferrum bench offline`, 256
+    requests): 7,514 output tok/s in fp8 and 7,481 in int8 against 6,636 without (bf16: 7,660), a layer's
+    products at 192 rows 1.25-1.33x faster. On the demo model, rounding every product so costs perplexity on
+    top of int4's own (scripts/int8_inputs_quality.py, emulated): fp8 1.6%, int8 3.0% (x per row 1.9%, the
+    requantized weights 0.2%). benchmarks/quantization.md.
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
     (ferrum.engine.parallel.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md).
@@ -151,8 +155,8 @@ class KernelConfig:
     gemv_fp8: GemvTable = field(default_factory=lambda: GemvTable.sliced(4, 1024))
     gemv_int4: GemvTable = field(default_factory=lambda: replace(GemvTable.sliced(4, 2048, int8_inputs=True),
                                                                  whole_k_without_norm=4096, whole_k_features=16))
-    int4_w8a8_rows: int = 0
-    int4_w8a8_format: Literal["int8", "fp8"] = "int8"
+    int4_w8a8_rows: int | None = None
+    int4_w8a8_format: Literal["int8", "fp8"] = "fp8"
     one_shot_all_reduce_kb: int = 512
     one_shot_push: bool = True
     graph_prompt_keys: int = 65536
@@ -167,9 +171,9 @@ class KernelConfig:
             raise ValueError(f"kernels.max_decode_splits must be in 1..64, got {self.max_decode_splits!r}")
         if isinstance(self.fused_decode_rows, bool) or not 0 <= self.fused_decode_rows <= 16:
             raise ValueError(f"kernels.fused_decode_rows must be in 0..16, got {self.fused_decode_rows!r}")
-        if isinstance(self.int4_w8a8_rows, bool) or not isinstance(self.int4_w8a8_rows, int) \
-                or self.int4_w8a8_rows < 0:
-            raise ValueError(f"kernels.int4_w8a8_rows must be a count of rows >= 0 (0: never), got "
+        if self.int4_w8a8_rows is not None and (isinstance(self.int4_w8a8_rows, bool)
+                                                or not isinstance(self.int4_w8a8_rows, int) or self.int4_w8a8_rows < 0):
+            raise ValueError(f"kernels.int4_w8a8_rows must be a count of rows >= 0 (0: never; null: auto), got "
                              f"{self.int4_w8a8_rows!r}")
         if self.int4_w8a8_format not in ("int8", "fp8"):
             raise ValueError(f"kernels.int4_w8a8_format must be int8 or fp8, got {self.int4_w8a8_format!r}")
@@ -193,7 +197,8 @@ class KernelConfig:
     def gemm_rules(self, fp8_rowwise: bool) -> GemmRules:
         """quant_matmul's rules on a device whose torch._scaled_mm does (or does not) take row-wise scales."""
         fmt = self.int4_w8a8_format if fp8_rowwise else "int8"
-        return GemmRules(fp8_rowwise, self.int4_w8a8_rows, fmt)
+        rows = (1 if fp8_rowwise else 0) if self.int4_w8a8_rows is None else self.int4_w8a8_rows
+        return GemmRules(fp8_rowwise, rows, fmt)
 
     def gemv_table(self, kind: Literal["int8", "fp8", "int4"] | None) -> GemvTable:
         """The fused projections' table for a weight stored as `kind` (None: in the activations' dtype)."""

@@ -46,8 +46,9 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            at the rate of a stream of mostly writes (~3 TB/s on an H200, every
                            tiling alike). The buffer is the largest weight in bf16, 235 MB for the
                            8B gate/up, held by the caching allocator.
-                           M >= GemmRules.int4_w8a8_rows too (KernelConfig.int4_w8a8_rows; 0, the
-                           default: never), K and N multiples of 16: W8A8 on the tensor cores, whose
+                           M >= GemmRules.int4_w8a8_rows too (KernelConfig.int4_w8a8_rows: served so
+                           by default on compute capability 9.0, in fp8; GemmRules() alone: never),
+                           K and N multiples of 16: W8A8 on the tensor cores, whose
                            int8 and fp8 rates are twice bf16's. requantize_int4 writes the weight in
                            the format (int8, or fp8 e4m3 by GemmRules.int4_w8a8_format) with a scale
                            an output channel (each row's bound from its groups' scales and zeros, so
@@ -55,7 +56,9 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            then int8: x per row and one Triton int8 GEMM with the scales and bias in
                            its epilogue (w8a8_int8_gemm); fp8: fp8's W8A8 below. Errors: x's rounding
                            as W8A8's, plus the weight's: int8 half a step of 1/127 of its row's
-                           largest magnitude (~7e-3 relative for Gaussian rows), fp8 2^-4 relative
+                           largest magnitude (~7e-3 relative for Gaussian rows), fp8 2^-4 relative.
+                           On an H100, the 8B layer's four products at 192 rows: 263-278 us against
+                           348 dequantized (bf16 160); at 2048, 783-831 against 1,094 (bf16 918)
                    int8    M > 16, K and N multiples of 8: W8A8, x quantized per row to int8 as it
                            comes (scale = max|x_row| / 127, one Triton kernel), torch._int_mm (int8
                            tensor cores, int32 sums), then * x_scale * w_scale (+ bias) in one kernel;

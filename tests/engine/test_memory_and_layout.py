@@ -156,6 +156,10 @@ def test_engine_config_reads_kernel_settings_from_yaml() -> None:
     rows = EngineConfig.from_mapping({"kernels": {"int4_w8a8_rows": 129, "int4_w8a8_format": "fp8"}}).kernels
     assert rows.gemm_rules(True) == GemmRules(True, 129, "fp8")
     assert rows.gemm_rules(False) == GemmRules(False, 129, "int8")  # no row-wise fp8 _scaled_mm: int8 serves
+    auto = EngineConfig.from_mapping({}).kernels  # int4 W8A8 in fp8 from DEQUANTIZE_FROM rows on cc 9.0 only
+    assert (auto.gemm_rules(True), auto.gemm_rules(False)) == (GemmRules(True, 1, "fp8"), GemmRules(False, 0, "int8"))
+    off = EngineConfig.from_mapping({"kernels": {"int4_w8a8_rows": 0}}).kernels
+    assert off.gemm_rules(True) == GemmRules(True, 0, "fp8")
     with pytest.raises(ValueError, match="int4_w8a8_rows"):
         EngineConfig.from_mapping({"kernels": {"int4_w8a8_rows": -1}})
     with pytest.raises(ValueError, match="int4_w8a8_format"):
