@@ -57,8 +57,8 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            its epilogue (w8a8_int8_gemm); fp8: fp8's W8A8 below. Errors: x's rounding
                            as W8A8's, plus the weight's: int8 half a step of 1/127 of its row's
                            largest magnitude (~7e-3 relative for Gaussian rows), fp8 2^-4 relative.
-                           On an H100, the 8B layer's four products at 192 rows: 263-278 us against
-                           348 dequantized (bf16 160); at 2048, 783-831 against 1,094 (bf16 918)
+                           On an H100, the 8B gate/up and down products at 192 rows: 263-278 us
+                           against 348 dequantized (bf16 160); at 2048, 783-831 against 1,094 (bf16 918)
                    int8    M > 16, K and N multiples of 8: W8A8, x quantized per row to int8 as it
                            comes (scale = max|x_row| / 127, one Triton kernel), torch._int_mm (int8
                            tensor cores, int32 sums), then * x_scale * w_scale (+ bias) in one kernel;
