@@ -114,13 +114,14 @@ class KernelConfig:
     chunks, large decode batches) as W8A8 on the tensor cores, in int4_w8a8_format: "fp8" (the weight
     requantized to float8 e4m3 per output channel, x per row, torch._scaled_mm with row-wise scales; where
     those are not taken, compute capability below 9.0, int8 serves) or "int8" (the weight and x in int8, a
-    Triton int8 GEMM with the scales in its epilogue). None, the default: from DEQUANTIZE_FROM rows on
-    compute capability 9.0 (row-wise fp8), else never; 0: never (the weight dequantized to bf16, then
-    cuBLAS: W4A16 at every M). Measured on an H100 (Llama-3.1-8B int4 g128, `ferrum bench offline`, 256
-    requests): 7,514 output tok/s in fp8 and 7,481 in int8 against 6,636 without (bf16: 7,660); the gate/up
-    and down products at 192 rows 1.25-1.33x faster. On the demo model, rounding every product so costs perplexity on
-    top of int4's own (scripts/int8_inputs_quality.py, emulated): fp8 1.6%, int8 3.0% (x per row 1.9%, the
-    requantized weights 0.2%). benchmarks/quantization.md.
+    Triton int8 GEMM with the scales in its epilogue); activations in 16 bits only (served in float32:
+    W4A16). None, the default: from DEQUANTIZE_FROM rows on compute capability 9.0 (row-wise fp8), else
+    never; 0: never (the weight dequantized to bf16, then cuBLAS: W4A16 at every M). Measured on an H100
+    (Llama-3.1-8B int4 g128, `ferrum bench offline`, 256 requests): 7,514 output tok/s in fp8 and 7,481 in
+    int8 against 6,636 without (bf16: 7,660); the gate/up and down products at 192 rows 1.25-1.33x faster.
+    On the demo model, rounding every product so costs perplexity on top of int4's own
+    (scripts/int8_inputs_quality.py, emulated): fp8 1.6%, int8 3.0% (x per row 1.9%, the requantized
+    weights 0.2%). benchmarks/quantization.md.
     one_shot_all_reduce_kb: under tensor parallelism on GPUs that reach each other's memory, sums
     of up to this many KB (decode steps) are one kernel over peer-mapped buffers instead of NCCL
     (ferrum.engine.parallel.peer_all_reduce; 512, the default, is the measured choice: benchmarks/gpu.md).

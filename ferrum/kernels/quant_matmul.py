@@ -48,7 +48,8 @@ are measured on one H100 at the Llama-3.1-8B shapes, scripts/quant_gemv_bench.py
                            8B gate/up, held by the caching allocator.
                            M >= GemmRules.int4_w8a8_rows too (KernelConfig.int4_w8a8_rows: served so
                            by default on compute capability 9.0, in fp8; GemmRules() alone: never),
-                           K and N multiples of 16: W8A8 on the tensor cores, whose
+                           K and N multiples of 16, x in 16 bits (served in float32, precision is
+                           asked for: W4A16): W8A8 on the tensor cores, whose
                            int8 and fp8 rates are twice bf16's. requantize_int4 writes the weight in
                            the format (int8, or fp8 e4m3 by GemmRules.int4_w8a8_format) with a scale
                            an output channel (each row's bound from its groups' scales and zeros, so
@@ -206,7 +207,7 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     elif m <= GEMV_ROWS:
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM and 0 < rules.int4_w8a8_rows <= m and k % 16 == 0 \
-            and n % 16 == 0:
+            and n % 16 == 0 and flat.dtype != torch.float32:
         y = _w8a8_fp8(flat, requantize_int4(w, torch.float8_e4m3fn), bias) if rules.int4_w8a8_format == "fp8" \
             else w8a8_int8_gemm(flat, requantize_int4(w), bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM:

@@ -442,6 +442,24 @@ def test_int8_gemm_with_scales_in_its_epilogue() -> None:
                    x.double() @ ref_w.T) < 1.5e-2
 
 
+def test_int4_w8a8_rule_chooses_its_path() -> None:
+    """quant_matmul under GemmRules.int4_w8a8_rows (int8; interpreted): from DEQUANTIZE_FROM rows 16-bit x takes
+    the requantized weight's W8A8 GEMM, exactly; float32 x (precision asked for), the rule off, and fewer rows
+    the W4A16 paths."""
+    gen = torch.Generator().manual_seed(13)
+    n, k = 32, 128
+    qw, ref_w = quantized((torch.randn(n, k, generator=gen) / 8).to(DTYPE), "int4")
+    rules = GemmRules(int4_w8a8_rows=1, int4_w8a8_format="int8")
+    x = torch.randn(qm.DEQUANTIZE_FROM, k, generator=gen).to(DTYPE).to(DEVICE)
+    on = qm.quant_matmul(x, qw, rules=rules)
+    assert torch.equal(on, qm.w8a8_int8_gemm(x, qm.requantize_int4(qw)))
+    assert rel_err(on, x.double().cpu() @ ref_w.T) < 2e-2
+    off = qm.quant_matmul(x, qw)
+    assert not torch.equal(on, off) and rel_err(off, x.double().cpu() @ ref_w.T) < 1e-2
+    x32 = x.float()
+    assert torch.equal(qm.quant_matmul(x32, qw, rules=rules), qm.quant_matmul(x32, qw))
+
+
 @gpu_only
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("kind", ["int4", "int4-k"])
