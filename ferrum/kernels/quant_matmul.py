@@ -208,7 +208,8 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = gemv(flat, w, table or KernelConfig().gemv_table(w.kind), bias=bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM and 0 < rules.int4_w8a8_rows <= m and k % 16 == 0 \
             and n % 16 == 0 and flat.dtype != torch.float32:
-        y = _w8a8_fp8(flat, requantize_int4(w, torch.float8_e4m3fn), bias) if rules.int4_w8a8_format == "fp8" \
+        fp8 = rules.int4_w8a8_format == "fp8" and rules.fp8_rowwise  # else int8 (no row-wise _scaled_mm)
+        y = _w8a8_fp8(flat, requantize_int4(w, torch.float8_e4m3fn), bias) if fp8 \
             else w8a8_int8_gemm(flat, requantize_int4(w), bias)
     elif w.kind == "int4" and m >= DEQUANTIZE_FROM:
         y = torch.nn.functional.linear(flat, dequantize_int4(w, flat.dtype), bias)
